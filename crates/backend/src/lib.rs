@@ -1,14 +1,66 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Backends: the storage an image file lives on (a local file now; an NBD
+//! export, and recording or fault-injecting test backends, later).
+//!
+//! A backend is a flat, offset-addressed byte store. It knows nothing about
+//! qcow2, classes of I/O or caching; those live above it. Every method may
+//! be called from several threads at once.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod file;
+mod lock;
+mod mem;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
+pub use file::{FileBackend, FileOptions};
+pub use lock::{LockError, LockMode};
+pub use mem::MemBackend;
+
+use std::fmt::Debug;
+use std::io;
+use std::sync::Arc;
+
+/// A flat byte store holding one image file.
+pub trait Backend: Send + Sync + Debug {
+    /// Current length in bytes.
+    fn len(&self) -> io::Result<u64>;
+
+    /// True when the store holds no bytes.
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
     }
+
+    /// Fills `buf` from `offset`; bytes past the end read as zeros.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+
+    /// Writes all of `buf` at `offset`, growing the store if it can.
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+
+    /// Writes the buffers back to back starting at `offset`.
+    fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+        let mut at = offset;
+        for b in bufs {
+            self.write_at(b, at)?;
+            at += b.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+
+    /// Tells the store that a range is no longer needed (it may read back
+    /// as anything afterwards, usually zeros). Advisory: errors are ignored
+    /// by callers that only reclaim space.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
+
+    /// Changes the length (only stores that can grow support growing).
+    fn set_len(&self, len: u64) -> io::Result<()>;
+
+    /// Whether writes past the end grow the store. An NBD export cannot grow:
+    /// allocation must stay inside [`Backend::len`].
+    fn can_grow(&self) -> bool;
+
+    /// A name for messages: the path or URI.
+    fn name(&self) -> &str;
 }
+
+/// Shared handle to a backend.
+pub type BackendRef = Arc<dyn Backend>;

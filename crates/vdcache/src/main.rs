@@ -1,3 +1,78 @@
-fn main() {
-    println!("Hello, world!");
+//! The `vdcache` command: create, inspect, check, drive and convert qcow2
+//! chains with the tools' familiar options (qemu-img, qemu-io), and run the
+//! demo and benchmarks. Argument parsing and reporting only; all storage
+//! logic lives in the library crates.
+
+mod cmd_bench;
+mod cmd_check;
+mod cmd_convert;
+mod cmd_create;
+mod cmd_demo;
+mod cmd_info;
+mod cmd_io;
+mod size;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "vdcache",
+    version,
+    about = "A virtual disk server for qcow2 chains with a COW-aware flash cache"
+)]
+struct Cli {
+    /// More log output (repeat for more).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create an image (like qemu-img create).
+    Create(cmd_create::Args),
+    /// Show an image and its backing chain (like qemu-img info).
+    Info(cmd_info::Args),
+    /// Check an image's consistency (like qemu-img check; exit 0 clean, 2 corrupt, 3 leaks, 1 error).
+    Check(cmd_check::Args),
+    /// Run qemu-io style commands against an image.
+    Io(cmd_io::Args),
+    /// Convert an image or chain to raw or qcow2 (like qemu-img convert).
+    Convert(cmd_convert::Args),
+    /// Create a chain in a scratch directory, write, read back and check it.
+    Demo(cmd_demo::Args),
+    /// Benchmarks (not tests): measure the engine next to QEMU's tools.
+    Bench(cmd_bench::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => tracing::Level::WARN,
+        1 => tracing::Level::INFO,
+        2 => tracing::Level::DEBUG,
+        _ => tracing::Level::TRACE,
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Create(a) => cmd_create::run(a),
+        Command::Info(a) => cmd_info::run(a),
+        Command::Check(a) => cmd_check::run(a),
+        Command::Io(a) => cmd_io::run(a),
+        Command::Convert(a) => cmd_convert::run(a),
+        Command::Demo(a) => cmd_demo::run(a),
+        Command::Bench(a) => cmd_bench::run(a),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("vdcache: {e:#}");
+            ExitCode::from(1)
+        }
+    }
 }

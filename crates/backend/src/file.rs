@@ -1,0 +1,153 @@
+//! A local file (or block device) accessed with positional I/O.
+
+use crate::Backend;
+use crate::lock::{self, LockMode};
+use rustix::fs::FallocateFlags;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::io::IoSlice;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+/// How to open a file backend.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FileOptions {
+    pub read_only: bool,
+    /// Take QEMU-compatible image locks (none when `None`).
+    pub lock: Option<LockMode>,
+    pub create: bool,
+}
+
+/// An image file.
+#[derive(Debug)]
+pub struct FileBackend {
+    file: File,
+    name: String,
+}
+
+impl FileBackend {
+    pub fn open(path: &Path, opts: FileOptions) -> Result<FileBackend, crate::LockError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!opts.read_only)
+            .create(opts.create && !opts.read_only)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| crate::LockError::Io {
+                path: path.display().to_string(),
+                source: e,
+            })?;
+        let name = path.display().to_string();
+        if let Some(mode) = opts.lock {
+            lock::acquire(&file, mode, &name)?;
+        }
+        Ok(FileBackend { file, name })
+    }
+}
+
+impl Backend for FileBackend {
+    fn len(&self) -> io::Result<u64> {
+        let meta = self.file.metadata()?;
+        if meta.file_type().is_file() {
+            return Ok(meta.len());
+        }
+        // A block device reports its size through seek.
+        rustix::fs::seek(&self.file, rustix::fs::SeekFrom::End(0)).map_err(io::Error::from)
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => {
+                    buf[done..].fill(0);
+                    return Ok(());
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)
+    }
+
+    fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+        let mut slices: Vec<IoSlice<'_>> = bufs
+            .iter()
+            .filter(|b| !b.is_empty())
+            .map(|b| IoSlice::new(b))
+            .collect();
+        let mut at = offset;
+        let mut rest: &mut [IoSlice<'_>] = &mut slices;
+        while !rest.is_empty() {
+            let n = match rustix::io::pwritev(&self.file, rest, at) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(n) => n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            at += n as u64;
+            IoSlice::advance_slices(&mut rest, n);
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        rustix::fs::fdatasync(&self.file).map_err(io::Error::from)
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        rustix::fs::fallocate(
+            &self.file,
+            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+            offset,
+            len,
+        )
+        .map_err(io::Error::from)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+
+    fn can_grow(&self) -> bool {
+        self.file
+            .metadata()
+            .map(|m| m.file_type().is_file())
+            .unwrap_or(false)
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_past_end_as_zeros_and_writes_vectored() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let b = FileBackend::open(
+            &path,
+            FileOptions {
+                create: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        b.write_vectored_at(&[b"ab", b"", b"cd"], 10).unwrap();
+        assert_eq!(b.len().unwrap(), 14);
+        let mut buf = [1u8; 8];
+        b.read_at(&mut buf, 10).unwrap();
+        assert_eq!(&buf, b"abcd\0\0\0\0");
+        b.discard(0, 4096).unwrap();
+        b.flush().unwrap();
+    }
+}

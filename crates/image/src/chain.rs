@@ -1,0 +1,300 @@
+//! Opening a chain: resolving backing names relative to the image that
+//! names them, taking each backing file's format from its parent's header
+//! extension (a raw file is never probed as qcow2), locking the files as
+//! QEMU does, and refusing loops and missing files with clear errors.
+
+use crate::disk::{Layer, RawImage, VirtualDisk};
+use crate::error::{ImageError, Result};
+use crate::hostio::{DirectIo, DiskId, HostIo, ImageHandle};
+use crate::meta_cache::MetaCacheConfig;
+use crate::qimage::{self, ImageOptions, Qcow2Image};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use vdcache_backend::{BackendRef, FileBackend, FileOptions, LockMode};
+use vdcache_qcow2::header::MAGIC;
+
+/// Longest chain accepted (QEMU has no fixed limit; this bounds recursion).
+pub const MAX_CHAIN_DEPTH: usize = 64;
+
+/// Image formats a chain may contain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageFormat {
+    Qcow2,
+    Raw,
+}
+
+impl ImageFormat {
+    pub fn parse(s: &str) -> Option<ImageFormat> {
+        match s {
+            "qcow2" => Some(ImageFormat::Qcow2),
+            "raw" => Some(ImageFormat::Raw),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ImageFormat::Qcow2 => "qcow2",
+            ImageFormat::Raw => "raw",
+        }
+    }
+}
+
+/// Opens the store behind an image name (a path, or later a URI).
+pub trait StoreOpener: Send + Sync + std::fmt::Debug {
+    /// Opens `name`, locking it in `lock` mode when given.
+    fn open(&self, name: &str, writable: bool, lock: Option<LockMode>) -> Result<BackendRef>;
+    /// A stable name for loop detection and cache keys.
+    fn canonical(&self, name: &str) -> Result<String>;
+    /// Resolves a backing name found in `parent`'s header.
+    fn resolve(&self, parent: &str, backing: &str) -> String;
+}
+
+/// Opens local files.
+#[derive(Debug, Default)]
+pub struct LocalFiles;
+
+impl StoreOpener for LocalFiles {
+    fn open(&self, name: &str, writable: bool, lock: Option<LockMode>) -> Result<BackendRef> {
+        let b = FileBackend::open(
+            Path::new(name),
+            FileOptions {
+                read_only: !writable,
+                lock,
+                create: false,
+            },
+        )?;
+        Ok(Arc::new(b))
+    }
+
+    fn canonical(&self, name: &str) -> Result<String> {
+        std::fs::canonicalize(name)
+            .map(|p| p.display().to_string())
+            .map_err(|e| ImageError::io(name, "open", e))
+    }
+
+    fn resolve(&self, parent: &str, backing: &str) -> String {
+        let b = Path::new(backing);
+        if b.is_absolute() {
+            return backing.to_string();
+        }
+        let dir = Path::new(parent)
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(PathBuf::new);
+        dir.join(b).display().to_string()
+    }
+}
+
+/// How to open a chain.
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    pub read_only: bool,
+    /// Format of the top image; `None` probes it (only the top image,
+    /// which the user named, is ever probed).
+    pub format: Option<ImageFormat>,
+    pub cache: MetaCacheConfig,
+    pub disk: DiskId,
+    /// Do not take image locks (like qemu-img -U).
+    pub force_share: bool,
+    /// Open only the named image, not its backing chain (for check).
+    pub no_backing: bool,
+    pub io: Option<Arc<dyn HostIo>>,
+    pub opener: Arc<dyn StoreOpener>,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            read_only: false,
+            format: None,
+            cache: MetaCacheConfig::default(),
+            disk: DiskId(0),
+            force_share: false,
+            no_backing: false,
+            io: None,
+            opener: Arc::new(LocalFiles),
+        }
+    }
+}
+
+fn probe_is_qcow2(backend: &BackendRef, name: &str) -> Result<bool> {
+    let mut magic = [0u8; 4];
+    if backend.len().map_err(|e| ImageError::io(name, "stat", e))? < 4 {
+        return Ok(false);
+    }
+    backend
+        .read_at(&mut magic, 0)
+        .map_err(|e| ImageError::io(name, "probe", e))?;
+    Ok(u32::from_be_bytes(magic) == MAGIC)
+}
+
+/// Opens `name` and its whole backing chain.
+pub fn open_chain(name: &str, opts: &OpenOptions) -> Result<VirtualDisk> {
+    let io: Arc<dyn HostIo> = opts
+        .io
+        .clone()
+        .unwrap_or_else(|| DirectIo::new() as Arc<dyn HostIo>);
+    let mut layers: Vec<Layer> = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    let mut current = name.to_string();
+    let mut format = opts.format;
+    let mut parent: Option<(String, String)> = None;
+    loop {
+        let depth = layers.len();
+        if depth >= MAX_CHAIN_DEPTH {
+            return Err(ImageError::ChainTooLong(MAX_CHAIN_DEPTH));
+        }
+        let opened = open_layer(&current, format, depth, &io, opts, &mut seen);
+        let (layer, next) = match (opened, &parent) {
+            (Ok(v), _) => v,
+            (Err(e @ ImageError::ChainLoop(_)), _) => return Err(e),
+            (Err(e), Some((image, backing))) => {
+                return Err(ImageError::BackingMissing {
+                    image: image.clone(),
+                    backing: backing.clone(),
+                    source: Box::new(e),
+                });
+            }
+            (Err(e), None) => return Err(e),
+        };
+        let layer_name = layer.name().to_string();
+        layers.push(layer);
+        let Some((backing, backing_format)) = next.filter(|_| !opts.no_backing) else {
+            break;
+        };
+        let resolved = opts.opener.resolve(&layer_name, &backing);
+        format = match backing_format.as_deref() {
+            Some(f) => {
+                Some(
+                    ImageFormat::parse(f).ok_or_else(|| ImageError::UnsupportedFormat {
+                        image: layer_name.clone(),
+                        format: f.to_string(),
+                    })?,
+                )
+            }
+            None => None,
+        };
+        if format.is_none() {
+            format = Some(probe_backing_without_format(
+                &layer_name,
+                &backing,
+                &resolved,
+                opts,
+            )?);
+        }
+        parent = Some((layer_name, backing));
+        current = resolved;
+    }
+    VirtualDisk::new(layers, io, opts.disk, opts.read_only)
+}
+
+/// A backing file without a recorded format may only be used as raw, and
+/// only when it does not look like qcow2 (a raw disk can contain a forged
+/// qcow2 header pointing at host files).
+fn probe_backing_without_format(
+    parent: &str,
+    backing: &str,
+    resolved: &str,
+    opts: &OpenOptions,
+) -> Result<ImageFormat> {
+    let store =
+        opts.opener
+            .open(resolved, false, None)
+            .map_err(|e| ImageError::BackingMissing {
+                image: parent.to_string(),
+                backing: backing.to_string(),
+                source: Box::new(e),
+            })?;
+    if probe_is_qcow2(&store, resolved)? {
+        return Err(ImageError::UnsafeProbe {
+            image: parent.to_string(),
+            backing: backing.to_string(),
+        });
+    }
+    Ok(ImageFormat::Raw)
+}
+
+type NextBacking = Option<(String, Option<String>)>;
+
+fn open_layer(
+    name: &str,
+    format: Option<ImageFormat>,
+    depth: usize,
+    io: &Arc<dyn HostIo>,
+    opts: &OpenOptions,
+    seen: &mut Vec<String>,
+) -> Result<(Layer, NextBacking)> {
+    let canonical = opts.opener.canonical(name)?;
+    if seen.contains(&canonical) {
+        return Err(ImageError::ChainLoop(canonical));
+    }
+    seen.push(canonical.clone());
+    let writable = depth == 0 && !opts.read_only;
+    let lock = (!opts.force_share).then_some(if writable {
+        LockMode::Write
+    } else {
+        LockMode::Read
+    });
+    let backend = opts.opener.open(name, writable, lock)?;
+    let handle = ImageHandle {
+        name: Arc::from(canonical.as_str()),
+        depth: depth as u32,
+        backend,
+    };
+    let format = match format {
+        Some(f) => f,
+        None if probe_is_qcow2(&handle.backend, name)? => ImageFormat::Qcow2,
+        None => ImageFormat::Raw,
+    };
+    if format == ImageFormat::Raw {
+        let size = handle
+            .backend
+            .len()
+            .map_err(|e| ImageError::io(name, "stat", e))?;
+        return Ok((Layer::Raw(RawImage { handle, size }), None));
+    }
+    let (header, _) = qimage::read_header(&handle, &**io, opts.disk)?;
+    let data = match (
+        &header.extensions.external_data_file,
+        header.has_external_data_file(),
+    ) {
+        (Some(file), true) => {
+            let path = opts.opener.resolve(&canonical, file);
+            let backend = opts.opener.open(&path, writable, lock)?;
+            Some(ImageHandle {
+                name: Arc::from(opts.opener.canonical(&path)?.as_str()),
+                depth: depth as u32,
+                backend,
+            })
+        }
+        (None, true) => {
+            return Err(ImageError::Unsupported {
+                image: canonical,
+                reason: "external data file feature is set but the header names no data file"
+                    .into(),
+            });
+        }
+        _ => None,
+    };
+    let next = header
+        .backing_file
+        .clone()
+        .map(|b| (b, header.extensions.backing_format.clone()));
+    let img = Qcow2Image::open(
+        handle,
+        data,
+        io.clone(),
+        header,
+        ImageOptions {
+            read_only: !writable,
+            cache: opts.cache,
+            disk: opts.disk,
+        },
+    )?;
+    if writable {
+        img.repair_if_dirty()?;
+        img.prepare_for_writes()?;
+    }
+    Ok((Layer::Qcow2(img), next))
+}

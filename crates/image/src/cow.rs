@@ -1,0 +1,360 @@
+//! The copy-on-write process of an allocating guest write (paper 000,
+//! section 2.1): allocate a cluster in the top image, write the guest's
+//! bytes together with the parts of the cluster (or, with extended L2
+//! entries, of the touched subclusters) that the guest did not write, read
+//! from the backing chain, then point the L2 entry at the new cluster.
+//!
+//! Writes into clusters the top image owns go in place. The guest's bytes
+//! and the filler are separate segments of one backend write, each tagged
+//! with its class. Nothing here takes a range lock; callers hold it.
+
+use crate::disk::{VirtualDisk, released, sub_mask};
+use crate::error::{ImageError, Result};
+use crate::hostio::{IoClass, WriteSegment};
+use crate::qimage::{Locked, Qcow2Image};
+use vdcache_qcow2::entries::{L2Mapping, StandardCluster, SubclusterState, all_subclusters};
+use vdcache_qcow2::{Geometry, HostOffset};
+
+/// Where a cluster's bytes go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// The cluster is owned and every touched subcluster allocated.
+    InPlace(HostOffset),
+    /// The cluster is owned; touched subclusters need allocating.
+    Reuse(HostOffset),
+    /// A new host cluster (set once allocated).
+    New(Option<HostOffset>),
+}
+
+/// The plan for one guest cluster of a write.
+#[derive(Debug)]
+struct ClusterPlan {
+    cluster: u64,
+    /// Guest bytes `[lo, hi)` relative to the cluster start.
+    lo: u64,
+    hi: u64,
+    /// Offset of `lo` in the request's buffer.
+    data_at: usize,
+    old: L2Mapping,
+    target: Target,
+    /// Bytes `[w_lo, w_hi)` of the cluster that are written.
+    w_lo: u64,
+    w_hi: u64,
+    new: Option<L2Mapping>,
+}
+
+impl ClusterPlan {
+    fn touched(&self, g: &Geometry) -> u32 {
+        let sc = g.subcluster_size();
+        let first = (self.lo / sc) as u32;
+        let last = ((self.hi - 1) / sc) as u32;
+        sub_mask(first, last - first + 1)
+    }
+}
+
+fn old_alloc_mask(old: &L2Mapping, all: u32) -> u32 {
+    match old {
+        L2Mapping::Compressed(_) => all,
+        L2Mapping::Standard(s) => s.alloc,
+    }
+}
+
+impl VirtualDisk {
+    pub(crate) fn cow_write(&self, img: &Qcow2Image, offset: u64, data: &[u8]) -> Result<()> {
+        let g = *img.geometry();
+        let mut plans = self.plan(img, &g, offset, data)?;
+        let new_count = plans
+            .iter()
+            .filter(|p| matches!(p.target, Target::New(_)))
+            .count() as u64;
+        let first_new = if new_count > 0 {
+            self.allocate(img, &g, &mut plans, new_count)?
+        } else {
+            None
+        };
+        if let Err(e) = self.write_planned(img, &g, &plans, data) {
+            if let Some(first) = first_new {
+                img.lock().release_clusters(first, new_count)?;
+            }
+            return Err(e);
+        }
+        self.commit(img, &plans)
+    }
+
+    /// Maps every touched cluster and decides where its bytes go.
+    fn plan(
+        &self,
+        img: &Qcow2Image,
+        g: &Geometry,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<Vec<ClusterPlan>> {
+        let cs = g.cluster_size();
+        let sc = g.subcluster_size();
+        let all = all_subclusters(g);
+        let end = offset + data.len() as u64;
+        let mut plans = Vec::with_capacity(((end - 1) / cs - offset / cs + 1) as usize);
+        let mut l = img.lock();
+        let mut pos = offset;
+        while pos < end {
+            let cluster = pos / cs;
+            let base = cluster * cs;
+            let lo = pos - base;
+            let hi = (end - base).min(cs);
+            let old = l.l2_entry(cluster)?;
+            let mut p = ClusterPlan {
+                cluster,
+                lo,
+                hi,
+                data_at: (pos - offset) as usize,
+                old,
+                target: Target::New(None),
+                w_lo: lo,
+                w_hi: hi,
+                new: None,
+            };
+            let touched = p.touched(g);
+            let owned = match old {
+                L2Mapping::Standard(s) if s.copied => s.host,
+                _ => None,
+            };
+            let fill = match (owned, old) {
+                (Some(h), L2Mapping::Standard(s)) if touched & !s.alloc == 0 => {
+                    p.target = Target::InPlace(h);
+                    0
+                }
+                (Some(h), _) => {
+                    p.target = Target::Reuse(h);
+                    touched & !old_alloc_mask(&old, all)
+                }
+                (None, _) => touched | old_alloc_mask(&old, all),
+            };
+            if fill != 0 {
+                let first = u64::from(fill.trailing_zeros());
+                let last = u64::from(31 - fill.leading_zeros());
+                p.w_lo = p.lo.min(first * sc);
+                p.w_hi = p.hi.max((last + 1) * sc);
+            }
+            if !matches!(p.target, Target::InPlace(_)) {
+                l.mark_dirty_for_lazy_refcounts()?;
+                l.ensure_l2_writable(cluster)?;
+                let alloc = match p.target {
+                    Target::Reuse(_) => old_alloc_mask(&old, all) | touched,
+                    _ => fill,
+                };
+                let zero = match old {
+                    L2Mapping::Standard(s) => s.zero & !alloc,
+                    L2Mapping::Compressed(_) => 0,
+                };
+                p.new = Some(L2Mapping::Standard(StandardCluster {
+                    host: owned,
+                    copied: true,
+                    alloc,
+                    zero,
+                }));
+            }
+            plans.push(p);
+            pos = base + hi;
+        }
+        Ok(plans)
+    }
+
+    /// Gives every `New` plan a host cluster: one contiguous run, so a
+    /// sequential write stays one backend request.
+    fn allocate(
+        &self,
+        img: &Qcow2Image,
+        g: &Geometry,
+        plans: &mut [ClusterPlan],
+        count: u64,
+    ) -> Result<Option<u64>> {
+        let first = if img.external_data {
+            None
+        } else {
+            Some(img.lock().alloc_clusters(count)?)
+        };
+        let mut next = first;
+        for p in plans
+            .iter_mut()
+            .filter(|p| matches!(p.target, Target::New(_)))
+        {
+            let host = match next {
+                Some(c) => {
+                    next = Some(c + 1);
+                    HostOffset(g.cluster_offset(c))
+                }
+                None => HostOffset(g.cluster_offset(p.cluster)),
+            };
+            p.target = Target::New(Some(host));
+            if let Some(L2Mapping::Standard(s)) = &mut p.new {
+                s.host = Some(host);
+            }
+        }
+        Ok(first)
+    }
+
+    /// Reads the filler, then writes guest bytes and filler; plans whose
+    /// host ranges touch are merged into one backend request.
+    fn write_planned(
+        &self,
+        img: &Qcow2Image,
+        g: &Geometry,
+        plans: &[ClusterPlan],
+        data: &[u8],
+    ) -> Result<()> {
+        let fills: Vec<(Vec<u8>, Vec<u8>)> = plans
+            .iter()
+            .map(|p| self.read_fill(img, g, p))
+            .collect::<Result<_>>()?;
+        let mut batch: Vec<WriteSegment<'_>> = Vec::new();
+        let mut batch_start = HostOffset(0);
+        let mut batch_end = 0u64;
+        for (p, (head, tail)) in plans.iter().zip(&fills) {
+            let host = match p.target {
+                Target::InPlace(h) | Target::Reuse(h) | Target::New(Some(h)) => h,
+                Target::New(None) => {
+                    return Err(ImageError::corrupt(img.name(), "unallocated write target"));
+                }
+            };
+            let base = g.cluster_offset(p.cluster);
+            let start = host.0 + p.w_lo;
+            if !batch.is_empty() && start != batch_end {
+                self.flush_batch(img, batch_start, &batch)?;
+                batch.clear();
+            }
+            if batch.is_empty() {
+                batch_start = HostOffset(start);
+            }
+            if !head.is_empty() {
+                batch.push(WriteSegment {
+                    data: head,
+                    tag: self.tag(IoClass::CowFill, base),
+                });
+            }
+            let len = (p.hi - p.lo) as usize;
+            batch.push(WriteSegment {
+                data: &data[p.data_at..p.data_at + len],
+                tag: self.tag(IoClass::GuestData, base + p.lo),
+            });
+            if !tail.is_empty() {
+                batch.push(WriteSegment {
+                    data: tail,
+                    tag: self.tag(IoClass::CowFill, base + p.hi),
+                });
+            }
+            batch_end = host.0 + p.w_hi;
+        }
+        if !batch.is_empty() {
+            self.flush_batch(img, batch_start, &batch)?;
+        }
+        Ok(())
+    }
+
+    fn flush_batch(
+        &self,
+        img: &Qcow2Image,
+        at: HostOffset,
+        segments: &[WriteSegment<'_>],
+    ) -> Result<()> {
+        self.io
+            .write(&img.data, at, segments)
+            .map_err(|e| ImageError::io(img.name(), "write", e))
+    }
+
+    /// The old contents of `[w_lo, lo)` and `[hi, w_hi)`: the filler. Both
+    /// parts are read in one request when both are needed.
+    fn read_fill(
+        &self,
+        img: &Qcow2Image,
+        g: &Geometry,
+        p: &ClusterPlan,
+    ) -> Result<(Vec<u8>, Vec<u8>)> {
+        let head_len = (p.lo - p.w_lo) as usize;
+        let tail_len = (p.w_hi - p.hi) as usize;
+        if head_len == 0 && tail_len == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let base = g.cluster_offset(p.cluster);
+        if head_len > 0 && tail_len > 0 {
+            let mut all = vec![0u8; (p.w_hi - p.w_lo) as usize];
+            self.read_old(img, g, p, base + p.w_lo, &mut all)?;
+            let tail = all[all.len() - tail_len..].to_vec();
+            all.truncate(head_len);
+            return Ok((all, tail));
+        }
+        let mut head = vec![0u8; head_len];
+        let mut tail = vec![0u8; tail_len];
+        if head_len > 0 {
+            self.read_old(img, g, p, base + p.w_lo, &mut head)?;
+        }
+        if tail_len > 0 {
+            self.read_old(img, g, p, base + p.hi, &mut tail)?;
+        }
+        Ok((head, tail))
+    }
+
+    /// What the guest saw at `guest..guest+buf.len()` before this write
+    /// (inside one cluster), read as copy-on-write filler.
+    fn read_old(
+        &self,
+        img: &Qcow2Image,
+        g: &Geometry,
+        p: &ClusterPlan,
+        guest: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let base = g.cluster_offset(p.cluster);
+        let tag = self.tag(IoClass::CowFill, guest);
+        let s = match p.old {
+            L2Mapping::Compressed(d) => return img.read_compressed(&d, guest - base, buf, tag),
+            L2Mapping::Standard(s) => s,
+        };
+        let sc = g.subcluster_size();
+        let mut pos = guest;
+        let end = guest + buf.len() as u64;
+        while pos < end {
+            let sub = ((pos - base) / sc) as u32;
+            let state = s.state(sub);
+            // Extend over following subclusters in the same state.
+            let mut run_end = base + (u64::from(sub) + 1) * sc;
+            while run_end < end && s.state(((run_end - base) / sc) as u32) == state {
+                run_end += sc;
+            }
+            let run_end = run_end.min(end);
+            let part = &mut buf[(pos - guest) as usize..(run_end - guest) as usize];
+            match (state, s.host) {
+                (SubclusterState::Allocated, Some(h)) => self
+                    .io
+                    .read(&img.data, HostOffset(h.0 + (pos - base)), part, tag)
+                    .map_err(|e| ImageError::io(img.name(), "read for copy-on-write", e))?,
+                (SubclusterState::Unallocated, _) => {
+                    self.read_layer(1, pos, part, IoClass::CowFill)?
+                }
+                _ => part.fill(0),
+            }
+            pos = run_end;
+        }
+        Ok(())
+    }
+
+    /// Points L2 entries at the written clusters and queues the release of
+    /// the clusters they replaced.
+    fn commit(&self, img: &Qcow2Image, plans: &[ClusterPlan]) -> Result<()> {
+        if plans.iter().all(|p| p.new.is_none()) {
+            return Ok(());
+        }
+        let g = *img.geometry();
+        let mut l: Locked<'_> = img.lock();
+        // The data just written must be durable before these entries are.
+        l.m.unsynced_writes = true;
+        for p in plans {
+            let Some(new) = &p.new else { continue };
+            l.set_l2_entry(p.cluster, new)?;
+            if !img.external_data {
+                let freed = released(&p.old, new, &g);
+                l.m.pending_frees.extend(freed);
+            }
+        }
+        l.maybe_flush_for_frees()
+    }
+}

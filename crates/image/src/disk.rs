@@ -1,0 +1,604 @@
+//! The virtual disk: a chain of images presented as one block device.
+//! Reads walk the chain; writes go to the top image, copying on write from
+//! the chain (see `cow.rs`); zero writes and discards change metadata where
+//! qcow2 can express them and fall back to writing zeros where it cannot.
+//!
+//! Every public operation takes the guest range lock of the clusters it
+//! touches before any metadata lock.
+
+use crate::error::{ImageError, Result};
+use crate::hostio::{DiskId, HostIo, ImageHandle, IoClass, IoTag, WriteSegment};
+use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image};
+use crate::range_lock::{Mode, RangeLocks};
+use std::sync::Arc;
+use vdcache_qcow2::HostOffset;
+use vdcache_qcow2::entries::{L2Mapping, StandardCluster, all_subclusters};
+
+/// Guest clusters of a raw top image (for range locks and tags).
+const RAW_CLUSTER_BITS: u32 = 16;
+/// Largest buffer used when writing zeros the format cannot express.
+const ZERO_CHUNK: u64 = 1 << 20;
+
+/// A raw image in a chain (always the last one).
+#[derive(Debug)]
+pub struct RawImage {
+    pub handle: ImageHandle,
+    pub size: u64,
+}
+
+/// One image of a chain.
+#[derive(Debug)]
+pub enum Layer {
+    Qcow2(Qcow2Image),
+    Raw(RawImage),
+}
+
+impl Layer {
+    pub fn name(&self) -> &str {
+        match self {
+            Layer::Qcow2(q) => q.name(),
+            Layer::Raw(r) => &r.handle.name,
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        match self {
+            Layer::Qcow2(q) => q.virtual_size(),
+            Layer::Raw(r) => r.size,
+        }
+    }
+
+    pub fn handle(&self) -> &ImageHandle {
+        match self {
+            Layer::Qcow2(q) => q.handle(),
+            Layer::Raw(r) => &r.handle,
+        }
+    }
+}
+
+/// How a range reads, for block status and allocation maps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockState {
+    /// Nothing in the chain stores these bytes.
+    pub hole: bool,
+    /// The bytes read as zeros.
+    pub zero: bool,
+    /// Depth of the image that provides the bytes (chain length if none).
+    pub depth: u32,
+}
+
+/// Flags of a zero write.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZeroFlags {
+    /// Host space may be released (NBD's lack of NO_HOLE).
+    pub may_unmap: bool,
+    /// Durable on return.
+    pub fua: bool,
+}
+
+/// A chain opened as one disk.
+#[derive(Debug)]
+pub struct VirtualDisk {
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) io: Arc<dyn HostIo>,
+    pub(crate) disk: DiskId,
+    size: u64,
+    read_only: bool,
+    pub(crate) cluster_bits: u32,
+    locks: RangeLocks,
+}
+
+impl VirtualDisk {
+    pub(crate) fn new(
+        layers: Vec<Layer>,
+        io: Arc<dyn HostIo>,
+        disk: DiskId,
+        read_only: bool,
+    ) -> Result<VirtualDisk> {
+        let top = layers
+            .first()
+            .ok_or_else(|| ImageError::corrupt("chain", "no image"))?;
+        let cluster_bits = match top {
+            Layer::Qcow2(q) => q.geometry().cluster_bits(),
+            Layer::Raw(_) => RAW_CLUSTER_BITS,
+        };
+        Ok(VirtualDisk {
+            size: top.size(),
+            layers,
+            io,
+            disk,
+            read_only,
+            cluster_bits,
+            locks: RangeLocks::default(),
+        })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    pub fn io(&self) -> &Arc<dyn HostIo> {
+        &self.io
+    }
+
+    pub fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+
+    /// Metadata cache statistics of the top image.
+    pub fn meta_stats(&self) -> Option<MetaStats> {
+        match &self.layers[0] {
+            Layer::Qcow2(q) => Some(q.meta_stats()),
+            Layer::Raw(_) => None,
+        }
+    }
+
+    pub(crate) fn tag(&self, class: IoClass, guest: u64) -> IoTag {
+        IoTag {
+            class,
+            disk: self.disk,
+            guest_cluster: Some(guest >> self.cluster_bits),
+        }
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(ImageError::OutOfRange {
+                offset,
+                len,
+                size: self.size,
+            }),
+        }
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(ImageError::ReadOnly {
+                image: self.layers[0].name().to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    fn cluster_range(&self, offset: u64, len: u64) -> (u64, u64) {
+        let first = offset >> self.cluster_bits;
+        let end = if len == 0 {
+            first
+        } else {
+            ((offset + len - 1) >> self.cluster_bits) + 1
+        };
+        (first, end)
+    }
+
+    /// Reads guest bytes.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        let (first, end) = self.cluster_range(offset, buf.len() as u64);
+        let _guard = self.locks.lock(first, end, Mode::Shared);
+        self.read_layer(0, offset, buf, IoClass::GuestData)
+    }
+
+    /// Reads `buf` at guest `offset` as layer `depth` and those below see it.
+    pub(crate) fn read_layer(
+        &self,
+        depth: usize,
+        offset: u64,
+        buf: &mut [u8],
+        class: IoClass,
+    ) -> Result<()> {
+        let Some(layer) = self.layers.get(depth) else {
+            buf.fill(0);
+            return Ok(());
+        };
+        let size = layer.size();
+        let inside = size.saturating_sub(offset).min(buf.len() as u64) as usize;
+        buf[inside..].fill(0);
+        if inside == 0 {
+            return Ok(());
+        }
+        let buf = &mut buf[..inside];
+        match layer {
+            Layer::Raw(r) => self
+                .io
+                .read(&r.handle, HostOffset(offset), buf, self.tag(class, offset))
+                .map_err(|e| ImageError::io(&r.handle.name, "read", e)),
+            Layer::Qcow2(img) => {
+                for e in img.map(offset, inside as u64)? {
+                    let rel = (e.guest - offset) as usize;
+                    let part = &mut buf[rel..rel + e.len as usize];
+                    let tag = self.tag(class, e.guest);
+                    match e.kind {
+                        ExtentKind::Data(host) => self
+                            .io
+                            .read(&img.data, host, part, tag)
+                            .map_err(|err| ImageError::io(img.name(), "read", err))?,
+                        ExtentKind::Zero => part.fill(0),
+                        ExtentKind::Unallocated => {
+                            self.read_layer(depth + 1, e.guest, part, class)?
+                        }
+                        ExtentKind::Compressed(d, at) => img.read_compressed(&d, at, part, tag)?,
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes guest bytes; with `fua` they are durable on return.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let (first, end) = self.cluster_range(offset, data.len() as u64);
+        let guard = self.locks.lock(first, end, Mode::Exclusive);
+        self.write_locked(offset, data)?;
+        drop(guard);
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Writes with the range lock held.
+    fn write_locked(&self, offset: u64, data: &[u8]) -> Result<()> {
+        match &self.layers[0] {
+            Layer::Raw(r) => self
+                .io
+                .write(
+                    &r.handle,
+                    HostOffset(offset),
+                    &[WriteSegment {
+                        data,
+                        tag: self.tag(IoClass::GuestData, offset),
+                    }],
+                )
+                .map_err(|e| ImageError::io(&r.handle.name, "write", e)),
+            Layer::Qcow2(img) => self.cow_write(img, offset, data),
+        }
+    }
+
+    /// Makes a guest range read as zeros.
+    pub fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (first, end) = self.cluster_range(offset, len);
+        let guard = self.locks.lock(first, end, Mode::Exclusive);
+        match &self.layers[0] {
+            Layer::Raw(_) => self.write_zero_buffers(offset, len)?,
+            Layer::Qcow2(img) => self.zero_qcow2(img, offset, len, flags.may_unmap)?,
+        }
+        drop(guard);
+        if flags.fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn write_zero_buffers(&self, offset: u64, len: u64) -> Result<()> {
+        let zeros = vec![0u8; len.min(ZERO_CHUNK) as usize];
+        let mut pos = offset;
+        while pos < offset + len {
+            let n = (offset + len - pos).min(ZERO_CHUNK);
+            self.write_locked(pos, &zeros[..n as usize])?;
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Zero writes on qcow2: whole clusters (or subclusters) become zero
+    /// entries on version 3 images; everything else is written as zeros.
+    fn zero_qcow2(&self, img: &Qcow2Image, offset: u64, len: u64, may_unmap: bool) -> Result<()> {
+        let g = *img.geometry();
+        let unit = g.subcluster_size();
+        let end = offset + len;
+        let aligned_start = offset.div_ceil(unit) * unit;
+        let aligned_end = end / unit * unit;
+        if img.format.version < 3 || aligned_start >= aligned_end {
+            return self.zero_by_writing(img, offset, len);
+        }
+        if aligned_start > offset {
+            self.zero_by_writing(img, offset, aligned_start - offset)?;
+        }
+        let mut fallback: Vec<(u64, u64)> = Vec::new();
+        {
+            let mut l = img.lock();
+            l.mark_dirty_for_lazy_refcounts()?;
+            let cs = g.cluster_size();
+            let mut pos = aligned_start;
+            while pos < aligned_end {
+                let cluster = pos / cs;
+                let cend = ((cluster + 1) * cs).min(aligned_end);
+                let first_sub = ((pos % cs) / unit) as u32;
+                let subs = ((cend - pos) / unit) as u32;
+                let mask = sub_mask(first_sub, subs);
+                let old = l.l2_entry(cluster)?;
+                match zeroed_mapping(
+                    &old,
+                    mask,
+                    all_subclusters(&g),
+                    may_unmap,
+                    img.external_data,
+                ) {
+                    Some(new) if new != old => {
+                        l.ensure_l2_writable(cluster)?;
+                        l.set_l2_entry(cluster, &new)?;
+                        if !img.external_data {
+                            l.m.pending_frees.extend(released(&old, &new, &g));
+                        }
+                    }
+                    Some(_) => {}
+                    None => fallback.push((pos, cend - pos)),
+                }
+                pos = cend;
+            }
+            l.maybe_flush_for_frees()?;
+        }
+        for (pos, n) in fallback {
+            self.zero_by_writing(img, pos, n)?;
+        }
+        if end > aligned_end {
+            self.zero_by_writing(img, aligned_end, end - aligned_end)?;
+        }
+        Ok(())
+    }
+
+    /// Writes zeros as data, skipping clusters that already read as zeros
+    /// without a backing file to show through.
+    fn zero_by_writing(&self, img: &Qcow2Image, offset: u64, len: u64) -> Result<()> {
+        if self.layers.len() == 1 {
+            let extents = img.map(offset, len)?;
+            if extents
+                .iter()
+                .all(|e| matches!(e.kind, ExtentKind::Zero | ExtentKind::Unallocated))
+            {
+                return Ok(());
+            }
+        }
+        self.write_zero_buffers(offset, len)
+    }
+
+    /// Discards whole clusters the way QEMU does: they read as zeros
+    /// afterwards (version 3, or no backing file), their host space is
+    /// freed, and partial clusters are left alone. On a version 2 image with
+    /// a backing file discard does nothing (the format cannot hide the
+    /// backing data).
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (first, end) = self.cluster_range(offset, len);
+        let _guard = self.locks.lock(first, end, Mode::Exclusive);
+        match &self.layers[0] {
+            Layer::Raw(r) => {
+                // Advisory: a store that cannot punch holes keeps the bytes.
+                let _ = r.handle.backend.discard(offset, len);
+                Ok(())
+            }
+            Layer::Qcow2(img) => self.discard_qcow2(img, offset, len),
+        }
+    }
+
+    fn discard_qcow2(&self, img: &Qcow2Image, offset: u64, len: u64) -> Result<()> {
+        let g = *img.geometry();
+        let has_backing = self.layers.len() > 1;
+        if img.format.version < 3 && has_backing {
+            return Ok(());
+        }
+        let cs = g.cluster_size();
+        let first = offset.div_ceil(cs);
+        let end_byte = offset + len;
+        // The partial last cluster of an unaligned disk counts as whole.
+        let end = if end_byte == self.size {
+            end_byte.div_ceil(cs)
+        } else {
+            end_byte / cs
+        };
+        let mut l = img.lock();
+        l.mark_dirty_for_lazy_refcounts()?;
+        for cluster in first..end {
+            let old = l.l2_entry(cluster)?;
+            let had_storage = !released(&old, &L2Mapping::UNALLOCATED, &g).is_empty();
+            if !(has_backing || had_storage) {
+                continue;
+            }
+            let new = if img.format.version >= 3 {
+                L2Mapping::Standard(StandardCluster {
+                    host: None,
+                    copied: false,
+                    alloc: 0,
+                    zero: all_subclusters(&g),
+                })
+            } else {
+                L2Mapping::UNALLOCATED
+            };
+            if new == old {
+                continue;
+            }
+            l.ensure_l2_writable(cluster)?;
+            l.set_l2_entry(cluster, &new)?;
+            if !img.external_data {
+                l.m.pending_frees.extend(released(&old, &new, &g));
+            }
+        }
+        l.maybe_flush_for_frees()
+    }
+
+    /// Makes every completed write durable.
+    pub fn flush(&self) -> Result<()> {
+        self.flush_report().map(|_| ())
+    }
+
+    /// Flushes and says what it wrote.
+    pub fn flush_report(&self) -> Result<FlushReport> {
+        if self.read_only {
+            return Ok(FlushReport::default());
+        }
+        match &self.layers[0] {
+            Layer::Raw(r) => {
+                self.io
+                    .flush(&r.handle)
+                    .map_err(|e| ImageError::io(&r.handle.name, "flush", e))?;
+                Ok(FlushReport {
+                    barriers: 1,
+                    ..FlushReport::default()
+                })
+            }
+            Layer::Qcow2(img) => img.lock().flush_all(false),
+        }
+    }
+
+    /// Flushes, persists deferred state and clears the dirty bit.
+    pub fn close(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        match &self.layers[0] {
+            Layer::Qcow2(img) => img.close(),
+            Layer::Raw(_) => self.flush(),
+        }
+    }
+
+    /// How `[offset, offset+len)` reads, as extents with hole/zero flags.
+    pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<(u64, BlockState)>> {
+        self.check_range(offset, len)?;
+        let mut out: Vec<(u64, BlockState)> = Vec::new();
+        self.status_layer(0, offset, len, &mut out)?;
+        Ok(out)
+    }
+
+    fn status_layer(
+        &self,
+        depth: usize,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<(u64, BlockState)>,
+    ) -> Result<()> {
+        let push = |out: &mut Vec<(u64, BlockState)>, n: u64, s: BlockState| match out.last_mut() {
+            Some((l, last)) if *last == s => *l += n,
+            _ => out.push((n, s)),
+        };
+        let hole = BlockState {
+            hole: true,
+            zero: true,
+            depth: self.layers.len() as u32,
+        };
+        let Some(layer) = self.layers.get(depth) else {
+            push(out, len, hole);
+            return Ok(());
+        };
+        let inside = layer.size().saturating_sub(offset).min(len);
+        let data = |d: usize| BlockState {
+            hole: false,
+            zero: false,
+            depth: d as u32,
+        };
+        match layer {
+            Layer::Raw(_) => push(out, inside, data(depth)),
+            Layer::Qcow2(img) if inside > 0 => {
+                for e in img.map(offset, inside)? {
+                    match e.kind {
+                        ExtentKind::Data(_) | ExtentKind::Compressed(..) => {
+                            push(out, e.len, data(depth))
+                        }
+                        ExtentKind::Zero => push(
+                            out,
+                            e.len,
+                            BlockState {
+                                hole: true,
+                                zero: true,
+                                depth: depth as u32,
+                            },
+                        ),
+                        ExtentKind::Unallocated => {
+                            self.status_layer(depth + 1, e.guest, e.len, out)?
+                        }
+                    }
+                }
+            }
+            Layer::Qcow2(_) => {}
+        }
+        if inside < len {
+            push(out, len - inside, hole);
+        }
+        Ok(())
+    }
+}
+
+/// Subcluster mask of `count` subclusters starting at `first`.
+pub(crate) fn sub_mask(first: u32, count: u32) -> u32 {
+    if count >= 32 {
+        u32::MAX
+    } else {
+        ((1u32 << count) - 1) << first
+    }
+}
+
+/// Host clusters `old` references that `new` no longer does.
+pub(crate) fn released(old: &L2Mapping, new: &L2Mapping, g: &vdcache_qcow2::Geometry) -> Vec<u64> {
+    let new_host = match new {
+        L2Mapping::Standard(s) => s.host,
+        L2Mapping::Compressed(_) => None,
+    };
+    match old {
+        L2Mapping::Compressed(d) => d.host_clusters(g).collect(),
+        L2Mapping::Standard(s) => match s.host {
+            Some(h) if Some(h) != new_host => vec![g.host_cluster(h)],
+            _ => Vec::new(),
+        },
+    }
+}
+
+/// The mapping after zeroing the subclusters in `mask`; `None` when only
+/// writing zeros can express it (part of a shared or compressed cluster).
+fn zeroed_mapping(
+    old: &L2Mapping,
+    mask: u32,
+    all: u32,
+    may_unmap: bool,
+    external_data: bool,
+) -> Option<L2Mapping> {
+    let whole = mask == all;
+    match old {
+        L2Mapping::Compressed(_) if !whole => None,
+        L2Mapping::Compressed(_) => Some(zero_plain(all)),
+        L2Mapping::Standard(s) => {
+            let owned = s.host.is_some() && s.copied;
+            if s.host.is_some() && !owned && !whole {
+                return None;
+            }
+            let keep_host = owned && (!may_unmap || external_data || !whole);
+            let new = StandardCluster {
+                host: if keep_host { s.host } else { None },
+                copied: keep_host,
+                alloc: s.alloc & !mask,
+                zero: (s.zero | mask) & all,
+            };
+            Some(L2Mapping::Standard(new))
+        }
+    }
+}
+
+fn zero_plain(all: u32) -> L2Mapping {
+    L2Mapping::Standard(StandardCluster {
+        host: None,
+        copied: false,
+        alloc: 0,
+        zero: all,
+    })
+}

@@ -1,0 +1,91 @@
+//! Errors of the COW layer, each naming the image it concerns.
+
+use vdcache_qcow2::FormatError;
+
+/// Why an image or chain operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("{image}: {source}")]
+    Format {
+        image: String,
+        #[source]
+        source: FormatError,
+    },
+    #[error("{image}: {op} failed: {source}")]
+    Io {
+        image: String,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Lock(#[from] vdcache_backend::LockError),
+    #[error("{image}: backing file '{backing}' cannot be opened: {source}")]
+    BackingMissing {
+        image: String,
+        backing: String,
+        #[source]
+        source: Box<ImageError>,
+    },
+    #[error("backing chain loops: {0} appears twice")]
+    ChainLoop(String),
+    #[error("backing chain is longer than {0} images")]
+    ChainTooLong(usize),
+    #[error(
+        "{image}: backing file '{backing}' has no recorded format and looks like qcow2; refusing to probe it (a raw disk could forge a qcow2 header). Record the format with: qemu-img rebase -u -b '{backing}' -F qcow2 '{image}'"
+    )]
+    UnsafeProbe { image: String, backing: String },
+    #[error("{image}: backing format '{format}' is not supported (use qcow2 or raw)")]
+    UnsupportedFormat { image: String, format: String },
+    #[error("{image}: {reason}")]
+    Corrupt { image: String, reason: String },
+    #[error("{image}: {reason}")]
+    Unsupported { image: String, reason: String },
+    #[error("{image} is opened read-only")]
+    ReadOnly { image: String },
+    #[error("request at offset {offset} length {len} is past the end of the {size}-byte disk")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+    #[error("{image}: no space left: the store is {capacity} bytes and cannot grow")]
+    NoSpace { image: String, capacity: u64 },
+}
+
+impl ImageError {
+    pub(crate) fn io(image: &str, op: &'static str, source: std::io::Error) -> Self {
+        ImageError::Io {
+            image: image.to_string(),
+            op,
+            source,
+        }
+    }
+
+    pub(crate) fn format(image: &str, source: FormatError) -> Self {
+        ImageError::Format {
+            image: image.to_string(),
+            source,
+        }
+    }
+
+    pub(crate) fn corrupt(image: &str, reason: impl Into<String>) -> Self {
+        ImageError::Corrupt {
+            image: image.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The errno an NBD server should report for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            ImageError::ReadOnly { .. } => libc_eperm(),
+            ImageError::OutOfRange { .. } => 22,
+            ImageError::NoSpace { .. } => 28,
+            ImageError::Io { source, .. } => source.raw_os_error().unwrap_or(5),
+            _ => 5,
+        }
+    }
+}
+
+fn libc_eperm() -> i32 {
+    1
+}
+
+pub type Result<T> = std::result::Result<T, ImageError>;

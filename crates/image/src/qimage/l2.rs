@@ -1,0 +1,222 @@
+//! L2 lookups and updates through the slice cache, and making an L2 table
+//! writable (allocating it, or copying it when a snapshot shares it).
+
+use super::Locked;
+use crate::error::{ImageError, Result};
+use crate::hostio::{IoTag, MetaTable};
+use crate::meta_cache::{SliceCache, Slot};
+use vdcache_qcow2::HostOffset;
+use vdcache_qcow2::bytes::{be64_at, put_be64_at};
+use vdcache_qcow2::entries::{COPIED, L1Entry, L2Mapping};
+
+/// The two kinds of sliced tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sliced {
+    L2,
+    Refblock,
+}
+
+impl Sliced {
+    fn table(self) -> MetaTable {
+        match self {
+            Sliced::L2 => MetaTable::L2,
+            Sliced::Refblock => MetaTable::RefcountBlock,
+        }
+    }
+}
+
+impl Locked<'_> {
+    pub(crate) fn cache(&mut self, kind: Sliced) -> &mut SliceCache {
+        match kind {
+            Sliced::L2 => &mut self.m.l2,
+            Sliced::Refblock => &mut self.m.refblocks,
+        }
+    }
+
+    /// Makes the slice starting at `start` resident; returns nothing, the
+    /// caller then reads it with `peek_mut`.
+    pub(crate) fn load_slice(&mut self, kind: Sliced, start: u64, tag: IoTag) -> Result<()> {
+        if self.cache(kind).lookup(start).is_some() {
+            return Ok(());
+        }
+        self.make_room(kind)?;
+        let size = self.cache(kind).slice_size() as usize;
+        let mut data = vec![0u8; size].into_boxed_slice();
+        self.img
+            .io
+            .read(&self.img.handle, HostOffset(start), &mut data, tag)
+            .map_err(|e| ImageError::io(self.name(), "read metadata", e))?;
+        self.cache(kind).insert(start, Slot { data, dirty: false });
+        Ok(())
+    }
+
+    /// Evicts the least recently used slice if the cache is full, writing it
+    /// back first (with the ordering its kind needs).
+    fn make_room(&mut self, kind: Sliced) -> Result<()> {
+        if let Some((victim, dirty)) = self.cache(kind).next_victim() {
+            if dirty {
+                self.cache(kind).stats.dirty_evictions += 1;
+                match kind {
+                    Sliced::L2 => self.write_back_l2_slice(victim)?,
+                    Sliced::Refblock => self.write_back_slice(Sliced::Refblock, victim)?,
+                }
+            }
+            self.cache(kind).remove(victim);
+        }
+        Ok(())
+    }
+
+    /// Writes one dirty slice as it is and marks it clean. Ordering is the
+    /// caller's business.
+    pub(crate) fn write_back_slice(&mut self, kind: Sliced, start: u64) -> Result<()> {
+        let data = match self.cache(kind).peek_mut(start) {
+            Some(s) if s.dirty => {
+                s.dirty = false;
+                s.data.clone()
+            }
+            _ => return Ok(()),
+        };
+        self.write_meta(kind.table(), start, &data)
+    }
+
+    fn l2_tag(&self, guest_cluster: u64) -> IoTag {
+        let mut t = self.tag(MetaTable::L2);
+        t.guest_cluster = Some(guest_cluster);
+        t
+    }
+
+    /// Host offset of the L2 table covering `guest_cluster`, if allocated.
+    fn l2_table_of(&self, guest_cluster: u64) -> Result<Option<(u64, bool)>> {
+        let g = &self.img.geometry;
+        let l1i = g.l1_index(guest_cluster) as usize;
+        let Some(&raw) = self.m.l1.get(l1i) else {
+            return Ok(None);
+        };
+        let e = L1Entry::decode(raw, g).map_err(|e| ImageError::format(self.name(), e))?;
+        Ok(e.l2_offset.map(|o| (o.0, e.copied)))
+    }
+
+    /// (slice start, byte offset of the entry inside the slice).
+    fn entry_position(&self, table: u64, guest_cluster: u64) -> (u64, usize) {
+        let g = &self.img.geometry;
+        let byte = g.l2_index(guest_cluster) * g.l2_entry_size();
+        let slice = self.m.l2.slice_size();
+        (table + (byte & !(slice - 1)), (byte & (slice - 1)) as usize)
+    }
+
+    /// The mapping of one guest cluster in this image.
+    pub(crate) fn l2_entry(&mut self, guest_cluster: u64) -> Result<L2Mapping> {
+        let Some((table, _)) = self.l2_table_of(guest_cluster)? else {
+            return Ok(L2Mapping::UNALLOCATED);
+        };
+        let (start, at) = self.entry_position(table, guest_cluster);
+        let tag = self.l2_tag(guest_cluster);
+        self.load_slice(Sliced::L2, start, tag)?;
+        let extended = self.img.geometry.extended_l2();
+        let (raw, bitmap) = match self.m.l2.peek_mut(start) {
+            Some(s) => (
+                be64_at(&s.data, at / 8),
+                if extended {
+                    be64_at(&s.data, at / 8 + 1)
+                } else {
+                    0
+                },
+            ),
+            None => {
+                return Err(ImageError::corrupt(
+                    self.name(),
+                    "L2 slice vanished from the cache",
+                ));
+            }
+        };
+        L2Mapping::decode(raw, bitmap, &self.img.format).map_err(|e| {
+            ImageError::corrupt(
+                self.name(),
+                format!("L2 entry of guest cluster {guest_cluster} (table at {table:#x}): {e}"),
+            )
+        })
+    }
+
+    /// Updates the entry of a guest cluster whose table is writable
+    /// (see [`Self::ensure_l2_writable`]).
+    pub(crate) fn set_l2_entry(&mut self, guest_cluster: u64, mapping: &L2Mapping) -> Result<()> {
+        let (raw, bitmap) = mapping
+            .encode(&self.img.format)
+            .map_err(|e| ImageError::format(self.name(), e))?;
+        let Some((table, true)) = self.l2_table_of(guest_cluster)? else {
+            return Err(ImageError::corrupt(
+                self.name(),
+                format!("L2 table of guest cluster {guest_cluster} is not writable"),
+            ));
+        };
+        let (start, at) = self.entry_position(table, guest_cluster);
+        let tag = self.l2_tag(guest_cluster);
+        self.load_slice(Sliced::L2, start, tag)?;
+        let extended = self.img.geometry.extended_l2();
+        match self.m.l2.peek_mut(start) {
+            Some(s) => {
+                put_be64_at(&mut s.data, at / 8, raw);
+                if extended {
+                    put_be64_at(&mut s.data, at / 8 + 1, bitmap);
+                }
+                s.dirty = true;
+                Ok(())
+            }
+            None => Err(ImageError::corrupt(
+                self.name(),
+                "L2 slice vanished from the cache",
+            )),
+        }
+    }
+
+    /// Makes the L2 table covering `guest_cluster` exclusively owned by the
+    /// active L1 table: allocates a zeroed table, or copies one a snapshot
+    /// shares. The new table is written before the L1 entry changes.
+    pub(crate) fn ensure_l2_writable(&mut self, guest_cluster: u64) -> Result<()> {
+        let g = self.img.geometry;
+        let l1i = g.l1_index(guest_cluster);
+        if l1i as usize >= self.m.l1.len() {
+            return Err(ImageError::corrupt(
+                self.name(),
+                format!("guest cluster {guest_cluster} lies beyond the L1 table"),
+            ));
+        }
+        let old = self.l2_table_of(guest_cluster)?;
+        if let Some((_, true)) = old {
+            return Ok(());
+        }
+        let cs = g.cluster_size();
+        let content = match old {
+            Some((table, _)) => self.read_whole_l2(table, guest_cluster)?,
+            None => vec![0u8; cs as usize],
+        };
+        let new_cluster = self.alloc_clusters(1)?;
+        let new_off = g.cluster_offset(new_cluster);
+        self.write_meta(MetaTable::L2, new_off, &content)?;
+        self.m.unsynced_writes = true;
+        if let Some((table, _)) = old {
+            self.m.pending_frees.push(table / cs);
+        }
+        self.m.l1[l1i as usize] = new_off | COPIED;
+        self.m.l1_dirty.insert(l1i);
+        Ok(())
+    }
+
+    /// A whole L2 table, taking resident slices from the cache.
+    pub(crate) fn read_whole_l2(&mut self, table: u64, guest_cluster: u64) -> Result<Vec<u8>> {
+        let cs = self.img.geometry.cluster_size() as usize;
+        let mut content = vec![0u8; cs];
+        let tag = self.l2_tag(guest_cluster);
+        self.img
+            .io
+            .read(&self.img.handle, HostOffset(table), &mut content, tag)
+            .map_err(|e| ImageError::io(self.name(), "read L2 table", e))?;
+        let slice = self.m.l2.slice_size() as usize;
+        for (i, chunk) in content.chunks_mut(slice).enumerate() {
+            if let Some(s) = self.m.l2.peek_mut(table + (i * slice) as u64) {
+                chunk.copy_from_slice(&s.data);
+            }
+        }
+        Ok(content)
+    }
+}

@@ -1,0 +1,208 @@
+//! Writing metadata back in an order that keeps the image consistent
+//! through a crash at any point:
+//!
+//! 1. guest data and new tables, then a barrier, before any L2 entry that
+//!    points to them;
+//! 2. refcount blocks, a barrier, refcount table entries (and a moved
+//!    table's header fields), a barrier — all before the L2 entries that
+//!    use the clusters (skipped with lazy refcounts: the dirty bit is set and
+//!    refcounts are rebuilt after a crash);
+//! 3. L2 slices, a barrier, then L1 entries;
+//! 4. a final barrier for the guest's flush; only then are queued refcount
+//!    decrements applied, because nothing durable references those clusters
+//!    any more.
+
+use super::Locked;
+use super::l2::Sliced;
+use crate::error::{ImageError, Result};
+use crate::hostio::{IoClass, IoTag, MetaTable};
+use vdcache_qcow2::HostOffset;
+use vdcache_qcow2::header::field_offset;
+
+/// What one flush wrote, for tests and statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FlushReport {
+    pub barriers: u32,
+    pub l2_slices: u32,
+    pub refcount_slices: u32,
+    pub l1_sectors: u32,
+}
+
+/// Queued frees beyond this many trigger an internal flush, so that a guest
+/// that discards without flushing does not grow the file without bound.
+const MAX_PENDING_FREES: usize = 16384;
+
+impl Locked<'_> {
+    /// Whether refcounts must be durable before L2 entries that use them.
+    fn ordered_refcounts(&self) -> bool {
+        !(self.img.lazy_refcounts && self.m.dirty_on_disk)
+    }
+
+    /// Writes dirty refcount slices and table entries. Returns whether
+    /// anything was written (the caller then needs a barrier before L2).
+    pub(crate) fn persist_refcounts(&mut self) -> Result<bool> {
+        let mut wrote = false;
+        for start in self.m.refblocks.dirty_slices() {
+            self.write_back_slice(Sliced::Refblock, start)?;
+            wrote = true;
+        }
+        if self.m.reftable_dirty.is_empty() && self.m.reftable_moved_from.is_none() {
+            return Ok(wrote);
+        }
+        self.barrier()?;
+        let table_off = self.m.header.refcount_table_offset;
+        if let Some((old_off, old_clusters)) = self.m.reftable_moved_from.take() {
+            let bytes: Vec<u8> = self
+                .m
+                .reftable
+                .iter()
+                .flat_map(|e| e.to_be_bytes())
+                .collect();
+            self.write_meta(MetaTable::RefcountTable, table_off, &bytes)?;
+            self.barrier()?;
+            let mut fields = Vec::with_capacity(12);
+            fields.extend_from_slice(&table_off.to_be_bytes());
+            fields.extend_from_slice(&self.m.header.refcount_table_clusters.to_be_bytes());
+            self.write_header_field(field_offset::REFCOUNT_TABLE_OFFSET, &fields)?;
+            let cs = self.img.geometry.cluster_size();
+            for c in 0..u64::from(old_clusters) {
+                self.m.pending_frees.push(old_off / cs + c);
+            }
+            self.m.reftable_dirty.clear();
+        } else {
+            let dirty = std::mem::take(&mut self.m.reftable_dirty);
+            self.write_entries(MetaTable::RefcountTable, table_off, &dirty, |m, i| {
+                m.reftable[i]
+            })?;
+        }
+        Ok(true)
+    }
+
+    /// Writes the 512-byte sectors of a table that hold the given entries.
+    fn write_entries(
+        &mut self,
+        table: MetaTable,
+        table_off: u64,
+        dirty: &std::collections::BTreeSet<u64>,
+        entry: impl Fn(&super::Meta, usize) -> u64,
+    ) -> Result<u32> {
+        let mut sectors: Vec<u64> = dirty.iter().map(|i| i / 64).collect();
+        sectors.dedup();
+        for &s in &sectors {
+            let first = (s * 64) as usize;
+            let len = self.table_len(table);
+            let last = (first + 64).min(len);
+            let bytes: Vec<u8> = (first..last)
+                .flat_map(|i| entry(&self.m, i).to_be_bytes())
+                .collect();
+            self.write_meta(table, table_off + s * 512, &bytes)?;
+        }
+        Ok(sectors.len() as u32)
+    }
+
+    fn table_len(&self, table: MetaTable) -> usize {
+        match table {
+            MetaTable::L1 => self.m.l1.len(),
+            _ => self.m.reftable.len(),
+        }
+    }
+
+    /// Writes back one dirty L2 slice under memory pressure, with the
+    /// ordering of steps 1 and 2.
+    pub(crate) fn write_back_l2_slice(&mut self, start: u64) -> Result<()> {
+        if self.m.unsynced_writes {
+            self.barrier()?;
+        }
+        if self.ordered_refcounts() && self.persist_refcounts()? {
+            self.barrier()?;
+        }
+        self.write_back_slice(Sliced::L2, start)
+    }
+
+    /// Writes all dirty metadata in order and makes everything durable.
+    /// `closing` also persists refcounts that lazy refcounting deferred.
+    pub(crate) fn flush_all(&mut self, closing: bool) -> Result<FlushReport> {
+        let mut report = FlushReport::default();
+        let l2_dirty = self.m.l2.dirty_slices();
+        let meta_pending = !l2_dirty.is_empty() || !self.m.l1_dirty.is_empty();
+        if self.m.unsynced_writes && meta_pending {
+            self.barrier()?;
+            report.barriers += 1;
+        }
+        if self.ordered_refcounts() || closing {
+            report.refcount_slices = self.m.refblocks.dirty_slices().len() as u32;
+            if self.persist_refcounts()? && meta_pending {
+                self.barrier()?;
+                report.barriers += 1;
+            }
+        }
+        for start in &l2_dirty {
+            self.write_back_slice(Sliced::L2, *start)?;
+        }
+        report.l2_slices = l2_dirty.len() as u32;
+        if !self.m.l1_dirty.is_empty() {
+            if !l2_dirty.is_empty() {
+                self.barrier()?;
+                report.barriers += 1;
+            }
+            let dirty = std::mem::take(&mut self.m.l1_dirty);
+            let off = self.m.header.l1_table_offset;
+            report.l1_sectors = self.write_entries(MetaTable::L1, off, &dirty, |m, i| m.l1[i])?;
+        }
+        self.barrier()?;
+        report.barriers += 1;
+        self.apply_pending_frees()?;
+        if closing && !self.m.pending_frees.is_empty() {
+            // Frees queued by the flush itself (an old refcount table).
+            self.persist_refcounts()?;
+            self.apply_pending_frees()?;
+            self.persist_refcounts()?;
+            self.barrier()?;
+        }
+        Ok(report)
+    }
+
+    /// Drops the references that durable metadata no longer holds, and
+    /// hands freed space back to the store.
+    fn apply_pending_frees(&mut self) -> Result<()> {
+        let frees = std::mem::take(&mut self.m.pending_frees);
+        let cs = self.img.geometry.cluster_size();
+        for c in frees {
+            if self.add_refcount(c, -1)? == 0 {
+                let tag = IoTag {
+                    class: IoClass::Reclaim,
+                    disk: self.img.disk,
+                    guest_cluster: None,
+                };
+                // Reclaiming space is advisory; a store without discard
+                // support keeps the bytes.
+                let _ = self
+                    .img
+                    .io
+                    .discard(&self.img.handle, HostOffset(c * cs), cs, tag);
+            }
+        }
+        Ok(())
+    }
+
+    /// Flushes internally when too many frees wait, bounding file growth.
+    pub(crate) fn maybe_flush_for_frees(&mut self) -> Result<()> {
+        if self.m.pending_frees.len() > MAX_PENDING_FREES {
+            self.flush_all(false)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the dirty bit before the first metadata change when lazy
+    /// refcounts are on.
+    pub(crate) fn mark_dirty_for_lazy_refcounts(&mut self) -> Result<()> {
+        if self.img.lazy_refcounts && !self.m.dirty_on_disk {
+            self.set_dirty_bit(true)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn io_error(&self, op: &'static str, e: std::io::Error) -> ImageError {
+        ImageError::io(self.name(), op, e)
+    }
+}

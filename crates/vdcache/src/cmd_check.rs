@@ -1,0 +1,81 @@
+//! `vdcache check`: consistency check with qemu-img check's exit codes.
+
+use anyhow::Result;
+use vdcache_image::{Layer, OpenOptions, open_chain};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Repair: "leaks" or "all" (both rebuild refcounts from the tables).
+    #[arg(short = 'r', long = "repair")]
+    repair: Option<String>,
+    /// Read without taking image locks (like qemu-img -U).
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    file: String,
+}
+
+pub fn run(a: Args) -> Result<u8> {
+    match check(&a) {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            eprintln!("vdcache check: could not check {}: {e:#}", a.file);
+            Ok(1)
+        }
+    }
+}
+
+fn check(a: &Args) -> Result<u8> {
+    let repair = match a.repair.as_deref() {
+        None => false,
+        Some("leaks") | Some("all") => true,
+        Some(other) => anyhow::bail!("unknown repair mode '{other}' (use leaks or all)"),
+    };
+    let disk = open_chain(
+        &a.file,
+        &OpenOptions {
+            read_only: !repair,
+            force_share: a.force_share && !repair,
+            no_backing: true,
+            ..OpenOptions::default()
+        },
+    )?;
+    let Layer::Qcow2(img) = &disk.layers()[0] else {
+        println!("{} is a raw image; there is nothing to check.", a.file);
+        return Ok(0);
+    };
+    let report = if repair { img.repair()? } else { img.check()? };
+    if repair {
+        disk.close()?;
+    }
+    for c in &report.corruptions {
+        println!("{c}");
+    }
+    for l in &report.leaks {
+        println!("{l}");
+    }
+    if report.is_clean() {
+        println!("No errors were found on the image.");
+    }
+    if !report.corruptions.is_empty() {
+        println!(
+            "\n{} errors were found on the image.\nData may be corrupted, or further writes to the image may corrupt it.",
+            report.corruptions.len()
+        );
+    }
+    if !report.leaks.is_empty() {
+        println!(
+            "\n{} leaked clusters were found on the image.\nThis means waste of disk space, but no harm to data.",
+            report.leaks.len()
+        );
+    }
+    if report.total_clusters > 0 {
+        println!(
+            "{}/{} = {:.2}% allocated",
+            report.allocated_clusters,
+            report.total_clusters,
+            report.allocated_clusters as f64 * 100.0 / report.total_clusters as f64
+        );
+    }
+    println!("Image end offset: {}", report.image_end);
+    Ok(report.exit_code() as u8)
+}

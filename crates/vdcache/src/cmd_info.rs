@@ -1,0 +1,234 @@
+//! `vdcache info`: an image and its backing chain, human-readable or JSON
+//! (field names follow qemu-img info --output=json).
+
+use crate::size::human;
+use anyhow::Result;
+use serde::Serialize;
+use vdcache_image::{ImageFormat, Layer, OpenOptions, open_chain};
+use vdcache_qcow2::features::FeatureKind;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+    /// Format of FILE (probed when absent).
+    #[arg(short = 'f', long = "format")]
+    format: Option<String>,
+    /// Read without taking image locks (like qemu-img -U).
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    file: String,
+}
+
+#[derive(Serialize)]
+struct SnapshotInfo {
+    id: String,
+    name: String,
+    #[serde(rename = "date-sec")]
+    date_sec: u32,
+    #[serde(rename = "vm-state-size")]
+    vm_state_size: u64,
+}
+
+#[derive(Serialize)]
+struct ImageInfo {
+    filename: String,
+    format: &'static str,
+    #[serde(rename = "virtual-size")]
+    virtual_size: u64,
+    #[serde(rename = "actual-size")]
+    actual_size: u64,
+    #[serde(rename = "cluster-size", skip_serializing_if = "Option::is_none")]
+    cluster_size: Option<u64>,
+    #[serde(rename = "backing-filename", skip_serializing_if = "Option::is_none")]
+    backing_filename: Option<String>,
+    #[serde(
+        rename = "backing-filename-format",
+        skip_serializing_if = "Option::is_none"
+    )]
+    backing_format: Option<String>,
+    #[serde(rename = "dirty-flag")]
+    dirty: bool,
+    #[serde(rename = "format-specific", skip_serializing_if = "Option::is_none")]
+    specific: Option<Qcow2Info>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    snapshots: Vec<SnapshotInfo>,
+}
+
+#[derive(Serialize)]
+struct Qcow2Info {
+    compat: &'static str,
+    #[serde(rename = "compression-type")]
+    compression_type: &'static str,
+    #[serde(rename = "lazy-refcounts")]
+    lazy_refcounts: bool,
+    #[serde(rename = "refcount-bits")]
+    refcount_bits: u32,
+    corrupt: bool,
+    #[serde(rename = "extended-l2")]
+    extended_l2: bool,
+    #[serde(rename = "data-file", skip_serializing_if = "Option::is_none")]
+    data_file: Option<String>,
+    features: Vec<String>,
+}
+
+fn actual_size(name: &str) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(name)
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0)
+}
+
+fn describe(layer: &Layer) -> ImageInfo {
+    match layer {
+        Layer::Raw(r) => ImageInfo {
+            filename: r.handle.name.to_string(),
+            format: ImageFormat::Raw.name(),
+            virtual_size: r.size,
+            actual_size: actual_size(&r.handle.name),
+            cluster_size: None,
+            backing_filename: None,
+            backing_format: None,
+            dirty: false,
+            specific: None,
+            snapshots: Vec::new(),
+        },
+        Layer::Qcow2(q) => {
+            let h = q.header();
+            let features = h
+                .feature_list()
+                .into_iter()
+                .map(|(kind, _, name)| {
+                    let k = match kind {
+                        FeatureKind::Incompatible => "incompatible",
+                        FeatureKind::Compatible => "compatible",
+                        FeatureKind::Autoclear => "autoclear",
+                    };
+                    format!("{name} ({k})")
+                })
+                .collect();
+            ImageInfo {
+                filename: q.name().to_string(),
+                format: ImageFormat::Qcow2.name(),
+                virtual_size: h.size,
+                actual_size: actual_size(q.name()),
+                cluster_size: Some(h.cluster_size()),
+                backing_filename: h.backing_file.clone(),
+                backing_format: h.extensions.backing_format.clone(),
+                dirty: h.is_dirty(),
+                specific: Some(Qcow2Info {
+                    compat: if h.version >= 3 { "1.1" } else { "0.10" },
+                    compression_type: h.compression_type.name(),
+                    lazy_refcounts: h.has_lazy_refcounts(),
+                    refcount_bits: 1 << h.refcount_order,
+                    corrupt: h.is_corrupt(),
+                    extended_l2: h.has_extended_l2(),
+                    data_file: h.extensions.external_data_file.clone(),
+                    features,
+                }),
+                snapshots: q
+                    .snapshots()
+                    .into_iter()
+                    .map(|s| SnapshotInfo {
+                        id: s.id,
+                        name: s.name,
+                        date_sec: s.date_sec,
+                        vm_state_size: s.vm_state_size,
+                    })
+                    .collect(),
+            }
+        }
+    }
+}
+
+fn print_human(i: &ImageInfo, depth: usize) {
+    let pad = "  ".repeat(depth);
+    println!("{pad}image: {}", i.filename);
+    println!("{pad}file format: {}", i.format);
+    println!(
+        "{pad}virtual size: {} ({} bytes)",
+        human(i.virtual_size),
+        i.virtual_size
+    );
+    println!("{pad}disk size: {}", human(i.actual_size));
+    if let Some(cs) = i.cluster_size {
+        println!("{pad}cluster_size: {cs}");
+    }
+    if let Some(b) = &i.backing_filename {
+        println!("{pad}backing file: {b}");
+    }
+    if let Some(f) = &i.backing_format {
+        println!("{pad}backing file format: {f}");
+    }
+    if !i.snapshots.is_empty() {
+        println!("{pad}Snapshot list:");
+        for s in &i.snapshots {
+            println!(
+                "{pad}  {:<4} {:<20} vm-state {}",
+                s.id,
+                s.name,
+                human(s.vm_state_size)
+            );
+        }
+    }
+    if let Some(q) = &i.specific {
+        println!("{pad}Format specific information:");
+        println!("{pad}    compat: {}", q.compat);
+        println!("{pad}    compression type: {}", q.compression_type);
+        println!("{pad}    lazy refcounts: {}", q.lazy_refcounts);
+        println!("{pad}    refcount bits: {}", q.refcount_bits);
+        println!("{pad}    corrupt: {}", q.corrupt);
+        println!("{pad}    extended l2: {}", q.extended_l2);
+        println!("{pad}    dirty: {}", i.dirty);
+        if let Some(d) = &q.data_file {
+            println!("{pad}    data file: {d}");
+        }
+        if !q.features.is_empty() {
+            println!("{pad}    features: {}", q.features.join(", "));
+        }
+    }
+}
+
+pub fn run(a: Args) -> Result<u8> {
+    let format = a
+        .format
+        .as_deref()
+        .map(|f| {
+            ImageFormat::parse(f)
+                .ok_or_else(|| anyhow::anyhow!("unknown format '{f}' (use qcow2 or raw)"))
+        })
+        .transpose()?;
+    let disk = open_chain(
+        &a.file,
+        &OpenOptions {
+            read_only: true,
+            format,
+            force_share: a.force_share,
+            ..OpenOptions::default()
+        },
+    )?;
+    let chain: Vec<ImageInfo> = disk.layers().iter().map(describe).collect();
+    if a.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            #[serde(flatten)]
+            top: &'a ImageInfo,
+            #[serde(rename = "backing-chain")]
+            chain: &'a [ImageInfo],
+        }
+        let out = Out {
+            top: &chain[0],
+            chain: &chain[1..],
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        for (d, i) in chain.iter().enumerate() {
+            if d == 1 {
+                println!("Backing chain:");
+            }
+            print_human(i, d.min(1));
+        }
+    }
+    Ok(0)
+}
