@@ -10,7 +10,7 @@ use crate::meta_cache::MetaCacheConfig;
 use crate::qimage::{self, ImageOptions, Qcow2Image};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use vdcache_backend::{BackendRef, FileBackend, FileOptions, LockMode};
+use vdcache_backend::{BackendRef, FileBackend, FileOptions, LockMode, MemBackend};
 use vdcache_qcow2::header::MAGIC;
 
 /// Longest chain accepted (QEMU has no fixed limit; this bounds recursion).
@@ -83,6 +83,57 @@ impl StoreOpener for LocalFiles {
             .map(Path::to_path_buf)
             .unwrap_or_else(PathBuf::new);
         dir.join(b).display().to_string()
+    }
+}
+
+/// Keeps images in memory, by name (tests and in-process replay).
+#[derive(Debug, Default)]
+pub struct MemFiles {
+    files: std::sync::Mutex<std::collections::HashMap<String, Arc<MemBackend>>>,
+}
+
+impl MemFiles {
+    pub fn new() -> Arc<MemFiles> {
+        Arc::new(MemFiles::default())
+    }
+
+    /// Adds (or replaces) an image.
+    pub fn insert(&self, name: &str, bytes: Vec<u8>) -> Arc<MemBackend> {
+        let b = Arc::new(MemBackend::new(name, bytes));
+        self.files
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.to_string(), b.clone());
+        b
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<MemBackend>> {
+        self.files
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+    }
+}
+
+impl StoreOpener for MemFiles {
+    fn open(&self, name: &str, _writable: bool, _lock: Option<LockMode>) -> Result<BackendRef> {
+        match self.get(name) {
+            Some(b) => Ok(b),
+            None => Err(ImageError::io(
+                name,
+                "open",
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            )),
+        }
+    }
+
+    fn canonical(&self, name: &str) -> Result<String> {
+        Ok(name.to_string())
+    }
+
+    fn resolve(&self, parent: &str, backing: &str) -> String {
+        LocalFiles.resolve(parent, backing)
     }
 }
 

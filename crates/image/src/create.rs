@@ -118,7 +118,6 @@ fn layout(cluster_size: u64, order: u32, l1_entries: u64) -> (u64, u64, u64) {
 /// Creates a qcow2 image at `path` (refusing to overwrite nothing: an
 /// existing file is replaced, as qemu-img does).
 pub fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<()> {
-    let (cluster_bits, order) = opts.validate(path)?;
     let size = match (opts.size, &opts.backing) {
         (Some(s), _) => s,
         (None, Some((name, fmt))) => backing_size(path, name, *fmt)?,
@@ -129,6 +128,14 @@ pub fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<()> {
             ));
         }
     };
+    let image = qcow2_image_bytes(path, opts, size)?;
+    write_new_file(path, &image)
+}
+
+/// The bytes of a new, empty qcow2 image of `size` bytes (`path` only
+/// names it in errors).
+pub fn qcow2_image_bytes(path: &Path, opts: &CreateOptions, size: u64) -> Result<Vec<u8>> {
+    let (cluster_bits, order) = opts.validate(path)?;
     let cs = opts.cluster_size;
     let entry = if opts.extended_l2 { 16 } else { 8 };
     let l1_entries = size.div_ceil((cs / entry) * cs);
@@ -190,9 +197,17 @@ pub fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<()> {
         },
         backing_file: opts.backing.as_ref().map(|(n, _)| n.clone()),
     };
-    let first = h
-        .encode()
-        .map_err(|e| ImageError::format(&path.display().to_string(), e))?;
+    // Like QEMU, leave the feature name table out when it does not fit in
+    // the first cluster (small clusters with a backing file name).
+    let first = match h.encode() {
+        Ok(b) => b,
+        Err(_) => {
+            let mut h = h;
+            h.extensions.feature_names.clear();
+            h.encode()
+                .map_err(|e| ImageError::format(&path.display().to_string(), e))?
+        }
+    };
     let mut image = vec![0u8; (total * cs) as usize];
     image[..first.len()].copy_from_slice(&first);
     let per_block = cs * 8 >> order;
@@ -206,7 +221,7 @@ pub fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<()> {
         refcount::set(slice, c % per_block, order, 1)
             .map_err(|e| ImageError::format(&path.display().to_string(), e))?;
     }
-    write_new_file(path, &image)
+    Ok(image)
 }
 
 fn backing_size(path: &Path, name: &str, fmt: ImageFormat) -> Result<u64> {

@@ -18,9 +18,9 @@ pub mod meta_cache;
 pub mod qimage;
 mod range_lock;
 
-pub use chain::{ImageFormat, LocalFiles, OpenOptions, StoreOpener, open_chain};
+pub use chain::{ImageFormat, LocalFiles, MemFiles, OpenOptions, StoreOpener, open_chain};
 pub use check::CheckReport;
-pub use create::{CreateOptions, create_qcow2, create_raw};
+pub use create::{CreateOptions, create_qcow2, create_raw, qcow2_image_bytes};
 pub use disk::{BlockState, Layer, VirtualDisk, ZeroFlags};
 pub use error::{ImageError, Result};
 pub use hostio::{DirectIo, DiskId, HostIo, ImageHandle, IoClass, IoTag, MetaTable};

@@ -20,6 +20,8 @@ pub struct Args {
     /// Do not take image locks.
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
+    #[command(flatten)]
+    cache: crate::meta_args::MetaCacheArgs,
     file: String,
 }
 
@@ -240,6 +242,7 @@ pub fn run(a: Args) -> Result<u8> {
             read_only: a.read_only,
             format,
             force_share: a.force_share,
+            cache: a.cache.config()?,
             ..OpenOptions::default()
         },
     )?;

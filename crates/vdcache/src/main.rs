@@ -10,6 +10,7 @@ mod cmd_create;
 mod cmd_demo;
 mod cmd_info;
 mod cmd_io;
+mod meta_args;
 mod size;
 
 use clap::{Parser, Subcommand};

@@ -152,11 +152,14 @@ impl Locked<'_> {
         self.barrier()?;
         report.barriers += 1;
         self.apply_pending_frees()?;
-        if closing && !self.m.pending_frees.is_empty() {
-            // Frees queued by the flush itself (an old refcount table).
-            self.persist_refcounts()?;
-            self.apply_pending_frees()?;
-            self.persist_refcounts()?;
+        if closing {
+            // The decrements just applied (and any frees a moved refcount
+            // table queued) must reach the file too: nothing durable
+            // references those clusters any more.
+            while self.persist_refcounts()? || !self.m.pending_frees.is_empty() {
+                self.barrier()?;
+                self.apply_pending_frees()?;
+            }
             self.barrier()?;
         }
         Ok(report)
