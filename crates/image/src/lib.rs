@@ -13,6 +13,7 @@ mod cow;
 pub mod create;
 pub mod disk;
 pub mod error;
+pub mod fuzzing;
 pub mod hostio;
 pub mod meta_cache;
 pub mod qimage;

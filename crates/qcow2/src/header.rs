@@ -214,7 +214,6 @@ impl Header {
             h.header_length = r.u32()?;
             h.check_header_length(cluster_size)?;
             if h.header_length > V3_MIN_HEADER_LENGTH {
-                h.compression_type = decode_compression_type(buf[104], h.incompatible_features)?;
                 let known_end = 105usize;
                 let end = h.header_length as usize;
                 if end > buf.len() {
@@ -224,6 +223,7 @@ impl Header {
                         have: buf.len() as u64,
                     });
                 }
+                h.compression_type = decode_compression_type(buf[104], h.incompatible_features)?;
                 h.unknown_fields = buf[known_end..end].to_vec();
             } else if h.incompatible_features & incompatible::COMPRESSION_TYPE != 0 {
                 return Err(FormatError::invalid(
@@ -952,6 +952,15 @@ mod tests {
         let bytes = sample(3).encode().unwrap();
         assert!(matches!(
             Header::parse(&bytes[..90]),
+            Err(FormatError::Truncated { .. })
+        ));
+    }
+
+    #[test]
+    fn header_length_past_the_buffer_is_truncation() {
+        let bytes = sample(3).encode().unwrap();
+        assert!(matches!(
+            Header::parse(&bytes[..104]),
             Err(FormatError::Truncated { .. })
         ));
     }

@@ -17,6 +17,13 @@ pub(crate) enum Sliced {
 }
 
 impl Sliced {
+    fn describe(self) -> &'static str {
+        match self {
+            Sliced::L2 => "L2 table",
+            Sliced::Refblock => "refcount block",
+        }
+    }
+
     fn table(self) -> MetaTable {
         match self {
             Sliced::L2 => MetaTable::L2,
@@ -39,8 +46,23 @@ impl Locked<'_> {
         if self.cache(kind).lookup(start).is_some() {
             return Ok(());
         }
-        self.make_room(kind)?;
         let size = self.cache(kind).slice_size() as usize;
+        // A table pointer past the end of the file is corruption; reading
+        // (or later writing) there would conjure a table out of nothing.
+        let file_len = self.m.file_end;
+        if start
+            .checked_add(size as u64)
+            .is_none_or(|end| end > file_len)
+        {
+            return Err(ImageError::corrupt(
+                self.name(),
+                format!(
+                    "{} at {start:#x} lies past the end of the image file ({file_len} bytes)",
+                    kind.describe()
+                ),
+            ));
+        }
+        self.make_room(kind)?;
         let mut data = vec![0u8; size].into_boxed_slice();
         self.img
             .io
@@ -129,12 +151,41 @@ impl Locked<'_> {
                 ));
             }
         };
-        L2Mapping::decode(raw, bitmap, &self.img.format).map_err(|e| {
+        let mapping = L2Mapping::decode(raw, bitmap, &self.img.format).map_err(|e| {
             ImageError::corrupt(
                 self.name(),
                 format!("L2 entry of guest cluster {guest_cluster} (table at {table:#x}): {e}"),
             )
-        })
+        })?;
+        self.check_within_file(guest_cluster, &mapping)?;
+        Ok(mapping)
+    }
+
+    /// Refuses mappings whose data lies past the end of the image file:
+    /// reading there would return bytes nobody wrote.
+    fn check_within_file(&self, guest_cluster: u64, mapping: &L2Mapping) -> Result<()> {
+        if self.img.external_data {
+            return Ok(());
+        }
+        // The last cluster may be partly written (subclusters), so only its
+        // start must lie inside the file.
+        let start = match mapping {
+            L2Mapping::Standard(s) => match s.host {
+                Some(h) => h.0,
+                None => return Ok(()),
+            },
+            L2Mapping::Compressed(d) => d.offset,
+        };
+        if start >= self.m.file_end {
+            return Err(ImageError::corrupt(
+                self.name(),
+                format!(
+                    "L2 entry of guest cluster {guest_cluster} points at {start:#x}, past the end of the image file ({} bytes)",
+                    self.m.file_end
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Updates the entry of a guest cluster whose table is writable

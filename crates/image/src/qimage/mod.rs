@@ -80,6 +80,9 @@ pub(crate) struct Meta {
     pub(crate) refblocks: SliceCache,
     /// No cluster below this one is free.
     pub(crate) free_hint: u64,
+    /// End of the image file as far as this image knows: its length at open,
+    /// raised by every allocation. Pointers past it are corruption.
+    pub(crate) file_end: u64,
     /// Clusters whose refcount drops by one once the metadata that stopped
     /// referencing them is durable.
     pub(crate) pending_frees: Vec<u64>,
@@ -221,6 +224,10 @@ impl Qcow2Image {
             vdcache_qcow2::refcount::decode_table_entry(raw, &geometry).map_err(fmt_err)?;
         }
         let snapshots = read_snapshots(&handle, &*io, &header, &geometry, opts.disk)?;
+        let file_end = handle
+            .backend
+            .len()
+            .map_err(|e| ImageError::io(&name, "stat", e))?;
         let bitmaps = read_bitmap_directory(&handle, &*io, &header, &geometry, opts.disk)?;
         let slice = opts
             .cache
@@ -247,6 +254,7 @@ impl Qcow2Image {
             l2: SliceCache::new(opts.cache.l2_bytes, slice),
             refblocks: SliceCache::new(opts.cache.refcount_bytes, slice),
             free_hint: 0,
+            file_end,
             pending_frees: Vec::new(),
             unsynced_writes: false,
             dirty_on_disk: header.is_dirty(),

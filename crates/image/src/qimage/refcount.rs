@@ -118,7 +118,9 @@ impl Locked<'_> {
         Ok(())
     }
 
-    fn check_capacity(&self, end_cluster: u64) -> Result<()> {
+    /// Checks that clusters up to `end_cluster` may be used, and records
+    /// that the file now extends that far.
+    fn check_capacity(&mut self, end_cluster: u64) -> Result<()> {
         let g = &self.img.geometry;
         let end = g.cluster_offset(end_cluster);
         if end > MAX_HOST_OFFSET {
@@ -139,6 +141,7 @@ impl Locked<'_> {
                 });
             }
         }
+        self.m.file_end = self.m.file_end.max(end);
         Ok(())
     }
 
