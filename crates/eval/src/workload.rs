@@ -1,0 +1,1092 @@
+//! Synthetic workload generators (boot storm, OLTP, file server).
+//!
+//! This module owns the shapes of the synthetic workloads and their
+//! deterministic generation: a [`WorkloadSpec`] names a class and its knobs
+//! (working set, read ratio, Zipf skew, duplicate content, request count,
+//! seed), a [`Generator`] yields [`TraceRecord`]s one at a time, and
+//! [`write_workload`] streams them into any trace format.
+//!
+//! It must not hold the trace in memory: state is O(working set) at most (two
+//! bytes per tracked 4 KiB block, only when content digests are on) and
+//! never grows with the request count. It must stay deterministic: the same
+//! spec and seed give the same records on every machine and every build
+//! (the PRNG, xoshiro256++ seeded by SplitMix64, and the Zipf sampler,
+//! Hörmann and Derflinger's rejection-inversion, are implemented here rather
+//! than taken from a crate whose streams may change between versions).
+//!
+//! Every request is 4 KiB-aligned with a length that is a multiple of
+//! 4 KiB, and every time a multiple of 1 us, so that all formats can carry
+//! them (see the round-trip test in `tests/`).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::io::Write;
+use std::str::FromStr;
+
+use crate::trace::{ContentHash, Format, Op, TraceRecord, WriteError, WriterOptions, new_writer};
+
+/// Block size of the generators (alignment and length unit).
+pub const BLOCK: u64 = 4096;
+
+// ---------------------------------------------------------------------------
+// PRNG and distributions
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Hash several words into one (SplitMix64 finalizer chain).
+fn hash_words(words: &[u64]) -> u64 {
+    let mut s = 0x243f_6a88_85a3_08d3u64;
+    let mut h = 0;
+    for &w in words {
+        s ^= w;
+        h ^= splitmix64(&mut s);
+    }
+    h
+}
+
+/// xoshiro256++: small, fast, and its stream is fixed by its definition.
+#[derive(Clone, Debug)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        let mut sm = seed;
+        let s = [
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+        ];
+        Rng { s }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let result = (self.s[0].wrapping_add(self.s[3]))
+            .rotate_left(23)
+            .wrapping_add(self.s[0]);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1).
+    pub fn f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in [0, n) (n > 0; multiply-shift, bias below 2^-64 n).
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+
+    pub fn chance(&mut self, p: f64) -> bool {
+        self.f64() < p
+    }
+}
+
+/// Largest accepted Zipf exponent (beyond it all mass is on rank 0 anyway).
+pub const MAX_THETA: f64 = 20.0;
+
+/// Zipf over `0..n`: P(k) proportional to 1 / (k + 1)^theta. theta = 0 is
+/// uniform. Sampling is O(1) (rejection-inversion), setup is O(1).
+#[derive(Clone, Debug)]
+pub struct Zipf {
+    n: u64,
+    s: f64,
+    h_x1: f64,
+    h_n: f64,
+    cut: f64,
+}
+
+impl Zipf {
+    /// `n >= 1`, `theta` in [0, [`MAX_THETA`]].
+    pub fn new(n: u64, theta: f64) -> Result<Self, GenError> {
+        if n == 0 {
+            return Err(GenError::Invalid("Zipf over an empty range".into()));
+        }
+        if !(0.0..=MAX_THETA).contains(&theta) {
+            return Err(GenError::Invalid(format!(
+                "zipf_theta must be in [0, {MAX_THETA}], got {theta}"
+            )));
+        }
+        let mut z = Zipf {
+            n,
+            s: theta,
+            h_x1: 0.0,
+            h_n: 0.0,
+            cut: 0.0,
+        };
+        z.h_x1 = z.big_h(1.5) - 1.0;
+        z.h_n = z.big_h(n as f64 + 0.5);
+        z.cut = 2.0 - z.big_h_inv(z.big_h(2.5) - z.h(2.0));
+        Ok(z)
+    }
+
+    fn h(&self, x: f64) -> f64 {
+        (-self.s * x.ln()).exp()
+    }
+
+    /// Integral of h: (x^(1-s) - 1) / (1 - s), continuous at s = 1.
+    fn big_h(&self, x: f64) -> f64 {
+        let lx = x.ln();
+        let t = (1.0 - self.s) * lx;
+        let f = if t == 0.0 { 1.0 } else { t.exp_m1() / t };
+        f * lx
+    }
+
+    fn big_h_inv(&self, y: f64) -> f64 {
+        let t = (1.0 - self.s) * y;
+        let f = if t == 0.0 { 1.0 } else { t.ln_1p() / t };
+        (f * y).exp()
+    }
+
+    pub fn sample(&self, rng: &mut Rng) -> u64 {
+        if self.s == 0.0 || self.n == 1 {
+            return rng.below(self.n);
+        }
+        // Acceptance is above 90% per round for any theta; the bound only
+        // guards against a numerical corner ever looping.
+        for _ in 0..256 {
+            let u = self.h_n + rng.f64() * (self.h_x1 - self.h_n);
+            let x = self.big_h_inv(u);
+            let k = (x + 0.5).floor().clamp(1.0, self.n as f64);
+            if k.is_finite() && (k - x <= self.cut || u >= self.big_h(k + 0.5) - self.h(k)) {
+                return (k as u64).clamp(1, self.n) - 1;
+            }
+        }
+        0
+    }
+}
+
+/// A bijection of `0..n` that scatters Zipf ranks over the address space.
+#[derive(Clone, Copy, Debug)]
+struct Scatter {
+    n: u64,
+    mul: u64,
+}
+
+impl Scatter {
+    fn new(n: u64) -> Self {
+        // 2^61 - 1 is prime and larger than any n used here, so it is coprime
+        // with n and multiplication by it modulo n is a permutation.
+        const P: u64 = (1 << 61) - 1;
+        Scatter {
+            n: n.max(1),
+            mul: P % n.max(1),
+        }
+    }
+    fn map(&self, k: u64) -> u64 {
+        ((u128::from(k) * u128::from(self.mul)) % u128::from(self.n)) as u64
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Specs
+
+/// The shape of a workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadClass {
+    /// N cloned VMs booting at once: each VM (one disk each) reads the same
+    /// boot sequence over a shared base-image region (so the same content
+    /// across VMs), in runs of 4-128 KiB that jump by Zipf; 10% of its reads
+    /// go to a VM-specific base block instead; writes (1 - read ratio) go to a
+    /// private region of 1/8 of the base, 4-16 KiB.
+    BootStorm,
+    /// Small random I/O: 4 KiB (70%) or 8 KiB (30%), Zipf over 8 KiB pages of
+    /// the working set; every `flush_every_writes` writes, a commit: a
+    /// sequential 4-16 KiB log append (log region of 1/64 of the working set,
+    /// at least 1 MiB) and a flush.
+    Oltp,
+    /// Files as 1 MiB slots picked by Zipf; four interleaved streams each run
+    /// sequentially through a slot (about 8 requests, sizes 4 KiB-256 KiB);
+    /// a run is a whole-slot discard (file deletion) with probability
+    /// `discard_ratio`.
+    FileServer,
+}
+
+impl FromStr for WorkloadClass {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().replace('_', "-").as_str() {
+            "boot-storm" | "bootstorm" | "boot" => Ok(WorkloadClass::BootStorm),
+            "oltp" => Ok(WorkloadClass::Oltp),
+            "file-server" | "fileserver" | "fs" => Ok(WorkloadClass::FileServer),
+            _ => Err(format!(
+                "unknown workload class '{s}' (expected boot-storm, oltp or file-server)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for WorkloadClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WorkloadClass::BootStorm => "boot-storm",
+            WorkloadClass::Oltp => "oltp",
+            WorkloadClass::FileServer => "file-server",
+        })
+    }
+}
+
+/// Everything that defines a synthetic trace. Build with
+/// [`WorkloadSpec::new`] (class defaults) and adjust fields.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct WorkloadSpec {
+    pub class: WorkloadClass,
+    /// Records to produce (flushes, discards and log writes included).
+    pub requests: u64,
+    /// Disks; for a boot storm, the number of cloned VMs (one disk each).
+    /// Other classes spread requests uniformly over the disks. At most 65536.
+    pub disks: u32,
+    /// Working set per disk in bytes (boot storm: the shared base region),
+    /// rounded down to 4 KiB, at least 64 KiB. The disks' address space is a
+    /// bit larger (private region, log region).
+    pub working_set_bytes: u64,
+    /// Fraction of data requests that are reads, in [0, 1].
+    pub read_ratio: f64,
+    /// Zipf exponent of the popularity of blocks/pages/files; 0 = uniform.
+    pub zipf_theta: f64,
+    /// Fraction of written (and initial) block versions whose content is
+    /// drawn from a small pool of popular contents (zero block first), in
+    /// [0, 1].
+    pub dup_ratio: f64,
+    pub seed: u64,
+    /// Mean of the exponential inter-arrival time; times are rounded to 1 us.
+    pub mean_interarrival_ns: u64,
+    /// Time of the first record (rounded down to 1 us).
+    pub start_time_ns: u64,
+    /// Attach per-4 KiB content digests to reads and writes.
+    pub content: bool,
+    /// OLTP: a commit (log append + flush) after this many data writes; 0 =
+    /// never.
+    pub flush_every_writes: u32,
+    /// File server: fraction of runs that are whole-file discards, in [0, 1].
+    pub discard_ratio: f64,
+}
+
+impl WorkloadSpec {
+    /// Defaults for a class: boot storm 16 VMs over a 1 GiB base, 95% reads,
+    /// theta 0.6, 20% duplicate content; OLTP 1 disk, 4 GiB, 70% reads, theta
+    /// 0.99, commit every 16 writes; file server 1 disk, 8 GiB, 80% reads,
+    /// theta 0.8, 30% duplicate content, 2% discards. 1 million requests,
+    /// seed 1, content on.
+    pub fn new(class: WorkloadClass) -> Self {
+        let base = WorkloadSpec {
+            class,
+            requests: 1_000_000,
+            disks: 1,
+            working_set_bytes: 1 << 30,
+            read_ratio: 0.7,
+            zipf_theta: 0.9,
+            dup_ratio: 0.1,
+            seed: 1,
+            mean_interarrival_ns: 100_000,
+            start_time_ns: 0,
+            content: true,
+            flush_every_writes: 0,
+            discard_ratio: 0.0,
+        };
+        match class {
+            WorkloadClass::BootStorm => WorkloadSpec {
+                disks: 16,
+                read_ratio: 0.95,
+                zipf_theta: 0.6,
+                dup_ratio: 0.2,
+                mean_interarrival_ns: 20_000,
+                ..base
+            },
+            WorkloadClass::Oltp => WorkloadSpec {
+                working_set_bytes: 4 << 30,
+                zipf_theta: 0.99,
+                dup_ratio: 0.05,
+                flush_every_writes: 16,
+                ..base
+            },
+            WorkloadClass::FileServer => WorkloadSpec {
+                working_set_bytes: 8 << 30,
+                read_ratio: 0.8,
+                zipf_theta: 0.8,
+                dup_ratio: 0.3,
+                mean_interarrival_ns: 200_000,
+                discard_ratio: 0.02,
+                ..base
+            },
+        }
+    }
+
+    /// Check every knob; the error names the field.
+    pub fn validate(&self) -> Result<(), GenError> {
+        let unit = |name: &str, v: f64| {
+            if (0.0..=1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(GenError::Invalid(format!(
+                    "{name} must be in [0, 1], got {v}"
+                )))
+            }
+        };
+        unit("read_ratio", self.read_ratio)?;
+        unit("dup_ratio", self.dup_ratio)?;
+        unit("discard_ratio", self.discard_ratio)?;
+        if !(0.0..=MAX_THETA).contains(&self.zipf_theta) {
+            return Err(GenError::Invalid(format!(
+                "zipf_theta must be in [0, {MAX_THETA}], got {}",
+                self.zipf_theta
+            )));
+        }
+        if self.disks == 0 || self.disks > 65536 {
+            return Err(GenError::Invalid(format!(
+                "disks must be in 1..=65536, got {}",
+                self.disks
+            )));
+        }
+        if self.working_set_bytes < 16 * BLOCK {
+            return Err(GenError::Invalid(format!(
+                "working_set_bytes must be at least 64 KiB, got {}",
+                self.working_set_bytes
+            )));
+        }
+        if self.working_set_bytes / BLOCK > u64::from(u32::MAX) {
+            return Err(GenError::Invalid(
+                "working_set_bytes must be below 16 TiB".into(),
+            ));
+        }
+        if self.content {
+            let tracked = self
+                .layout()
+                .tracked_blocks
+                .saturating_mul(u64::from(self.disks));
+            if tracked > MAX_TRACKED_BLOCKS {
+                return Err(GenError::Invalid(format!(
+                    "content digests need 2 bytes per tracked block: {tracked} blocks is over the {MAX_TRACKED_BLOCKS} limit (lower the working set or disks, or turn content off)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn layout(&self) -> Layout {
+        let b = self.working_set_bytes / BLOCK;
+        match self.class {
+            WorkloadClass::BootStorm => {
+                let private = (b / 8).max(16);
+                Layout {
+                    base: b,
+                    extra: private,
+                    tracked_blocks: private,
+                }
+            }
+            WorkloadClass::Oltp => {
+                let log = (b / 64).max(256);
+                Layout {
+                    base: b,
+                    extra: log,
+                    tracked_blocks: b + log,
+                }
+            }
+            WorkloadClass::FileServer => Layout {
+                base: b,
+                extra: 0,
+                tracked_blocks: b,
+            },
+        }
+    }
+
+    /// Bytes of each disk's address space that the workload can touch.
+    pub fn disk_bytes(&self) -> u64 {
+        let l = self.layout();
+        (l.base + l.extra) * BLOCK
+    }
+}
+
+/// At most 2^31 tracked blocks (4 GiB of version counters).
+const MAX_TRACKED_BLOCKS: u64 = 1 << 31;
+
+struct Layout {
+    /// Blocks of the working set (boot storm: shared base).
+    base: u64,
+    /// Blocks after it (boot storm: private region; OLTP: log).
+    extra: u64,
+    /// Blocks whose versions are tracked, per disk.
+    tracked_blocks: u64,
+}
+
+/// Errors from generation.
+#[derive(Debug, thiserror::Error)]
+pub enum GenError {
+    #[error("invalid workload: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Write(#[from] WriteError),
+}
+
+// ---------------------------------------------------------------------------
+// Content model
+
+const DISCARDED: u16 = u16::MAX;
+const POOL: u64 = 64;
+
+fn digest_of(words: &[u64]) -> ContentHash {
+    let a = hash_words(words);
+    let b = hash_words(&[a, 0x1234_5678_9abc_def0]);
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&a.to_le_bytes());
+    out[8..].copy_from_slice(&b.to_le_bytes());
+    out
+}
+
+/// Content of one of the popular pool entries; entry 0 is the zero block.
+fn pool_digest(seed: u64, idx: u64) -> ContentHash {
+    digest_of(&[seed, 0x9001, idx])
+}
+
+/// Content of a block version: from the pool with probability `dup`, else
+/// unique to (space, disk, block, version).
+fn version_digest(
+    seed: u64,
+    dup: f64,
+    space: u64,
+    disk: u64,
+    block: u64,
+    version: u16,
+) -> ContentHash {
+    if version == DISCARDED {
+        return pool_digest(seed, 0);
+    }
+    let h = hash_words(&[seed, space, disk, block, u64::from(version)]);
+    if ((h >> 11) as f64 * (1.0 / (1u64 << 53) as f64)) < dup {
+        // Geometric pool index: entry 0 (the zero block) half the time.
+        let idx = u64::from(hash_words(&[h, 7]).trailing_zeros()).min(POOL - 1);
+        pool_digest(seed, idx)
+    } else {
+        digest_of(&[seed, space, disk, block, u64::from(version), 0xc0de])
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Generator
+
+#[derive(Clone, Copy, Debug)]
+struct BootCursor {
+    step: u64,
+    next_block: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Stream {
+    disk: u32,
+    block: u64,
+    end: u64,
+    remaining: u32,
+    op: Option<Op>,
+}
+
+/// Yields the records of a [`WorkloadSpec`], one at a time.
+pub struct Generator {
+    spec: WorkloadSpec,
+    layout: Layout,
+    rng: Rng,
+    zipf: Zipf,
+    scatter: Scatter,
+    time_ns: u64,
+    emitted: u64,
+    pending: VecDeque<TraceRecord>,
+    /// versions[disk * tracked + i]
+    versions: Vec<u16>,
+    boot: Vec<BootCursor>,
+    streams: [Stream; 4],
+    writes: u64,
+    log_head: Vec<u64>,
+}
+
+/// Start generating. Fails if the spec is invalid.
+pub fn generate(spec: &WorkloadSpec) -> Result<Generator, GenError> {
+    spec.validate()?;
+    let layout = spec.layout();
+    let units = match spec.class {
+        WorkloadClass::BootStorm => layout.base,
+        WorkloadClass::Oltp => (layout.base / 2).max(1),
+        WorkloadClass::FileServer => (layout.base / FILE_SLOT_BLOCKS).max(1),
+    };
+    let versions = if spec.content {
+        vec![0u16; (layout.tracked_blocks * u64::from(spec.disks)) as usize]
+    } else {
+        Vec::new()
+    };
+    let boot = if spec.class == WorkloadClass::BootStorm {
+        vec![
+            BootCursor {
+                step: 0,
+                next_block: 0
+            };
+            spec.disks as usize
+        ]
+    } else {
+        Vec::new()
+    };
+    let log_head = if spec.class == WorkloadClass::Oltp {
+        vec![0; spec.disks as usize]
+    } else {
+        Vec::new()
+    };
+    Ok(Generator {
+        zipf: Zipf::new(units, spec.zipf_theta)?,
+        scatter: Scatter::new(units),
+        rng: Rng::new(spec.seed),
+        time_ns: spec.start_time_ns / 1000 * 1000,
+        emitted: 0,
+        pending: VecDeque::new(),
+        versions,
+        boot,
+        streams: [Stream::default(); 4],
+        writes: 0,
+        log_head,
+        layout,
+        spec: spec.clone(),
+    })
+}
+
+const FILE_SLOT_BLOCKS: u64 = 256;
+const BOOT_SIZES: [(u64, f64); 6] = [
+    (1, 0.30),
+    (2, 0.20),
+    (4, 0.20),
+    (8, 0.15),
+    (16, 0.10),
+    (32, 0.05),
+];
+const FS_SIZES: [(u64, f64); 7] = [
+    (1, 0.30),
+    (2, 0.15),
+    (4, 0.15),
+    (8, 0.10),
+    (16, 0.15),
+    (32, 0.10),
+    (64, 0.05),
+];
+
+fn pick_size(rng: &mut Rng, table: &[(u64, f64)]) -> u64 {
+    let mut u = rng.f64();
+    for &(blocks, p) in table {
+        if u < p {
+            return blocks;
+        }
+        u -= p;
+    }
+    table.last().map_or(1, |t| t.0)
+}
+
+impl Generator {
+    /// The spec being generated.
+    pub fn spec(&self) -> &WorkloadSpec {
+        &self.spec
+    }
+
+    fn tracked_index(&self, disk: u32, tracked_block: u64) -> usize {
+        (u64::from(disk) * self.layout.tracked_blocks + tracked_block) as usize
+    }
+
+    /// Digests of blocks `block..block+n` of `disk` as they are now. Untracked
+    /// blocks are the shared base of a boot storm, the same on every disk.
+    fn content_of(&self, disk: u32, block: u64, n: u64) -> Option<Vec<ContentHash>> {
+        if !self.spec.content {
+            return None;
+        }
+        let (seed, dup) = (self.spec.seed, self.spec.dup_ratio);
+        Some(
+            (block..block + n)
+                .map(|b| match self.tracked_of(b) {
+                    None => version_digest(seed, dup, 1, 0, b, 0),
+                    Some(t) => {
+                        let v = self.versions[self.tracked_index(disk, t)];
+                        version_digest(seed, dup, 2, u64::from(disk), b, v)
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// Index among tracked blocks, or None for the shared base.
+    fn tracked_of(&self, block: u64) -> Option<u64> {
+        match self.spec.class {
+            WorkloadClass::BootStorm => block.checked_sub(self.layout.base),
+            _ => Some(block),
+        }
+    }
+
+    fn bump(&mut self, disk: u32, block: u64, n: u64, discard: bool) {
+        if !self.spec.content {
+            return;
+        }
+        for b in block..block + n {
+            if let Some(t) = self.tracked_of(b) {
+                let i = self.tracked_index(disk, t);
+                let v = &mut self.versions[i];
+                *v = if discard {
+                    DISCARDED
+                } else if *v >= DISCARDED - 1 {
+                    1
+                } else {
+                    *v + 1
+                };
+            }
+        }
+    }
+
+    fn data(&mut self, disk: u32, op: Op, block: u64, n: u64) -> TraceRecord {
+        let mut rec = TraceRecord::new(0, disk, op, block * BLOCK, n * BLOCK);
+        match op {
+            Op::Read => rec.content = self.content_of(disk, block, n),
+            Op::Write => {
+                self.bump(disk, block, n, false);
+                rec.content = self.content_of(disk, block, n);
+            }
+            Op::Discard => self.bump(disk, block, n, true),
+            Op::Flush => {}
+        }
+        rec
+    }
+
+    fn boot_step(&mut self) -> TraceRecord {
+        let disk = self.rng.below(u64::from(self.spec.disks)) as u32;
+        let base = self.layout.base;
+        if !self.rng.chance(self.spec.read_ratio) {
+            let private = self.layout.extra;
+            let n = 1 + self.rng.below(4).min(private - 1);
+            let block = base + self.rng.below(private - n + 1);
+            return self.data(disk, Op::Write, block, n);
+        }
+        if self.rng.chance(0.1) {
+            let start = self.scatter.map(self.zipf.sample(&mut self.rng));
+            let n = pick_size(&mut self.rng, &BOOT_SIZES).min(base - start);
+            return self.data(disk, Op::Read, start, n);
+        }
+        // The shared boot sequence: step j is the same for every VM.
+        let cur = self.boot[disk as usize];
+        let mut step_rng = Rng::new(hash_words(&[self.spec.seed, 0xb007, cur.step]));
+        let sequential = cur.step > 0 && step_rng.chance(0.6) && cur.next_block < base;
+        let start = if sequential {
+            cur.next_block
+        } else {
+            self.scatter.map(self.zipf.sample(&mut step_rng))
+        };
+        let n = pick_size(&mut step_rng, &BOOT_SIZES).min(base - start);
+        self.boot[disk as usize] = BootCursor {
+            step: cur.step + 1,
+            next_block: start + n,
+        };
+        self.data(disk, Op::Read, start, n)
+    }
+
+    fn oltp_step(&mut self) -> TraceRecord {
+        let disk = self.rng.below(u64::from(self.spec.disks)) as u32;
+        let page = self.scatter.map(self.zipf.sample(&mut self.rng));
+        let (block, n) = if self.rng.chance(0.3) {
+            (page * 2, 2)
+        } else {
+            (page * 2 + self.rng.below(2), 1)
+        };
+        let n = n.min(self.layout.base - block);
+        if self.rng.chance(self.spec.read_ratio) {
+            return self.data(disk, Op::Read, block, n);
+        }
+        let rec = self.data(disk, Op::Write, block, n);
+        self.writes += 1;
+        let every = u64::from(self.spec.flush_every_writes);
+        if every > 0 && self.writes.is_multiple_of(every) {
+            let log = self.layout.extra;
+            let len = 1 + self.rng.below(4);
+            let head = &mut self.log_head[disk as usize];
+            if *head + len > log {
+                *head = 0;
+            }
+            let block = self.layout.base + *head;
+            *head += len;
+            let append = self.data(disk, Op::Write, block, len);
+            self.pending.push_back(append);
+            self.pending
+                .push_back(TraceRecord::new(0, disk, Op::Flush, 0, 0));
+        }
+        rec
+    }
+
+    fn fs_step(&mut self) -> TraceRecord {
+        let si = self.rng.below(self.streams.len() as u64) as usize;
+        let mut s = self.streams[si];
+        if s.remaining == 0 || s.block >= s.end {
+            let slots = (self.layout.base / FILE_SLOT_BLOCKS).max(1);
+            let slot = self
+                .scatter
+                .map(self.zipf.sample(&mut self.rng))
+                .min(slots - 1); // units == slots
+            let start = slot * FILE_SLOT_BLOCKS;
+            let end = (start + FILE_SLOT_BLOCKS).min(self.layout.base);
+            let disk = self.rng.below(u64::from(self.spec.disks)) as u32;
+            if self.rng.chance(self.spec.discard_ratio) {
+                self.streams[si].remaining = 0;
+                return self.data(disk, Op::Discard, start, end - start);
+            }
+            let op = if self.rng.chance(self.spec.read_ratio) {
+                Op::Read
+            } else {
+                Op::Write
+            };
+            let block = if self.rng.chance(0.5) {
+                start
+            } else {
+                start + self.rng.below(end - start)
+            };
+            // Geometric run length, mean 8.
+            let remaining = 1 + (-(1.0 - self.rng.f64()).ln() * 7.0) as u32;
+            s = Stream {
+                disk,
+                block,
+                end,
+                remaining,
+                op: Some(op),
+            };
+        }
+        let n = pick_size(&mut self.rng, &FS_SIZES).min(s.end - s.block);
+        let rec = self.data(s.disk, s.op.unwrap_or(Op::Read), s.block, n);
+        s.block += n;
+        s.remaining -= 1;
+        self.streams[si] = s;
+        rec
+    }
+
+    fn advance_time(&mut self) -> u64 {
+        let now = self.time_ns;
+        let mean = self.spec.mean_interarrival_ns as f64;
+        let dt = -(1.0 - self.rng.f64()).ln() * mean;
+        let dt_us = (dt / 1000.0).round() as u64;
+        self.time_ns = self.time_ns.saturating_add(dt_us.saturating_mul(1000));
+        now
+    }
+}
+
+impl Iterator for Generator {
+    type Item = TraceRecord;
+
+    fn next(&mut self) -> Option<TraceRecord> {
+        if self.emitted >= self.spec.requests {
+            return None;
+        }
+        let mut rec = match self.pending.pop_front() {
+            Some(r) => r,
+            None => match self.spec.class {
+                WorkloadClass::BootStorm => self.boot_step(),
+                WorkloadClass::Oltp => self.oltp_step(),
+                WorkloadClass::FileServer => self.fs_step(),
+            },
+        };
+        rec.time_ns = self.advance_time();
+        self.emitted += 1;
+        Some(rec)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = usize::try_from(self.spec.requests - self.emitted).unwrap_or(usize::MAX);
+        (left, Some(left))
+    }
+}
+
+/// What [`write_workload`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GenSummary {
+    /// Records generated.
+    pub generated: u64,
+    /// Records written.
+    pub written: u64,
+    /// Records the format could not carry (e.g. flushes in MSR), skipped.
+    pub skipped: u64,
+}
+
+/// Generate `spec` and write it to `out` in `format`. Content digests are
+/// generated only for FIU (the one format that carries them), and fio files
+/// are declared for all `spec.disks`. Wrap `out` in a `BufWriter`.
+pub fn write_workload<W: Write>(
+    spec: &WorkloadSpec,
+    format: Format,
+    opts: &WriterOptions,
+    out: W,
+) -> Result<GenSummary, GenError> {
+    let mut spec = spec.clone();
+    if format != Format::Fiu {
+        spec.content = false;
+    }
+    let opts = WriterOptions {
+        fio_disks: spec.disks,
+        ..opts.clone()
+    };
+    let mut writer = new_writer(format, out, &opts);
+    let mut sum = GenSummary::default();
+    for rec in generate(&spec)? {
+        sum.generated += 1;
+        if writer.write_record(&rec)? {
+            sum.written += 1;
+        } else {
+            sum.skipped += 1;
+        }
+    }
+    writer.finish()?;
+    Ok(sum)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small(class: WorkloadClass) -> WorkloadSpec {
+        WorkloadSpec {
+            requests: 20_000,
+            working_set_bytes: 64 << 20,
+            ..WorkloadSpec::new(class)
+        }
+    }
+
+    #[test]
+    fn rng_is_fixed() {
+        // Pin the stream: a change here changes every generated trace.
+        let mut r = Rng::new(42);
+        let v: Vec<u64> = (0..3).map(|_| r.next_u64()).collect();
+        assert_eq!(
+            v,
+            vec![
+                0xd076_4d4f_4476_689f,
+                0x519e_4174_576f_3791,
+                0xfbe0_7cfb_0c24_ed8c
+            ]
+        );
+        let mut r3 = Rng::new(7);
+        for _ in 0..1000 {
+            let x = r3.f64();
+            assert!((0.0..1.0).contains(&x));
+            assert!(r3.below(10) < 10);
+        }
+    }
+
+    #[test]
+    fn zipf_is_skewed_and_in_range() {
+        let mut rng = Rng::new(3);
+        for &theta in &[0.0, 0.5, 0.99, 1.0, 1.2] {
+            let z = Zipf::new(1000, theta).expect("valid");
+            let mut counts = vec![0u32; 1000];
+            for _ in 0..100_000 {
+                let k = z.sample(&mut rng);
+                assert!(k < 1000);
+                counts[k as usize] += 1;
+            }
+            if theta >= 0.99 {
+                // P(0)/P(9) = 10^theta: rank 0 is far more popular than rank 9.
+                assert!(
+                    counts[0] > 5 * counts[9],
+                    "theta {theta}: {} vs {}",
+                    counts[0],
+                    counts[9]
+                );
+                // Theory for theta = 1, n = 1000: P(0) = 1 / H(1000) = 0.1336.
+                if theta == 1.0 {
+                    let p0 = f64::from(counts[0]) / 100_000.0;
+                    assert!((p0 - 0.1336).abs() < 0.01, "p0 {p0}");
+                }
+            }
+            if theta == 0.0 {
+                assert!(counts.iter().all(|&c| c > 40 && c < 180));
+            }
+        }
+        assert!(Zipf::new(0, 1.0).is_err());
+        assert!(Zipf::new(10, -1.0).is_err());
+        assert!(Zipf::new(10, f64::NAN).is_err());
+        assert!(Zipf::new(10, 21.0).is_err());
+        let steep = Zipf::new(1 << 30, MAX_THETA).expect("valid");
+        assert!((0..1000).all(|_| steep.sample(&mut rng) < 3));
+        let one = Zipf::new(1, 2.0).expect("valid");
+        assert_eq!(one.sample(&mut rng), 0);
+    }
+
+    #[test]
+    fn scatter_is_a_permutation() {
+        for n in [1u64, 2, 7, 64, 1000] {
+            let s = Scatter::new(n);
+            let mut seen: Vec<u64> = (0..n).map(|k| s.map(k)).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn deterministic_and_well_formed() {
+        for class in [
+            WorkloadClass::BootStorm,
+            WorkloadClass::Oltp,
+            WorkloadClass::FileServer,
+        ] {
+            let spec = small(class);
+            let a: Vec<TraceRecord> = generate(&spec).expect("valid").collect();
+            let b: Vec<TraceRecord> = generate(&spec).expect("valid").collect();
+            assert_eq!(a.len(), 20_000);
+            assert_eq!(a, b, "{class}: same seed, same trace");
+            let other: Vec<TraceRecord> = generate(&WorkloadSpec {
+                seed: 2,
+                ..spec.clone()
+            })
+            .expect("valid")
+            .collect();
+            assert_ne!(a, other);
+            let mut last = 0;
+            for r in &a {
+                assert!(r.time_ns >= last && r.time_ns % 1000 == 0);
+                last = r.time_ns;
+                assert!(r.disk < spec.disks);
+                assert_eq!(r.offset % BLOCK, 0);
+                assert_eq!(r.len % BLOCK, 0);
+                assert!(r.end() <= spec.disk_bytes(), "{class}: {r:?}");
+                match r.op {
+                    Op::Read | Op::Write => {
+                        assert!(r.len > 0);
+                        assert_eq!(
+                            r.content.as_ref().map(Vec::len),
+                            Some((r.len / BLOCK) as usize)
+                        );
+                    }
+                    Op::Flush => assert_eq!((r.offset, r.len), (0, 0)),
+                    Op::Discard => assert!(r.len > 0),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reads_see_the_last_write() {
+        let spec = WorkloadSpec {
+            requests: 50_000,
+            working_set_bytes: 1 << 20,
+            read_ratio: 0.5,
+            ..small(WorkloadClass::Oltp)
+        };
+        let mut model: std::collections::HashMap<(u32, u64), ContentHash> =
+            std::collections::HashMap::new();
+        let mut checked = 0;
+        for r in generate(&spec).expect("valid") {
+            let Some(c) = &r.content else { continue };
+            for (i, h) in c.iter().enumerate() {
+                let key = (r.disk, r.offset / BLOCK + i as u64);
+                match r.op {
+                    Op::Write => {
+                        model.insert(key, *h);
+                    }
+                    Op::Read => {
+                        if let Some(w) = model.get(&key) {
+                            assert_eq!(w, h, "read after write returns the written content");
+                            checked += 1;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        assert!(checked > 1000);
+    }
+
+    #[test]
+    fn ratios_shape_the_trace() {
+        let spec = WorkloadSpec {
+            requests: 40_000,
+            read_ratio: 0.9,
+            ..small(WorkloadClass::Oltp)
+        };
+        let recs: Vec<TraceRecord> = generate(&spec).expect("valid").collect();
+        let reads = recs.iter().filter(|r| r.op == Op::Read).count() as f64;
+        let data = recs
+            .iter()
+            .filter(|r| matches!(r.op, Op::Read | Op::Write))
+            .count() as f64;
+        let ratio = reads / data;
+        assert!(ratio > 0.85 && ratio < 0.93, "read ratio {ratio}");
+        assert!(recs.iter().any(|r| r.op == Op::Flush));
+
+        // Boot storm: reads of the base are shared across VMs; duplicate content high.
+        let boot = WorkloadSpec {
+            disks: 8,
+            ..small(WorkloadClass::BootStorm)
+        };
+        let recs: Vec<TraceRecord> = generate(&boot).expect("valid").collect();
+        let mut seen = std::collections::HashSet::new();
+        let (mut total, mut dup) = (0u64, 0u64);
+        for r in recs.iter().filter(|r| r.op == Op::Read) {
+            for h in r.content.iter().flatten() {
+                total += 1;
+                if !seen.insert(*h) {
+                    dup += 1;
+                }
+            }
+        }
+        assert!(
+            dup as f64 / total as f64 > 0.5,
+            "duplicate read content {dup}/{total}"
+        );
+
+        // File server discards at the requested rate.
+        let fs = WorkloadSpec {
+            discard_ratio: 0.2,
+            ..small(WorkloadClass::FileServer)
+        };
+        let n = generate(&fs)
+            .expect("valid")
+            .filter(|r| r.op == Op::Discard)
+            .count();
+        assert!(n > 100, "discards {n}");
+    }
+
+    #[test]
+    fn invalid_specs_are_rejected() {
+        let ok = small(WorkloadClass::Oltp);
+        for bad in [
+            WorkloadSpec {
+                read_ratio: 1.5,
+                ..ok.clone()
+            },
+            WorkloadSpec {
+                dup_ratio: -0.1,
+                ..ok.clone()
+            },
+            WorkloadSpec {
+                zipf_theta: f64::INFINITY,
+                ..ok.clone()
+            },
+            WorkloadSpec {
+                disks: 0,
+                ..ok.clone()
+            },
+            WorkloadSpec {
+                working_set_bytes: 4096,
+                ..ok.clone()
+            },
+            WorkloadSpec {
+                working_set_bytes: 1 << 50,
+                ..ok.clone()
+            },
+        ] {
+            assert!(generate(&bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            "boot_storm".parse::<WorkloadClass>(),
+            Ok(WorkloadClass::BootStorm)
+        );
+        assert!("tpcc".parse::<WorkloadClass>().is_err());
+    }
+}
