@@ -7,7 +7,7 @@
 //! touches before any metadata lock.
 
 use crate::error::{ImageError, Result};
-use crate::hostio::{DiskId, HostIo, ImageHandle, IoClass, IoTag, WriteSegment};
+use crate::hostio::{DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, WriteSegment};
 use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image};
 use crate::range_lock::{Mode, RangeLocks};
 use std::sync::Arc;
@@ -452,7 +452,7 @@ impl VirtualDisk {
         match &self.layers[0] {
             Layer::Raw(r) => {
                 self.io
-                    .flush(&r.handle)
+                    .flush(&r.handle, FlushKind::Durable)
                     .map_err(|e| ImageError::io(&r.handle.name, "flush", e))?;
                 Ok(FlushReport {
                     barriers: 1,

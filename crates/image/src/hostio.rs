@@ -138,6 +138,18 @@ pub struct WriteSegment<'a> {
     pub tag: IoTag,
 }
 
+/// Why the COW layer flushes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlushKind {
+    /// An ordering point between metadata writes: writes before it must be
+    /// durable no later than writes after it. A layer that keeps its own
+    /// ordered log may satisfy this without syncing.
+    Barrier,
+    /// The guest's flush (or a close): every completed write must be
+    /// durable on return.
+    Durable,
+}
+
 /// The narrow interface: all storage I/O of the COW layer goes through it.
 pub trait HostIo: Send + Sync + std::fmt::Debug {
     fn read(
@@ -162,8 +174,8 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
         len: u64,
         tag: IoTag,
     ) -> io::Result<()>;
-    /// Makes completed writes to `image` durable.
-    fn flush(&self, image: &ImageHandle) -> io::Result<()>;
+    /// Orders (`Barrier`) or makes durable (`Durable`) completed writes to `image`.
+    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> io::Result<()>;
 }
 
 /// Bytes and requests per class, and syncs: what a benchmark or a test
@@ -295,7 +307,7 @@ impl HostIo for DirectIo {
         image.backend.discard(offset.0, len)
     }
 
-    fn flush(&self, image: &ImageHandle) -> io::Result<()> {
+    fn flush(&self, image: &ImageHandle, _kind: FlushKind) -> io::Result<()> {
         self.counters.count_flush();
         image.backend.flush()
     }

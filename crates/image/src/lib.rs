@@ -24,6 +24,8 @@ pub use check::CheckReport;
 pub use create::{CreateOptions, create_qcow2, create_raw, qcow2_image_bytes};
 pub use disk::{BlockState, Layer, VirtualDisk, ZeroFlags};
 pub use error::{ImageError, Result};
-pub use hostio::{DirectIo, DiskId, HostIo, ImageHandle, IoClass, IoTag, MetaTable};
+pub use hostio::{
+    DirectIo, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, MetaTable, WriteSegment,
+};
 pub use meta_cache::MetaCacheConfig;
 pub use qimage::Qcow2Image;

@@ -17,7 +17,7 @@ mod persist;
 mod refcount;
 
 use crate::error::{ImageError, Result};
-use crate::hostio::{DiskId, HostIo, ImageHandle, IoTag, MetaTable};
+use crate::hostio::{DiskId, FlushKind, HostIo, ImageHandle, IoTag, MetaTable};
 use crate::meta_cache::{CacheStats, MetaCacheConfig, SliceCache};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -544,10 +544,17 @@ impl Locked<'_> {
             .map_err(|e| ImageError::io(self.name(), "write metadata", e))
     }
 
+    /// An ordering point: writes issued before it are durable no later
+    /// than writes issued after it.
     pub(crate) fn barrier(&mut self) -> Result<()> {
+        self.sync(FlushKind::Barrier)
+    }
+
+    /// Flushes with the given strength.
+    pub(crate) fn sync(&mut self, kind: FlushKind) -> Result<()> {
         self.img
             .io
-            .flush(&self.img.handle)
+            .flush(&self.img.handle, kind)
             .map_err(|e| ImageError::io(self.name(), "flush", e))?;
         self.m.unsynced_writes = false;
         Ok(())
@@ -565,7 +572,7 @@ impl Locked<'_> {
         }
         self.barrier()?;
         self.write_header_field(field_offset::INCOMPATIBLE_FEATURES, &v.to_be_bytes())?;
-        self.barrier()?;
+        self.sync(FlushKind::Durable)?;
         self.m.header.incompatible_features = v;
         self.m.dirty_on_disk = dirty;
         Ok(())

@@ -15,7 +15,7 @@
 use super::Locked;
 use super::l2::Sliced;
 use crate::error::{ImageError, Result};
-use crate::hostio::{IoClass, IoTag, MetaTable};
+use crate::hostio::{FlushKind, IoClass, IoTag, MetaTable};
 use vdcache_qcow2::HostOffset;
 use vdcache_qcow2::header::field_offset;
 
@@ -149,7 +149,7 @@ impl Locked<'_> {
             let off = self.m.header.l1_table_offset;
             report.l1_sectors = self.write_entries(MetaTable::L1, off, &dirty, |m, i| m.l1[i])?;
         }
-        self.barrier()?;
+        self.sync(FlushKind::Durable)?;
         report.barriers += 1;
         self.apply_pending_frees()?;
         if closing {
@@ -160,7 +160,7 @@ impl Locked<'_> {
                 self.barrier()?;
                 self.apply_pending_frees()?;
             }
-            self.barrier()?;
+            self.sync(FlushKind::Durable)?;
         }
         Ok(report)
     }
