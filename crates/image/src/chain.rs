@@ -8,7 +8,7 @@ use crate::error::{ImageError, Result};
 use crate::hostio::{DirectIo, DiskId, HostIo, ImageHandle};
 use crate::meta_cache::MetaCacheConfig;
 use crate::qimage::{self, ImageOptions, Qcow2Image};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use vdcache_backend::{BackendRef, FileBackend, FileOptions, LockMode, MemBackend};
 use vdcache_qcow2::header::MAGIC;
@@ -81,7 +81,7 @@ impl StoreOpener for LocalFiles {
         let dir = Path::new(parent)
             .parent()
             .map(Path::to_path_buf)
-            .unwrap_or_else(PathBuf::new);
+            .unwrap_or_default();
         dir.join(b).display().to_string()
     }
 }
@@ -299,9 +299,8 @@ fn open_layer(
         None => ImageFormat::Raw,
     };
     if format == ImageFormat::Raw {
-        let size = handle
-            .backend
-            .len()
+        let size = io
+            .len(&handle)
             .map_err(|e| ImageError::io(name, "stat", e))?;
         return Ok((Layer::Raw(RawImage { handle, size }), None));
     }
@@ -347,5 +346,5 @@ fn open_layer(
         img.repair_if_dirty()?;
         img.prepare_for_writes()?;
     }
-    Ok((Layer::Qcow2(img), next))
+    Ok((Layer::Qcow2(Box::new(img)), next))
 }

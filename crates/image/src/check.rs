@@ -155,9 +155,8 @@ impl Locked<'_> {
         let cs = g.cluster_size();
         let file_len = self
             .img
-            .handle
-            .backend
-            .len()
+            .io
+            .len(&self.img.handle)
             .map_err(|e| self.io_error("stat", e))?;
         let file_clusters = file_len.div_ceil(cs);
         let mut t = Tally {

@@ -99,7 +99,7 @@ impl CreateOptions {
 /// refcount blocks cover all of them. Returns (table clusters, blocks, L1
 /// clusters).
 fn layout(cluster_size: u64, order: u32, l1_entries: u64) -> (u64, u64, u64) {
-    let per_block = cluster_size * 8 >> order;
+    let per_block = (cluster_size * 8) >> order;
     let l1_clusters = (l1_entries * 8).div_ceil(cluster_size);
     let mut table = 1;
     let mut blocks = 1;
@@ -210,7 +210,7 @@ pub fn qcow2_image_bytes(path: &Path, opts: &CreateOptions, size: u64) -> Result
     };
     let mut image = vec![0u8; (total * cs) as usize];
     image[..first.len()].copy_from_slice(&first);
-    let per_block = cs * 8 >> order;
+    let per_block = (cs * 8) >> order;
     for b in 0..blocks {
         let at = (cs + b * 8) as usize;
         image[at..at + 8].copy_from_slice(&((1 + table + b) * cs).to_be_bytes());

@@ -29,7 +29,7 @@ pub struct RawImage {
 /// One image of a chain.
 #[derive(Debug)]
 pub enum Layer {
-    Qcow2(Qcow2Image),
+    Qcow2(Box<Qcow2Image>),
     Raw(RawImage),
 }
 

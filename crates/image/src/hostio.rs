@@ -176,6 +176,12 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
     ) -> io::Result<()>;
     /// Orders (`Barrier`) or makes durable (`Durable`) completed writes to `image`.
     fn flush(&self, image: &ImageHandle, kind: FlushKind) -> io::Result<()>;
+
+    /// The image's length as the COW layer sees it: a layer that holds
+    /// writes the store has not seen yet includes them.
+    fn len(&self, image: &ImageHandle) -> io::Result<u64> {
+        image.backend.len()
+    }
 }
 
 /// Bytes and requests per class, and syncs: what a benchmark or a test

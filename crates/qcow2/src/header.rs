@@ -153,7 +153,7 @@ fn check_cluster_bits(bits: u32) -> Result<()> {
 }
 
 fn check_aligned(field: &'static str, value: u64, cluster_size: u64) -> Result<()> {
-    if value % cluster_size != 0 {
+    if !value.is_multiple_of(cluster_size) {
         return Err(FormatError::invalid(
             field,
             format!("{value:#x} is not aligned to the cluster size {cluster_size}"),
@@ -714,7 +714,7 @@ fn is_known_ext(kind: u32) -> bool {
 }
 
 fn parse_feature_names(data: &[u8]) -> Result<Vec<FeatureName>> {
-    if data.len() % 48 != 0 {
+    if !data.len().is_multiple_of(48) {
         return Err(FormatError::invalid(
             "feature name table",
             format!("length {} is not a multiple of 48", data.len()),

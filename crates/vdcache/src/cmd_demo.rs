@@ -40,7 +40,7 @@ pub fn run(a: Args) -> Result<u8> {
     )?;
     {
         let disk = open_chain(&base.display().to_string(), &OpenOptions::default())?;
-        let chunk: Vec<u8> = (0..1u64 << 20).map(|i| pattern(i)).collect();
+        let chunk: Vec<u8> = (0..1u64 << 20).map(pattern).collect();
         for off in (0..size).step_by(1 << 20) {
             disk.write(off, &chunk, false)?;
         }

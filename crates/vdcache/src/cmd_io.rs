@@ -160,8 +160,8 @@ pub fn execute(disk: &VirtualDisk, cmd: &IoCommand) -> Result<bool> {
             while pos < offset + len {
                 let n = (offset + len - pos).min(CHUNK) as usize;
                 disk.read(pos, &mut buf[..n])?;
-                if let Some(p) = pattern {
-                    if let Some(bad) = buf[..n].iter().position(|&b| b != p) {
+                if let Some(p) = pattern
+                    && let Some(bad) = buf[..n].iter().position(|&b| b != p) {
                         println!(
                             "Pattern verification failed at offset {}, {} bytes",
                             pos + bad as u64,
@@ -169,7 +169,6 @@ pub fn execute(disk: &VirtualDisk, cmd: &IoCommand) -> Result<bool> {
                         );
                         ok = false;
                     }
-                }
                 pos += n as u64;
             }
             if !quiet {

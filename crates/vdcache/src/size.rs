@@ -55,7 +55,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
         .with_context(|| format!("invalid size '{s}'"))?;
     let scale = 10u128.pow(frac_part.len() as u32);
     let scaled = frac * (1u128 << shift);
-    if scaled % scale != 0 {
+    if !scaled.is_multiple_of(scale) {
         bail!("invalid size '{s}': not a whole number of bytes");
     }
     whole
@@ -93,7 +93,7 @@ mod tests {
         assert_eq!(parse_size("1.5M").unwrap(), 1536 << 10);
         assert_eq!(parse_size("0x1000").unwrap(), 4096);
         assert_eq!(parse_size("2G").unwrap(), 2 << 30);
-        assert_eq!(parse_size("16E").is_err(), true);
+        assert!(parse_size("16E").is_err());
         assert!(parse_size("1.1b").is_err());
         assert!(parse_size("4q").is_err());
         assert!(parse_size("").is_err());

@@ -132,9 +132,8 @@ pub(crate) fn read_header(
     disk: DiskId,
 ) -> Result<(Header, u64)> {
     let name = &*handle.name;
-    let file_len = handle
-        .backend
-        .len()
+    let file_len = io
+        .len(handle)
         .map_err(|e| ImageError::io(name, "stat", e))?;
     let mut prefix = vec![0u8; 128.min(file_len as usize)];
     io.read(
@@ -224,9 +223,8 @@ impl Qcow2Image {
             vdcache_qcow2::refcount::decode_table_entry(raw, &geometry).map_err(fmt_err)?;
         }
         let snapshots = read_snapshots(&handle, &*io, &header, &geometry, opts.disk)?;
-        let file_end = handle
-            .backend
-            .len()
+        let file_end = io
+            .len(&handle)
             .map_err(|e| ImageError::io(&name, "stat", e))?;
         let bitmaps = read_bitmap_directory(&handle, &*io, &header, &geometry, opts.disk)?;
         let slice = opts
@@ -465,9 +463,8 @@ fn read_snapshots(
     if h.nb_snapshots == 0 {
         return Ok(Vec::new());
     }
-    let file_len = handle
-        .backend
-        .len()
+    let file_len = io
+        .len(handle)
         .map_err(|e| ImageError::io(&handle.name, "stat", e))?;
     let want =
         snapshot::max_table_bytes(h.nb_snapshots).min(file_len.saturating_sub(h.snapshots_offset));

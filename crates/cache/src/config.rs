@@ -1,0 +1,154 @@
+//! Named settings of the cache tier: write mode, admission and replacement
+//! policies, watermarks. Every setting parses from the name an operator
+//! types (CLI, TOML) and has a sane default.
+
+use crate::error::{CacheError, Result};
+use crate::region::Replacement;
+use std::str::FromStr;
+
+/// What a write does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteMode {
+    /// Cache the data dirty; acknowledge; write back in the background.
+    WriteBack,
+    /// Write to the backend and keep a clean copy in flash.
+    WriteThrough,
+    /// Write to the backend and drop any cached copy.
+    WriteAround,
+}
+
+impl FromStr for WriteMode {
+    type Err = CacheError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "writeback" => Ok(WriteMode::WriteBack),
+            "writethrough" => Ok(WriteMode::WriteThrough),
+            "writearound" => Ok(WriteMode::WriteAround),
+            _ => Err(CacheError::Config(format!(
+                "unknown cache mode '{s}' (writeback, writethrough, writearound)"
+            ))),
+        }
+    }
+}
+
+impl WriteMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            WriteMode::WriteBack => "writeback",
+            WriteMode::WriteThrough => "writethrough",
+            WriteMode::WriteAround => "writearound",
+        }
+    }
+}
+
+/// Which blocks enter the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Every read miss and every write.
+    All,
+    /// Writes, and reads missed twice recently (lazy promotion, SVD).
+    Hot,
+    /// Everything except long sequential runs.
+    SequentialBypass,
+}
+
+impl FromStr for Admission {
+    type Err = CacheError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "all" => Ok(Admission::All),
+            "hot" => Ok(Admission::Hot),
+            "sequential-bypass" | "seq-bypass" => Ok(Admission::SequentialBypass),
+            _ => Err(CacheError::Config(format!(
+                "unknown admission policy '{s}' (all, hot, sequential-bypass)"
+            ))),
+        }
+    }
+}
+
+impl Admission {
+    pub fn name(self) -> &'static str {
+        match self {
+            Admission::All => "all",
+            Admission::Hot => "hot",
+            Admission::SequentialBypass => "sequential-bypass",
+        }
+    }
+}
+
+/// Per-disk policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskPolicy {
+    pub mode: WriteMode,
+    pub admission: Admission,
+    /// Bytes of consecutive I/O after which sequential bypass starts.
+    pub sequential_threshold: u64,
+}
+
+impl Default for DiskPolicy {
+    fn default() -> Self {
+        DiskPolicy {
+            mode: WriteMode::WriteBack,
+            admission: Admission::All,
+            sequential_threshold: 4 << 20,
+        }
+    }
+}
+
+/// Cache-wide settings.
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    /// Region (erase block) size used when formatting.
+    pub region_bytes: u64,
+    pub replacement: Replacement,
+    /// Policy of disks without their own.
+    pub default_policy: DiskPolicy,
+    /// Background write-back starts above this fraction of the data zone dirty...
+    pub high_watermark: f64,
+    /// ...and stops below this one.
+    pub low_watermark: f64,
+    /// Free regions kept in reserve for incoming writes.
+    pub reserve_regions: usize,
+    /// Re-insert hot live blocks of an evicted region.
+    pub relocate_hot: bool,
+    /// Open a cache device recorded for another host (its dirty data is
+    /// only ever written back, never served).
+    pub force_foreign: bool,
+    /// This host's identity (default: /etc/machine-id).
+    pub host: Option<String>,
+    /// Test only: persist index records before the data they describe and
+    /// trust them on replay, to prove the crash harness catches it.
+    pub test_index_before_data: bool,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            region_bytes: crate::layout::DEFAULT_REGION,
+            replacement: Replacement::Lru,
+            default_policy: DiskPolicy::default(),
+            high_watermark: 0.5,
+            low_watermark: 0.25,
+            reserve_regions: 2,
+            relocate_hot: true,
+            force_foreign: false,
+            host: None,
+            test_index_before_data: false,
+        }
+    }
+}
+
+impl CacheConfig {
+    pub fn validate(&self) -> Result<()> {
+        if !(0.0..=1.0).contains(&self.low_watermark)
+            || !(0.0..=1.0).contains(&self.high_watermark)
+            || self.low_watermark > self.high_watermark
+        {
+            return Err(CacheError::Config(format!(
+                "watermarks must satisfy 0 <= low ({}) <= high ({}) <= 1",
+                self.low_watermark, self.high_watermark
+            )));
+        }
+        Ok(())
+    }
+}

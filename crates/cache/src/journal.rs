@@ -1,0 +1,609 @@
+//! The metadata zone: a ring of checksummed journal batches recording every
+//! change to the index, and the two alternating checkpoint slots holding a
+//! full copy of it. Replay applies batches in sequence order and stops at
+//! the first torn batch, so what survives a crash is always a prefix of
+//! what was written.
+//!
+//! This module encodes, writes and reads; it does not interpret entries.
+
+use crate::error::{CacheError, Result};
+use crate::layout::{BLOCK, Layout};
+use vdcache_backend::Backend;
+
+const BATCH_MAGIC: u32 = 0x5644_4a52; // "VDJR"
+const CHECKPOINT_MAGIC: u32 = 0x5644_434b; // "VDCK"
+const HEADER: usize = 40;
+
+/// What identifies an image file, so a cache never serves another file's
+/// blocks under its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ImageIdentity {
+    pub size: u64,
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// One change to the index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// Block `slot` of line `key` now lives in cache block `cbn`; `crc` is
+    /// the checksum of its content, verified on replay.
+    Map {
+        key: u64,
+        slot: u8,
+        cbn: u32,
+        guest: u64,
+        dirty: bool,
+        crc: u32,
+    },
+    /// The block is no longer cached.
+    Unmap { key: u64, slot: u8 },
+    /// The block (still in `cbn`) reached the backend.
+    Clean { key: u64, slot: u8, cbn: u32 },
+    /// Image `id` is `name`.
+    Image {
+        id: u16,
+        name: String,
+        identity: ImageIdentity,
+    },
+    /// The partially valid (dcow) bitmap of a line.
+    Partial { key: u64, mask: u16 },
+}
+
+fn put64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+fn put32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+fn put16(out: &mut Vec<u8>, v: u16) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// A bounds-checked reader over a payload.
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+    pub fn done(&self) -> bool {
+        self.pos >= self.buf.len()
+    }
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let s = self
+            .buf
+            .get(self.pos..self.pos.saturating_add(n))
+            .ok_or_else(|| CacheError::Corrupt("journal entry is truncated".into()))?;
+        self.pos += n;
+        Ok(s)
+    }
+    pub fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u16(&mut self) -> Result<u16> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    pub fn u32(&mut self) -> Result<u32> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    pub fn u64(&mut self) -> Result<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+}
+
+impl Entry {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Entry::Map {
+                key,
+                slot,
+                cbn,
+                guest,
+                dirty,
+                crc,
+            } => {
+                out.push(1);
+                put64(out, *key);
+                out.push(*slot);
+                put32(out, *cbn);
+                put64(out, *guest);
+                out.push(u8::from(*dirty));
+                put32(out, *crc);
+            }
+            Entry::Unmap { key, slot } => {
+                out.push(2);
+                put64(out, *key);
+                out.push(*slot);
+            }
+            Entry::Clean { key, slot, cbn } => {
+                out.push(3);
+                put64(out, *key);
+                out.push(*slot);
+                put32(out, *cbn);
+            }
+            Entry::Image { id, name, identity } => {
+                out.push(4);
+                put16(out, *id);
+                let n = name.as_bytes();
+                let n = &n[..n.len().min(4096)];
+                put16(out, n.len() as u16);
+                out.extend_from_slice(n);
+                put64(out, identity.size);
+                put64(out, identity.dev);
+                put64(out, identity.ino);
+            }
+            Entry::Partial { key, mask } => {
+                out.push(5);
+                put64(out, *key);
+                put16(out, *mask);
+            }
+        }
+    }
+
+    pub fn decode(r: &mut Reader<'_>) -> Result<Entry> {
+        Ok(match r.u8()? {
+            1 => Entry::Map {
+                key: r.u64()?,
+                slot: r.u8()?,
+                cbn: r.u32()?,
+                guest: r.u64()?,
+                dirty: r.u8()? != 0,
+                crc: r.u32()?,
+            },
+            2 => Entry::Unmap {
+                key: r.u64()?,
+                slot: r.u8()?,
+            },
+            3 => Entry::Clean {
+                key: r.u64()?,
+                slot: r.u8()?,
+                cbn: r.u32()?,
+            },
+            4 => {
+                let id = r.u16()?;
+                let len = r.u16()? as usize;
+                let name = String::from_utf8_lossy(r.take(len)?).into_owned();
+                Entry::Image {
+                    id,
+                    name,
+                    identity: ImageIdentity {
+                        size: r.u64()?,
+                        dev: r.u64()?,
+                        ino: r.u64()?,
+                    },
+                }
+            }
+            5 => Entry::Partial {
+                key: r.u64()?,
+                mask: r.u16()?,
+            },
+            t => {
+                return Err(CacheError::Corrupt(format!(
+                    "unknown journal entry type {t}"
+                )));
+            }
+        })
+    }
+}
+
+fn uuid_tag(uuid: &[u8; 16]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&uuid[..8]);
+    u64::from_le_bytes(a)
+}
+
+/// The tag of journal batches written after checkpoint `generation`:
+/// replay from that checkpoint accepts no batch of an earlier epoch (a
+/// tail a crash left behind, or batches of the run before a recovery).
+fn batch_tag(uuid: &[u8; 16], generation: u64) -> u64 {
+    uuid_tag(uuid) ^ generation.rotate_left(29)
+}
+
+/// A framed, checksummed header shared by batches and checkpoints:
+/// magic, cache tag, sequence, position, payload length and checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Frame {
+    magic: u32,
+    tag: u64,
+    seq: u64,
+    pos: u64,
+    len: u32,
+    payload_crc: u32,
+}
+
+impl Frame {
+    fn encode(&self) -> [u8; HEADER] {
+        let mut h = Vec::with_capacity(HEADER);
+        put32(&mut h, self.magic);
+        put64(&mut h, self.tag);
+        put64(&mut h, self.seq);
+        put64(&mut h, self.pos);
+        put32(&mut h, self.len);
+        put32(&mut h, self.payload_crc);
+        let crc = crc32c::crc32c(&h);
+        put32(&mut h, crc);
+        let mut out = [0u8; HEADER];
+        out.copy_from_slice(&h);
+        out
+    }
+
+    fn decode(buf: &[u8], magic: u32, tag: u64) -> Option<Frame> {
+        let h = buf.get(..HEADER)?;
+        let mut r = Reader::new(h);
+        let f = Frame {
+            magic: r.u32().ok()?,
+            tag: r.u64().ok()?,
+            seq: r.u64().ok()?,
+            pos: r.u64().ok()?,
+            len: r.u32().ok()?,
+            payload_crc: r.u32().ok()?,
+        };
+        let crc = r.u32().ok()?;
+        (f.magic == magic && f.tag == tag && crc32c::crc32c(&h[..HEADER - 4]) == crc).then_some(f)
+    }
+}
+
+/// Appends batches to the ring.
+#[derive(Debug)]
+pub struct JournalWriter {
+    uuid: [u8; 16],
+    tag: u64,
+    offset: u64,
+    capacity: u64,
+    /// Sequence number of the next batch.
+    pub next_seq: u64,
+    /// Ring position (bytes into the zone) of the next batch.
+    pub pos: u64,
+    /// Bytes written since the checkpoint that replay starts from.
+    pub since_checkpoint: u64,
+    /// Entries not yet written.
+    pending: Vec<u8>,
+}
+
+impl JournalWriter {
+    /// A writer appending after checkpoint `generation`.
+    pub fn new(
+        layout: &Layout,
+        uuid: &[u8; 16],
+        generation: u64,
+        next_seq: u64,
+        pos: u64,
+    ) -> JournalWriter {
+        JournalWriter {
+            uuid: *uuid,
+            tag: batch_tag(uuid, generation),
+            offset: layout.journal_offset,
+            capacity: layout.journal_bytes,
+            next_seq,
+            pos,
+            since_checkpoint: 0,
+            pending: Vec::new(),
+        }
+    }
+
+    pub fn push(&mut self, e: &Entry) {
+        e.encode(&mut self.pending);
+    }
+
+    /// Drops pending entries (a checkpoint has captured their effect) and
+    /// starts the epoch of checkpoint `generation`.
+    pub fn checkpointed(&mut self, generation: u64) {
+        self.pending.clear();
+        self.tag = batch_tag(&self.uuid, generation);
+        self.since_checkpoint = 0;
+    }
+
+    pub fn pending_bytes(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Whether writing the pending entries would overrun the part of the
+    /// ring that replay still needs (then a checkpoint must come first).
+    pub fn needs_checkpoint(&self) -> bool {
+        let batch = (HEADER + self.pending.len()) as u64;
+        self.since_checkpoint + batch.div_ceil(BLOCK) * BLOCK + BLOCK > self.capacity / 2
+    }
+
+    /// Writes the pending entries as one batch (not synced). Returns false
+    /// when there was nothing to write.
+    pub fn write_pending(&mut self, device: &dyn Backend) -> Result<bool> {
+        if self.pending.is_empty() {
+            return Ok(false);
+        }
+        let payload = std::mem::take(&mut self.pending);
+        let total = ((HEADER + payload.len()) as u64).div_ceil(BLOCK) * BLOCK;
+        if total > self.capacity / 2 {
+            return Err(CacheError::Config(format!(
+                "a journal batch of {total} bytes exceeds half the metadata zone"
+            )));
+        }
+        if self.pos + total > self.capacity {
+            self.since_checkpoint += self.capacity - self.pos;
+            self.pos = 0;
+        }
+        let frame = Frame {
+            magic: BATCH_MAGIC,
+            tag: self.tag,
+            seq: self.next_seq,
+            pos: self.pos,
+            len: payload.len() as u32,
+            payload_crc: crc32c::crc32c(&payload),
+        };
+        let mut buf = Vec::with_capacity(total as usize);
+        buf.extend_from_slice(&frame.encode());
+        buf.extend_from_slice(&payload);
+        buf.resize(total as usize, 0);
+        device
+            .write_at(&buf, self.offset + self.pos)
+            .map_err(CacheError::device("write journal"))?;
+        self.next_seq += 1;
+        self.pos += total;
+        self.since_checkpoint += total;
+        Ok(true)
+    }
+}
+
+/// Reads batches from `pos` with consecutive sequence numbers starting at
+/// `seq`, until the first missing or torn one. Returns the payloads and the
+/// position and sequence after the last good batch.
+pub fn read_batches(
+    device: &dyn Backend,
+    layout: &Layout,
+    uuid: &[u8; 16],
+    mark: CheckpointMark,
+) -> Result<(Vec<Vec<u8>>, u64, u64)> {
+    let tag = batch_tag(uuid, mark.generation);
+    let mut seq = mark.journal_seq;
+    let mut pos = mark.journal_pos;
+    let mut out = Vec::new();
+    let mut header = [0u8; HEADER];
+    let mut scanned = 0u64;
+    loop {
+        if scanned > layout.journal_bytes {
+            break;
+        }
+        let mut frame = None;
+        for candidate in [pos, 0] {
+            if candidate + BLOCK > layout.journal_bytes {
+                continue;
+            }
+            device
+                .read_at(&mut header, layout.journal_offset + candidate)
+                .map_err(CacheError::device("read journal"))?;
+            if let Some(f) = Frame::decode(&header, BATCH_MAGIC, tag)
+                .filter(|f| f.seq == seq && f.pos == candidate)
+            {
+                frame = Some(f);
+                break;
+            }
+        }
+        let Some(f) = frame else { break };
+        let total =
+            ((HEADER as u64 + u64::from(f.len)).div_ceil(BLOCK) * BLOCK).min(layout.journal_bytes);
+        let mut buf = vec![0u8; total as usize];
+        device
+            .read_at(&mut buf, layout.journal_offset + f.pos)
+            .map_err(CacheError::device("read journal"))?;
+        let Some(payload) = buf.get(HEADER..HEADER + f.len as usize) else {
+            break;
+        };
+        if crc32c::crc32c(payload) != f.payload_crc {
+            break;
+        }
+        out.push(payload.to_vec());
+        scanned += total
+            + if f.pos != pos {
+                layout.journal_bytes - pos
+            } else {
+                0
+            };
+        pos = f.pos + total;
+        seq += 1;
+    }
+    Ok((out, pos, seq))
+}
+
+/// Decodes every entry of a batch payload.
+pub fn decode_entries(payload: &[u8]) -> Result<Vec<Entry>> {
+    let mut r = Reader::new(payload);
+    let mut out = Vec::new();
+    while !r.done() {
+        out.push(Entry::decode(&mut r)?);
+    }
+    Ok(out)
+}
+
+/// Where replay starts after a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointMark {
+    /// Checkpoint generation (the newer valid slot wins).
+    pub generation: u64,
+    pub journal_seq: u64,
+    pub journal_pos: u64,
+}
+
+/// Writes a checkpoint payload into slot `generation % 2` (not synced).
+pub fn write_checkpoint(
+    device: &dyn Backend,
+    layout: &Layout,
+    uuid: &[u8; 16],
+    mark: CheckpointMark,
+    payload: &[u8],
+) -> Result<()> {
+    let slot = (mark.generation % 2) as usize;
+    if (HEADER + 8 + payload.len()) as u64 > layout.checkpoint_slot_bytes {
+        return Err(CacheError::Corrupt(format!(
+            "checkpoint of {} bytes does not fit its slot of {} bytes",
+            payload.len(),
+            layout.checkpoint_slot_bytes
+        )));
+    }
+    let frame = Frame {
+        magic: CHECKPOINT_MAGIC,
+        tag: uuid_tag(uuid),
+        seq: mark.generation,
+        pos: mark.journal_pos,
+        len: u32::try_from(payload.len())
+            .map_err(|_| CacheError::Corrupt("checkpoint too large".into()))?,
+        payload_crc: crc32c::crc32c(payload),
+    };
+    let mut buf = Vec::with_capacity(HEADER + 8 + payload.len());
+    buf.extend_from_slice(&frame.encode());
+    put64(&mut buf, mark.journal_seq);
+    buf.extend_from_slice(payload);
+    buf.resize(buf.len().div_ceil(BLOCK as usize) * BLOCK as usize, 0);
+    device
+        .write_at(&buf, layout.slot_offset(slot))
+        .map_err(CacheError::device("write checkpoint"))
+}
+
+/// Reads the newest valid checkpoint.
+pub fn read_checkpoint(
+    device: &dyn Backend,
+    layout: &Layout,
+    uuid: &[u8; 16],
+) -> Result<(CheckpointMark, Vec<u8>)> {
+    let tag = uuid_tag(uuid);
+    let mut best: Option<(CheckpointMark, Vec<u8>)> = None;
+    for slot in 0..2 {
+        let mut head = [0u8; HEADER + 8];
+        device
+            .read_at(&mut head, layout.slot_offset(slot))
+            .map_err(CacheError::device("read checkpoint"))?;
+        let Some(f) = Frame::decode(&head, CHECKPOINT_MAGIC, tag) else {
+            continue;
+        };
+        if (HEADER + 8) as u64 + u64::from(f.len) > layout.checkpoint_slot_bytes {
+            continue;
+        }
+        let mut payload = vec![0u8; f.len as usize];
+        device
+            .read_at(&mut payload, layout.slot_offset(slot) + (HEADER + 8) as u64)
+            .map_err(CacheError::device("read checkpoint"))?;
+        if crc32c::crc32c(&payload) != f.payload_crc {
+            continue;
+        }
+        let mut r = Reader::new(&head[HEADER..]);
+        let journal_seq = r.u64()?;
+        let mark = CheckpointMark {
+            generation: f.seq,
+            journal_seq,
+            journal_pos: f.pos,
+        };
+        if best
+            .as_ref()
+            .is_none_or(|(b, _)| b.generation < mark.generation)
+        {
+            best = Some((mark, payload));
+        }
+    }
+    best.ok_or_else(|| CacheError::Corrupt("no valid checkpoint in either slot".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vdcache_backend::MemBackend;
+
+    fn setup() -> (MemBackend, Layout, [u8; 16]) {
+        let l = Layout::compute(64 << 20, 1 << 20).unwrap();
+        (
+            MemBackend::new("dev", vec![0; l.device_bytes as usize]),
+            l,
+            [7u8; 16],
+        )
+    }
+
+    #[test]
+    fn batches_replay_in_order_and_stop_at_a_torn_one() {
+        let (dev, l, uuid) = setup();
+        let mut w = JournalWriter::new(&l, &uuid, 5, 1, 0);
+        let mark = CheckpointMark {
+            generation: 5,
+            journal_seq: 1,
+            journal_pos: 0,
+        };
+        for i in 0..5u64 {
+            w.push(&Entry::Unmap { key: i, slot: 1 });
+            w.push(&Entry::Map {
+                key: i,
+                slot: 2,
+                cbn: 9,
+                guest: 3,
+                dirty: true,
+                crc: 11,
+            });
+            assert!(w.write_pending(&dev).unwrap());
+        }
+        let (batches, _, seq) = read_batches(&dev, &l, &uuid, mark).unwrap();
+        assert_eq!(batches.len(), 5);
+        assert_eq!(seq, 6);
+        assert_eq!(
+            decode_entries(&batches[2]).unwrap()[0],
+            Entry::Unmap { key: 2, slot: 1 }
+        );
+        // Tear the third batch: replay keeps only the first two.
+        dev.write_at(&[0xff; 8], l.journal_offset + 2 * BLOCK + HEADER as u64)
+            .unwrap();
+        let (batches, _, _) = read_batches(&dev, &l, &uuid, mark).unwrap();
+        assert_eq!(batches.len(), 2);
+        // Another cache's batches, or another epoch's, are not replayed.
+        let (batches, _, _) = read_batches(&dev, &l, &[8u8; 16], mark).unwrap();
+        assert!(batches.is_empty());
+        let later = CheckpointMark {
+            generation: 6,
+            ..mark
+        };
+        let (batches, _, _) = read_batches(&dev, &l, &uuid, later).unwrap();
+        assert!(batches.is_empty());
+    }
+
+    #[test]
+    fn ring_wraps_and_replay_follows() {
+        let (dev, l, uuid) = setup();
+        let start = l.journal_bytes - 2 * BLOCK;
+        let mut w = JournalWriter::new(&l, &uuid, 1, 40, start);
+        for i in 0..4u64 {
+            for _ in 0..200 {
+                w.push(&Entry::Unmap { key: i, slot: 0 });
+            }
+            w.write_pending(&dev).unwrap();
+        }
+        let mark = CheckpointMark {
+            generation: 1,
+            journal_seq: 40,
+            journal_pos: start,
+        };
+        let (batches, pos, _) = read_batches(&dev, &l, &uuid, mark).unwrap();
+        assert_eq!(batches.len(), 4);
+        assert!(pos < start);
+    }
+
+    #[test]
+    fn newest_valid_checkpoint_wins() {
+        let (dev, l, uuid) = setup();
+        for g in 1..=3u64 {
+            let mark = CheckpointMark {
+                generation: g,
+                journal_seq: g * 10,
+                journal_pos: g * BLOCK,
+            };
+            write_checkpoint(&dev, &l, &uuid, mark, &[g as u8; 100]).unwrap();
+        }
+        let (mark, payload) = read_checkpoint(&dev, &l, &uuid).unwrap();
+        assert_eq!(mark.generation, 3);
+        assert_eq!(payload, vec![3u8; 100]);
+        // Tear generation 3 (slot 1): generation 2 in slot 0 is used.
+        dev.write_at(&[0u8; 16], l.slot_offset(1) + 50).unwrap();
+        assert_eq!(read_checkpoint(&dev, &l, &uuid).unwrap().0.generation, 2);
+    }
+}

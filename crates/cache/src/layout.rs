@@ -1,0 +1,339 @@
+//! The cache device's on-flash layout: superblock | checkpoint area (two
+//! alternating slots) | metadata zone (a ring of journal records) | data
+//! zone (regions the size of a flash erase block, filled append-only).
+//!
+//! This module computes and validates the layout and reads and writes the
+//! superblock; it knows nothing about what the index or journal contain.
+
+use crate::error::{CacheError, Result};
+use vdcache_backend::Backend;
+
+/// Cache block size: the unit of caching and of flash allocation.
+pub const BLOCK: u64 = 4096;
+/// Blocks per index line (one virtual cache map entry covers 64 KiB of an
+/// image: one cluster at qcow2's default cluster size).
+pub const LINE_BLOCKS: u64 = 16;
+/// Bytes per index line.
+pub const LINE: u64 = BLOCK * LINE_BLOCKS;
+/// Default region (erase block) size.
+pub const DEFAULT_REGION: u64 = 2 << 20;
+/// Smallest device the layout accepts.
+pub const MIN_DEVICE: u64 = 16 << 20;
+
+const MAGIC: &[u8; 8] = b"VDCACHE1";
+const VERSION: u32 = 1;
+const SUPERBLOCK_BYTES: u64 = BLOCK;
+/// Room reserved in a checkpoint for the image registry.
+pub const REGISTRY_BYTES: u64 = 1 << 20;
+/// Checkpoint bytes per data block in the worst case (one line per block:
+/// key, guest line, three bitmaps, one block number).
+const CHECKPOINT_BYTES_PER_BLOCK: u64 = 32;
+
+/// Where everything lives on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub device_bytes: u64,
+    pub region_bytes: u64,
+    pub regions: u32,
+    pub checkpoint_offset: u64,
+    pub checkpoint_slot_bytes: u64,
+    pub journal_offset: u64,
+    pub journal_bytes: u64,
+    pub data_offset: u64,
+}
+
+impl Layout {
+    /// Computes a layout for a device of `device_bytes` with regions of
+    /// `region_bytes` (a multiple of the block size, at least 64 KiB).
+    pub fn compute(device_bytes: u64, region_bytes: u64) -> Result<Layout> {
+        if region_bytes < BLOCK || !region_bytes.is_multiple_of(BLOCK) {
+            return Err(CacheError::Config(format!(
+                "region size {region_bytes} must be a non-zero multiple of {BLOCK}"
+            )));
+        }
+        if device_bytes < MIN_DEVICE {
+            return Err(CacheError::Config(format!(
+                "cache size {device_bytes} is below the minimum of {MIN_DEVICE} bytes"
+            )));
+        }
+        let round = |v: u64| v.div_ceil(BLOCK) * BLOCK;
+        let journal_bytes = round((device_bytes / 128).clamp(4 << 20, 256 << 20));
+        let estimate_blocks = device_bytes / BLOCK;
+        let slot = round(BLOCK + REGISTRY_BYTES + estimate_blocks * CHECKPOINT_BYTES_PER_BLOCK);
+        let checkpoint_offset = SUPERBLOCK_BYTES;
+        let journal_offset = checkpoint_offset + 2 * slot;
+        let data_offset =
+            round(journal_offset + journal_bytes).div_ceil(region_bytes) * region_bytes;
+        if data_offset >= device_bytes {
+            return Err(CacheError::Config(format!(
+                "cache size {device_bytes} leaves no room for data after {data_offset} bytes of metadata"
+            )));
+        }
+        let regions = (device_bytes - data_offset) / region_bytes;
+        if regions < 4 {
+            return Err(CacheError::Config(format!(
+                "cache size {device_bytes} holds only {regions} regions of {region_bytes} bytes; at least 4 are needed"
+            )));
+        }
+        let regions = u32::try_from(regions).map_err(|_| {
+            CacheError::Config(format!(
+                "{regions} regions are too many; use larger regions"
+            ))
+        })?;
+        Ok(Layout {
+            device_bytes,
+            region_bytes,
+            regions,
+            checkpoint_offset,
+            checkpoint_slot_bytes: slot,
+            journal_offset,
+            journal_bytes,
+            data_offset,
+        })
+    }
+
+    pub fn blocks_per_region(&self) -> u32 {
+        (self.region_bytes / BLOCK) as u32
+    }
+
+    pub fn data_blocks(&self) -> u64 {
+        u64::from(self.regions) * u64::from(self.blocks_per_region())
+    }
+
+    /// Device offset of data block `cbn`.
+    pub fn block_offset(&self, cbn: u32) -> u64 {
+        self.data_offset + u64::from(cbn) * BLOCK
+    }
+
+    pub fn region_of(&self, cbn: u32) -> u32 {
+        cbn / self.blocks_per_region()
+    }
+
+    pub fn region_offset(&self, region: u32) -> u64 {
+        self.data_offset + u64::from(region) * self.region_bytes
+    }
+
+    pub fn slot_offset(&self, slot: usize) -> u64 {
+        self.checkpoint_offset + slot as u64 * self.checkpoint_slot_bytes
+    }
+}
+
+/// The superblock: identity and layout of a cache device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    pub uuid: [u8; 16],
+    pub host: String,
+    pub layout: Layout,
+    pub created_unix: u64,
+}
+
+fn put(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl Cursor<'_> {
+    fn u64(&mut self) -> Result<u64> {
+        let b = self
+            .buf
+            .get(self.pos..self.pos + 8)
+            .ok_or_else(|| CacheError::Corrupt("superblock is truncated".into()))?;
+        self.pos += 8;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+}
+
+impl Superblock {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(SUPERBLOCK_BYTES as usize);
+        out.extend_from_slice(MAGIC);
+        put(&mut out, u64::from(VERSION));
+        out.extend_from_slice(&self.uuid);
+        let l = &self.layout;
+        for v in [
+            l.device_bytes,
+            l.region_bytes,
+            u64::from(l.regions),
+            l.checkpoint_offset,
+            l.checkpoint_slot_bytes,
+            l.journal_offset,
+            l.journal_bytes,
+            l.data_offset,
+            self.created_unix,
+        ] {
+            put(&mut out, v);
+        }
+        let host = self.host.as_bytes();
+        let host = &host[..host.len().min(256)];
+        put(&mut out, host.len() as u64);
+        out.extend_from_slice(host);
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out.resize(SUPERBLOCK_BYTES as usize, 0);
+        out
+    }
+
+    /// Parses and validates a superblock; a torn or foreign one is an error.
+    pub fn decode(buf: &[u8]) -> Result<Superblock> {
+        if buf.len() < 64 || &buf[..8] != MAGIC {
+            return Err(CacheError::NotACache);
+        }
+        let mut c = Cursor { buf, pos: 8 };
+        let version = c.u64()?;
+        if version != u64::from(VERSION) {
+            return Err(CacheError::Corrupt(format!(
+                "superblock version {version} is not supported (expected {VERSION})"
+            )));
+        }
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&buf[16..32]);
+        c.pos = 32;
+        let mut f = [0u64; 9];
+        for v in &mut f {
+            *v = c.u64()?;
+        }
+        let host_len = c.u64()? as usize;
+        if host_len > 256 {
+            return Err(CacheError::Corrupt(
+                "superblock host name is too long".into(),
+            ));
+        }
+        let host_end = c.pos + host_len;
+        let crc_end = host_end + 4;
+        if crc_end > buf.len() {
+            return Err(CacheError::Corrupt("superblock is truncated".into()));
+        }
+        let host = String::from_utf8_lossy(&buf[c.pos..host_end]).into_owned();
+        let mut crc = [0u8; 4];
+        crc.copy_from_slice(&buf[host_end..crc_end]);
+        if crc32c::crc32c(&buf[..host_end]) != u32::from_le_bytes(crc) {
+            return Err(CacheError::Corrupt(
+                "superblock checksum mismatch (torn or overwritten superblock)".into(),
+            ));
+        }
+        let regions =
+            u32::try_from(f[2]).map_err(|_| CacheError::Corrupt("region count".into()))?;
+        let layout = Layout {
+            device_bytes: f[0],
+            region_bytes: f[1],
+            regions,
+            checkpoint_offset: f[3],
+            checkpoint_slot_bytes: f[4],
+            journal_offset: f[5],
+            journal_bytes: f[6],
+            data_offset: f[7],
+        };
+        let expected = Layout::compute(layout.device_bytes, layout.region_bytes)?;
+        if expected != layout {
+            return Err(CacheError::Corrupt(
+                "superblock layout is inconsistent with its device size".into(),
+            ));
+        }
+        Ok(Superblock {
+            uuid,
+            host,
+            layout,
+            created_unix: f[8],
+        })
+    }
+
+    pub fn read(device: &dyn Backend) -> Result<Superblock> {
+        let mut buf = vec![0u8; SUPERBLOCK_BYTES as usize];
+        device
+            .read_at(&mut buf, 0)
+            .map_err(CacheError::device("read superblock"))?;
+        let sb = Superblock::decode(&buf)?;
+        let len = device.len().map_err(CacheError::device("stat"))?;
+        if len < sb.layout.device_bytes {
+            return Err(CacheError::Corrupt(format!(
+                "the cache device is {len} bytes but its superblock describes {} bytes",
+                sb.layout.device_bytes
+            )));
+        }
+        Ok(sb)
+    }
+
+    pub fn write(&self, device: &dyn Backend) -> Result<()> {
+        device
+            .write_at(&self.encode(), 0)
+            .map_err(CacheError::device("write superblock"))
+    }
+
+    pub fn uuid_hex(&self) -> String {
+        self.uuid.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// This host's identity: /etc/machine-id, else the host name.
+pub fn host_identity() -> String {
+    if let Ok(id) = std::fs::read_to_string("/etc/machine-id") {
+        let id = id.trim();
+        if !id.is_empty() {
+            return id.to_string();
+        }
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "unknown-host".into())
+}
+
+/// A random 128-bit identifier (from the kernel's random source).
+pub fn random_uuid() -> [u8; 16] {
+    let mut u = [0u8; 16];
+    if let Ok(bytes) = std::fs::read("/proc/sys/kernel/random/uuid") {
+        let hex: Vec<u8> = bytes
+            .iter()
+            .copied()
+            .filter(u8::is_ascii_hexdigit)
+            .collect();
+        for (i, pair) in hex.chunks(2).take(16).enumerate() {
+            let s = std::str::from_utf8(pair).unwrap_or("0");
+            u[i] = u8::from_str_radix(s, 16).unwrap_or(0);
+        }
+    }
+    if u == [0u8; 16] {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        u = (t ^ (u128::from(std::process::id()) << 64)).to_le_bytes();
+    }
+    u
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_fits_and_superblock_round_trips() {
+        let l = Layout::compute(1 << 30, DEFAULT_REGION).unwrap();
+        assert!(l.data_offset.is_multiple_of(l.region_bytes));
+        assert!(l.data_offset + u64::from(l.regions) * l.region_bytes <= l.device_bytes);
+        assert!(l.checkpoint_slot_bytes >= l.data_blocks() * CHECKPOINT_BYTES_PER_BLOCK);
+        let sb = Superblock {
+            uuid: random_uuid(),
+            host: "host-a".into(),
+            layout: l,
+            created_unix: 7,
+        };
+        let mut bytes = sb.encode();
+        assert_eq!(Superblock::decode(&bytes).unwrap(), sb);
+        bytes[100] ^= 1;
+        assert!(matches!(
+            Superblock::decode(&bytes),
+            Err(CacheError::Corrupt(_))
+        ));
+        assert!(matches!(
+            Superblock::decode(&[0u8; 4096]),
+            Err(CacheError::NotACache)
+        ));
+        assert!(Layout::compute(1 << 20, DEFAULT_REGION).is_err());
+    }
+}

@@ -1,0 +1,25 @@
+//! The flash cache tier: a log-structured cache device shared by every disk
+//! a server serves, sitting under the COW layer's narrow I/O interface
+//! (`vdcache_image::HostIo`). Layout follows SVD (paper 004, section III):
+//! superblock, two checkpoint slots, a journal ring, and a data zone of
+//! erase-block-sized regions filled append-only and reclaimed whole. The
+//! index is COWCache's virtual cache map (paper 000, section 4.1).
+//!
+//! The tier sees each I/O's class and addresses but never interprets qcow2;
+//! what to admit for which class is a policy decided above it.
+
+pub mod admission;
+pub mod config;
+pub mod error;
+pub mod index;
+pub mod journal;
+pub mod layout;
+pub mod region;
+pub mod stats;
+mod tier;
+
+pub use config::{Admission, CacheConfig, DiskPolicy, WriteMode};
+pub use error::{CacheError, Result};
+pub use region::Replacement;
+pub use stats::DiskStats;
+pub use tier::{CacheReport, FlashCache, ImageReport};

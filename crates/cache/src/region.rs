@@ -1,0 +1,410 @@
+//! Regions of the data zone: each is free, open for appending (one open
+//! region per stream: written data, promoted reads), or full. Blocks are
+//! only ever appended; a region is reclaimed whole. The replacement policy
+//! (LRU, CLOCK or ARC over regions) chooses which full region to reclaim.
+//!
+//! This module tracks states, live counts, recency and pins; emptying a
+//! region (writing back, relocating, unmapping) is the cache's job.
+
+use crate::index::Cbn;
+use std::collections::VecDeque;
+use std::str::FromStr;
+
+/// Which open region a block is appended to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    /// Data the guest (or the COW layer) wrote.
+    Write = 0,
+    /// Data promoted into the cache on a read miss.
+    Promote = 1,
+}
+
+/// How the victim region is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replacement {
+    /// Least recently accessed region.
+    Lru,
+    /// Second chance: a region accessed since the hand last passed is spared once.
+    Clock,
+    /// Adaptive replacement: regions hit once (recency) versus more often
+    /// (frequency), the split tuned by misses on recently evicted lines.
+    Arc,
+}
+
+impl FromStr for Replacement {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "lru" => Ok(Replacement::Lru),
+            "clock" => Ok(Replacement::Clock),
+            "arc" => Ok(Replacement::Arc),
+            _ => Err(format!(
+                "unknown replacement policy '{s}' (lru, clock, arc)"
+            )),
+        }
+    }
+}
+
+impl Replacement {
+    pub fn name(self) -> &'static str {
+        match self {
+            Replacement::Lru => "lru",
+            Replacement::Clock => "clock",
+            Replacement::Arc => "arc",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Free,
+    Open(Stream),
+    Full,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    state: State,
+    /// Blocks appended so far.
+    next: u32,
+    /// Blocks still referenced by the index.
+    live: u32,
+    last_access: u64,
+    referenced: bool,
+    /// Accesses since the region was filled (ARC's recency/frequency split).
+    accesses: u32,
+    pins: u32,
+}
+
+/// Counts for statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegionCounts {
+    pub free: u32,
+    pub open: u32,
+    pub full: u32,
+}
+
+/// Ghost lists of ARC: keys of lines recently evicted from each side.
+#[derive(Debug, Default)]
+struct Ghosts {
+    recency: VecDeque<u64>,
+    frequency: VecDeque<u64>,
+    capacity: usize,
+}
+
+/// All regions and the replacement policy's state.
+#[derive(Debug)]
+pub struct Regions {
+    blocks_per_region: u32,
+    regions: Vec<Region>,
+    free: VecDeque<u32>,
+    open: [Option<u32>; 2],
+    tick: u64,
+    hand: u32,
+    policy: Replacement,
+    /// ARC's target share of recency regions (0..=regions).
+    arc_target: f64,
+    ghosts: Ghosts,
+}
+
+impl Regions {
+    pub fn new(regions: u32, blocks_per_region: u32, policy: Replacement) -> Regions {
+        Regions {
+            blocks_per_region,
+            regions: vec![
+                Region {
+                    state: State::Free,
+                    next: 0,
+                    live: 0,
+                    last_access: 0,
+                    referenced: false,
+                    accesses: 0,
+                    pins: 0,
+                };
+                regions as usize
+            ],
+            free: (0..regions).collect(),
+            open: [None, None],
+            tick: 0,
+            hand: 0,
+            policy,
+            arc_target: f64::from(regions) / 2.0,
+            ghosts: Ghosts {
+                capacity: (regions as usize * blocks_per_region as usize / 4).clamp(1024, 1 << 20),
+                ..Ghosts::default()
+            },
+        }
+    }
+
+    pub fn policy(&self) -> Replacement {
+        self.policy
+    }
+
+    pub fn region_of(&self, cbn: Cbn) -> u32 {
+        cbn / self.blocks_per_region
+    }
+
+    pub fn blocks_per_region(&self) -> u32 {
+        self.blocks_per_region
+    }
+
+    /// Up to `want` contiguous blocks from the stream's open region, opening
+    /// a free region when needed; `None` when no region is free.
+    pub fn allocate(&mut self, stream: Stream, want: u32) -> Option<(Cbn, u32)> {
+        let s = stream as usize;
+        if let Some(r) = self.open[s] {
+            let reg = &mut self.regions[r as usize];
+            if reg.next < self.blocks_per_region {
+                let n = want.min(self.blocks_per_region - reg.next);
+                let start = r * self.blocks_per_region + reg.next;
+                reg.next += n;
+                reg.live += n;
+                if reg.next == self.blocks_per_region {
+                    reg.state = State::Full;
+                    self.open[s] = None;
+                }
+                return Some((start, n));
+            }
+            reg.state = State::Full;
+            self.open[s] = None;
+        }
+        let r = self.free.pop_front()?;
+        self.tick += 1;
+        self.regions[r as usize] = Region {
+            state: State::Open(stream),
+            next: 0,
+            live: 0,
+            last_access: self.tick,
+            referenced: false,
+            accesses: 0,
+            pins: 0,
+        };
+        self.open[s] = Some(r);
+        self.allocate(stream, want)
+    }
+
+    /// Records a hit on a block of `region`.
+    pub fn touch(&mut self, region: u32) {
+        self.tick += 1;
+        let r = &mut self.regions[region as usize];
+        r.last_access = self.tick;
+        r.referenced = true;
+        r.accesses = r.accesses.saturating_add(1);
+    }
+
+    /// A block of the region stopped being referenced.
+    pub fn release_block(&mut self, cbn: Cbn) {
+        let region = self.region_of(cbn) as usize;
+        let r = &mut self.regions[region];
+        r.live = r.live.saturating_sub(1);
+    }
+
+    /// Marks a block live again (recovery rebuilds live counts).
+    pub fn restore_block(&mut self, cbn: Cbn) {
+        let region = self.region_of(cbn);
+        let bpr = self.blocks_per_region;
+        let r = &mut self.regions[region as usize];
+        if r.state == State::Free {
+            self.free.retain(|&f| f != region);
+            r.state = State::Full;
+            r.next = bpr;
+        }
+        r.live += 1;
+    }
+
+    pub fn pin(&mut self, region: u32) {
+        self.regions[region as usize].pins += 1;
+    }
+
+    pub fn unpin(&mut self, region: u32) {
+        let r = &mut self.regions[region as usize];
+        r.pins = r.pins.saturating_sub(1);
+    }
+
+    pub fn free_regions(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn live_blocks(&self, region: u32) -> u32 {
+        self.regions[region as usize].live
+    }
+
+    /// Blocks appended to a region (the range an eviction scans).
+    pub fn used_blocks(&self, region: u32) -> std::ops::Range<Cbn> {
+        let start = region * self.blocks_per_region;
+        start..start + self.regions[region as usize].next
+    }
+
+    pub fn counts(&self) -> RegionCounts {
+        let mut c = RegionCounts::default();
+        for r in &self.regions {
+            match r.state {
+                State::Free => c.free += 1,
+                State::Open(_) => c.open += 1,
+                State::Full => c.full += 1,
+            }
+        }
+        c
+    }
+
+    fn evictable(&self, i: usize) -> bool {
+        let r = &self.regions[i];
+        r.state == State::Full && r.pins == 0
+    }
+
+    /// Chooses the full region to reclaim next.
+    pub fn choose_victim(&mut self) -> Option<u32> {
+        // A full region with nothing live costs nothing to reclaim.
+        if let Some(i) =
+            (0..self.regions.len()).find(|&i| self.evictable(i) && self.regions[i].live == 0)
+        {
+            return Some(i as u32);
+        }
+        match self.policy {
+            Replacement::Lru => self.oldest(|_| true),
+            Replacement::Clock => self.clock(),
+            Replacement::Arc => {
+                let recency = (0..self.regions.len())
+                    .filter(|&i| self.evictable(i) && self.regions[i].accesses < 2)
+                    .count();
+                let from_recency =
+                    recency as f64 > self.arc_target || recency == self.regions.len();
+                let pick = if from_recency {
+                    self.oldest(|r| r.accesses < 2)
+                } else {
+                    self.oldest(|r| r.accesses >= 2)
+                };
+                pick.or_else(|| self.oldest(|_| true))
+            }
+        }
+    }
+
+    fn oldest(&self, filter: impl Fn(&Region) -> bool) -> Option<u32> {
+        (0..self.regions.len())
+            .filter(|&i| self.evictable(i) && filter(&self.regions[i]))
+            .min_by_key(|&i| self.regions[i].last_access)
+            .map(|i| i as u32)
+    }
+
+    fn clock(&mut self) -> Option<u32> {
+        let n = self.regions.len() as u32;
+        for _ in 0..2 * n {
+            let i = self.hand;
+            self.hand = (self.hand + 1) % n;
+            if !self.evictable(i as usize) {
+                continue;
+            }
+            let r = &mut self.regions[i as usize];
+            if r.referenced {
+                r.referenced = false;
+            } else {
+                return Some(i);
+            }
+        }
+        self.oldest(|_| true)
+    }
+
+    /// Whether a region's blocks count as hot (accessed since they were
+    /// written), so eviction may re-insert them.
+    pub fn is_hot(&self, region: u32) -> bool {
+        let r = &self.regions[region as usize];
+        r.referenced && r.accesses >= 2
+    }
+
+    /// Remembers the lines a reclaimed region held (ARC ghosts).
+    pub fn remember_evicted(&mut self, region: u32, keys: impl Iterator<Item = u64>) {
+        if self.policy != Replacement::Arc {
+            return;
+        }
+        let frequent = self.regions[region as usize].accesses >= 2;
+        let cap = self.ghosts.capacity;
+        let list = if frequent {
+            &mut self.ghosts.frequency
+        } else {
+            &mut self.ghosts.recency
+        };
+        for k in keys {
+            list.push_back(k);
+            if list.len() > cap {
+                list.pop_front();
+            }
+        }
+    }
+
+    /// A read missed line `key`: if ARC evicted it recently, move the
+    /// recency/frequency split toward the side that would have kept it.
+    pub fn note_miss(&mut self, key: u64) {
+        if self.policy != Replacement::Arc {
+            return;
+        }
+        let n = self.regions.len() as f64;
+        if self.ghosts.recency.contains(&key) {
+            self.arc_target = (self.arc_target + 1.0).min(n);
+        } else if self.ghosts.frequency.contains(&key) {
+            self.arc_target = (self.arc_target - 1.0).max(0.0);
+        }
+    }
+
+    /// Returns a reclaimed region to the free list.
+    pub fn reset(&mut self, region: u32) {
+        let r = &mut self.regions[region as usize];
+        r.state = State::Free;
+        r.next = 0;
+        r.live = 0;
+        r.accesses = 0;
+        r.referenced = false;
+        self.free.push_back(region);
+    }
+
+    /// After recovery: regions holding live blocks are full; the rest free.
+    pub fn finish_recovery(&mut self) {
+        self.open = [None, None];
+        self.free.clear();
+        for (i, r) in self.regions.iter_mut().enumerate() {
+            if r.live == 0 {
+                r.state = State::Free;
+                r.next = 0;
+                self.free.push_back(i as u32);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn appends_then_opens_new_regions_and_runs_out() {
+        let mut r = Regions::new(3, 4, Replacement::Lru);
+        assert_eq!(r.allocate(Stream::Write, 3), Some((0, 3)));
+        assert_eq!(r.allocate(Stream::Write, 3), Some((3, 1)));
+        assert_eq!(r.allocate(Stream::Promote, 2), Some((4, 2)));
+        assert_eq!(r.allocate(Stream::Write, 1), Some((8, 1)));
+        assert_eq!(
+            r.counts(),
+            RegionCounts {
+                free: 0,
+                open: 2,
+                full: 1
+            }
+        );
+        assert_eq!(r.allocate(Stream::Write, 4), Some((9, 3)));
+        assert_eq!(r.allocate(Stream::Write, 1), None);
+    }
+
+    #[test]
+    fn lru_and_clock_pick_the_cold_region() {
+        for policy in [Replacement::Lru, Replacement::Clock, Replacement::Arc] {
+            let mut r = Regions::new(3, 2, policy);
+            for _ in 0..3 {
+                r.allocate(Stream::Write, 2);
+            }
+            r.touch(0);
+            r.touch(2);
+            assert_eq!(r.choose_victim(), Some(1), "{policy:?}");
+            r.pin(1);
+            assert_ne!(r.choose_victim(), Some(1));
+        }
+    }
+}

@@ -1,0 +1,132 @@
+//! Counters of the cache tier, per disk and in total: what `vdcache stats`
+//! reports. Updated with relaxed atomics on the I/O path.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use vdcache_image::DiskId;
+
+/// Counters of one disk.
+#[derive(Debug, Default)]
+pub struct DiskCounters {
+    pub guest_reads: AtomicU64,
+    pub guest_read_bytes: AtomicU64,
+    pub guest_writes: AtomicU64,
+    pub guest_write_bytes: AtomicU64,
+    /// 4 KiB blocks of guest reads served from flash.
+    pub read_hit_blocks: AtomicU64,
+    /// 4 KiB blocks of guest reads that missed.
+    pub read_miss_blocks: AtomicU64,
+    /// 4 KiB blocks of any class read that hit (metadata, filler too).
+    pub all_hit_blocks: AtomicU64,
+    pub all_miss_blocks: AtomicU64,
+    pub flash_bytes_written: AtomicU64,
+    pub flash_bytes_read: AtomicU64,
+    pub backend_bytes_read: AtomicU64,
+    pub backend_bytes_written: AtomicU64,
+    pub backend_syncs: AtomicU64,
+    pub guest_flushes: AtomicU64,
+}
+
+/// A plain copy of one disk's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DiskStats {
+    pub guest_reads: u64,
+    pub guest_read_bytes: u64,
+    pub guest_writes: u64,
+    pub guest_write_bytes: u64,
+    pub read_hit_blocks: u64,
+    pub read_miss_blocks: u64,
+    pub all_hit_blocks: u64,
+    pub all_miss_blocks: u64,
+    pub flash_bytes_written: u64,
+    pub flash_bytes_read: u64,
+    pub backend_bytes_read: u64,
+    pub backend_bytes_written: u64,
+    pub backend_syncs: u64,
+    pub guest_flushes: u64,
+    pub dirty_bytes: u64,
+}
+
+impl DiskStats {
+    pub fn read_hit_ratio(&self) -> f64 {
+        let total = self.read_hit_blocks + self.read_miss_blocks;
+        if total == 0 {
+            0.0
+        } else {
+            self.read_hit_blocks as f64 / total as f64
+        }
+    }
+
+    pub fn add(&mut self, o: &DiskStats) {
+        self.guest_reads += o.guest_reads;
+        self.guest_read_bytes += o.guest_read_bytes;
+        self.guest_writes += o.guest_writes;
+        self.guest_write_bytes += o.guest_write_bytes;
+        self.read_hit_blocks += o.read_hit_blocks;
+        self.read_miss_blocks += o.read_miss_blocks;
+        self.all_hit_blocks += o.all_hit_blocks;
+        self.all_miss_blocks += o.all_miss_blocks;
+        self.flash_bytes_written += o.flash_bytes_written;
+        self.flash_bytes_read += o.flash_bytes_read;
+        self.backend_bytes_read += o.backend_bytes_read;
+        self.backend_bytes_written += o.backend_bytes_written;
+        self.backend_syncs += o.backend_syncs;
+        self.guest_flushes += o.guest_flushes;
+        self.dirty_bytes += o.dirty_bytes;
+    }
+}
+
+impl DiskCounters {
+    pub fn snapshot(&self) -> DiskStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DiskStats {
+            guest_reads: l(&self.guest_reads),
+            guest_read_bytes: l(&self.guest_read_bytes),
+            guest_writes: l(&self.guest_writes),
+            guest_write_bytes: l(&self.guest_write_bytes),
+            read_hit_blocks: l(&self.read_hit_blocks),
+            read_miss_blocks: l(&self.read_miss_blocks),
+            all_hit_blocks: l(&self.all_hit_blocks),
+            all_miss_blocks: l(&self.all_miss_blocks),
+            flash_bytes_written: l(&self.flash_bytes_written),
+            flash_bytes_read: l(&self.flash_bytes_read),
+            backend_bytes_read: l(&self.backend_bytes_read),
+            backend_bytes_written: l(&self.backend_bytes_written),
+            backend_syncs: l(&self.backend_syncs),
+            guest_flushes: l(&self.guest_flushes),
+            dirty_bytes: 0,
+        }
+    }
+}
+
+/// Adds to a counter.
+pub fn bump(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Counters of every disk the cache has seen.
+#[derive(Debug, Default)]
+pub struct Stats {
+    disks: Mutex<BTreeMap<u32, std::sync::Arc<DiskCounters>>>,
+}
+
+impl Stats {
+    pub fn disk(&self, d: DiskId) -> std::sync::Arc<DiskCounters> {
+        self.disks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(d.0)
+            .or_default()
+            .clone()
+    }
+
+    pub fn all(&self) -> Vec<(u32, DiskStats)> {
+        self.disks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(d, c)| (*d, c.snapshot()))
+            .collect()
+    }
+}

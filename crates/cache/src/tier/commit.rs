@@ -1,0 +1,170 @@
+//! Making the cache's state durable: journal commits (what a guest flush
+//! costs: one batch write and one sync of the cache device, plus a backend
+//! sync only for images that took write-through data) and checkpoints.
+
+use super::{FlashCache, State};
+use crate::error::{CacheError, Result};
+use crate::journal::{CheckpointMark, Reader, write_checkpoint};
+use crate::layout::LINE_BLOCKS;
+use crate::stats::bump;
+use vdcache_image::{FlushKind, ImageHandle};
+
+impl FlashCache {
+    /// Syncs images holding write-through data: journal records of their
+    /// clean copies must never outlive the data on the backend.
+    fn sync_backends(&self, st: &mut State) -> Result<()> {
+        for id in std::mem::take(&mut st.unsynced) {
+            let Some(rec) = st.images.get(id as usize) else {
+                continue;
+            };
+            if let Some(b) = &rec.backend {
+                b.flush().map_err(CacheError::device("sync backend"))?;
+                bump(&self.stats.disk(rec.disk).backend_syncs, 1);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes pending journal entries and syncs the cache device.
+    pub(crate) fn commit(&self, st: &mut State) -> Result<()> {
+        self.sync_backends(st)?;
+        if st.journal.needs_checkpoint() {
+            return self.checkpoint(st);
+        }
+        st.journal.write_pending(&*self.device)?;
+        self.device
+            .flush()
+            .map_err(CacheError::device("sync cache device"))
+    }
+
+    /// Writes the whole index into the older checkpoint slot; replay then
+    /// starts from here.
+    pub(crate) fn checkpoint(&self, st: &mut State) -> Result<()> {
+        self.sync_backends(st)?;
+        // Every block the checkpoint names must be durable before it.
+        self.device
+            .flush()
+            .map_err(CacheError::device("sync cache device"))?;
+        let payload = encode_checkpoint(st);
+        let mark = CheckpointMark {
+            generation: st.generation + 1,
+            journal_seq: st.journal.next_seq,
+            journal_pos: st.journal.pos,
+        };
+        write_checkpoint(&*self.device, &self.layout, &self.sb.uuid, mark, &payload)?;
+        self.device
+            .flush()
+            .map_err(CacheError::device("sync cache device"))?;
+        st.generation = mark.generation;
+        st.journal.checkpointed(mark.generation);
+        Ok(())
+    }
+
+    /// A flush from the COW layer.
+    pub(crate) fn flush_image(&self, image: &ImageHandle, kind: FlushKind) -> Result<()> {
+        let mut st = self.lock();
+        let id = st.by_name.get(&*image.name).copied();
+        match kind {
+            FlushKind::Barrier => {
+                // The journal keeps order by itself; only data that went to
+                // the backend needs the backend's own barrier.
+                if let Some(id) = id.filter(|id| st.unsynced.contains(id)) {
+                    st.unsynced.remove(&id);
+                    image
+                        .backend
+                        .flush()
+                        .map_err(CacheError::device("sync backend"))?;
+                    let disk = st.images[id as usize].disk;
+                    bump(&self.stats.disk(disk).backend_syncs, 1);
+                }
+                Ok(())
+            }
+            FlushKind::Durable => {
+                if let Some(id) = id {
+                    bump(
+                        &self.stats.disk(st.images[id as usize].disk).guest_flushes,
+                        1,
+                    );
+                }
+                self.commit(&mut st)
+            }
+        }
+    }
+}
+
+fn put(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(bytes);
+}
+
+/// Checkpoint payload: the image registry, then every line with the block
+/// numbers of its present blocks.
+fn encode_checkpoint(st: &State) -> Vec<u8> {
+    let mut out = Vec::new();
+    put(&mut out, &(st.images.len() as u32).to_le_bytes());
+    for (id, r) in st.images.iter().enumerate() {
+        crate::journal::Entry::Image {
+            id: id as u16,
+            name: r.name.clone(),
+            identity: r.identity,
+        }
+        .encode(&mut out);
+    }
+    put(&mut out, &(st.index.line_count() as u64).to_le_bytes());
+    for l in st.index.lines() {
+        put(&mut out, &l.key.to_le_bytes());
+        put(&mut out, &u64::from(l.guest).to_le_bytes());
+        put(&mut out, &l.present.to_le_bytes());
+        put(&mut out, &l.dirty.to_le_bytes());
+        put(&mut out, &l.partial.to_le_bytes());
+        for slot in 0..LINE_BLOCKS as usize {
+            if l.present & (1 << slot) != 0 {
+                put(&mut out, &l.cbn[slot].to_le_bytes());
+            }
+        }
+    }
+    out
+}
+
+/// A line as a checkpoint stores it.
+pub(crate) struct SavedLine {
+    pub key: u64,
+    pub guest: u64,
+    pub dirty: u16,
+    pub partial: u16,
+    pub cbn: Vec<(usize, u32)>,
+}
+
+/// Decodes a checkpoint payload into image entries and lines.
+pub(crate) fn decode_checkpoint(
+    payload: &[u8],
+) -> Result<(Vec<crate::journal::Entry>, Vec<SavedLine>)> {
+    let mut r = Reader::new(payload);
+    let images = r.u32()?;
+    let mut entries = Vec::with_capacity((images as usize).min(65536));
+    for _ in 0..images {
+        entries.push(crate::journal::Entry::decode(&mut r)?);
+    }
+    let count = r.u64()?;
+    let mut lines = Vec::with_capacity((count as usize).min(payload.len() / 30 + 1));
+    for _ in 0..count {
+        let key = r.u64()?;
+        let guest = r.u64()?;
+        let present = r.u16()?;
+        let dirty = r.u16()?;
+        let partial = r.u16()?;
+        let mut cbn = Vec::with_capacity(present.count_ones() as usize);
+        for slot in 0..LINE_BLOCKS as usize {
+            if present & (1 << slot) != 0 {
+                cbn.push((slot, r.u32()?));
+            }
+        }
+        lines.push(SavedLine {
+            key,
+            guest,
+            dirty: dirty & present,
+            partial,
+            cbn,
+        });
+    }
+    Ok((entries, lines))
+}

@@ -1,0 +1,490 @@
+//! The cache tier proper: state behind one mutex (index, regions, journal
+//! buffer, image registry), data I/O on flash and backends outside it, a
+//! background write-back thread.
+//!
+//! Lock order: `state` only; no other lock is taken while holding it.
+//! Durability: a block's journal record carries its checksum, replay stops
+//! at the first record whose batch or data does not verify, and a region is
+//! reused only after the records that emptied it are durable; so recovery
+//! always yields a prefix of what was acknowledged, never garbage.
+
+mod commit;
+mod read;
+mod recover;
+mod space;
+mod write;
+mod writeback;
+
+use crate::admission::{HotFilter, SequentialRun};
+use crate::config::{CacheConfig, DiskPolicy};
+use crate::error::{CacheError, Result};
+use crate::index::Index;
+use crate::journal::{Entry, ImageIdentity, JournalWriter};
+use crate::layout::{BLOCK, Layout, Superblock};
+use crate::region::{RegionCounts, Regions};
+use crate::stats::{DiskStats, Stats};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use vdcache_backend::BackendRef;
+use vdcache_image::hostio::WriteSegment;
+use vdcache_image::{DiskId, FlushKind, HostIo, ImageHandle, IoTag};
+use vdcache_qcow2::HostOffset;
+
+/// An image the cache has seen.
+#[derive(Debug, Clone)]
+pub(crate) struct ImageRecord {
+    pub name: String,
+    pub identity: ImageIdentity,
+    /// Open store of the image (absent for images known only from the
+    /// journal until a disk opens them).
+    pub backend: Option<BackendRef>,
+    pub disk: DiskId,
+    /// End of the highest block written through the cache: the image is
+    /// at least this long even before write-back extends the file.
+    pub end: u64,
+}
+
+/// A recent write, so a read miss does not admit data it overtook.
+#[derive(Debug, Clone, Copy)]
+struct RecentWrite {
+    seq: u64,
+    image: u16,
+    start: u64,
+    end: u64,
+}
+
+const RECENT_WRITES: usize = 4096;
+const HOT_FILTER_ENTRIES: usize = 1 << 16;
+
+pub(crate) struct State {
+    pub index: Index,
+    pub regions: Regions,
+    pub journal: JournalWriter,
+    pub generation: u64,
+    pub images: Vec<ImageRecord>,
+    pub by_name: HashMap<String, u16>,
+    pub policies: HashMap<u32, DiskPolicy>,
+    pub hot: HotFilter,
+    pub runs: HashMap<u32, SequentialRun>,
+    /// Images with write-through data not yet synced on the backend.
+    pub unsynced: BTreeSet<u16>,
+    /// Lines holding dirty blocks, in write-back order.
+    pub dirty_lines: BTreeSet<u64>,
+    recent: VecDeque<RecentWrite>,
+    write_seq: u64,
+    /// Someone waits for every dirty block to be written back.
+    pub drain_requests: u64,
+    /// Write-back thread is between collecting and completing a batch.
+    pub writeback_busy: bool,
+}
+
+impl State {
+    fn policy(&self, disk: DiskId, default: DiskPolicy) -> DiskPolicy {
+        self.policies.get(&disk.0).copied().unwrap_or(default)
+    }
+
+    /// Records a write of `[start, end)` of an image.
+    fn note_write(&mut self, image: u16, start: u64, end: u64) {
+        self.write_seq += 1;
+        self.recent.push_back(RecentWrite {
+            seq: self.write_seq,
+            image,
+            start,
+            end,
+        });
+        if self.recent.len() > RECENT_WRITES {
+            self.recent.pop_front();
+        }
+    }
+
+    /// Whether a write overlapping the range happened after `since`.
+    fn written_since(&self, since: u64, image: u16, start: u64, end: u64) -> bool {
+        if self.recent.front().is_some_and(|w| w.seq > since + 1) && self.write_seq > since {
+            // History was trimmed past the read: assume the worst.
+            return true;
+        }
+        self.recent
+            .iter()
+            .rev()
+            .take_while(|w| w.seq > since)
+            .any(|w| w.image == image && w.start < end && start < w.end)
+    }
+}
+
+/// What `vdcache stats` reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CacheReport {
+    pub device_bytes: u64,
+    pub data_bytes: u64,
+    pub region_bytes: u64,
+    pub regions_free: u32,
+    pub regions_open: u32,
+    pub regions_full: u32,
+    pub cached_bytes: u64,
+    pub dirty_bytes: u64,
+    pub index_memory_bytes: u64,
+    /// Index memory as a fraction of the cached bytes.
+    pub index_memory_ratio: f64,
+    pub replacement: &'static str,
+    pub total: DiskStats,
+    pub disks: Vec<(u32, DiskStats)>,
+    pub images: Vec<ImageReport>,
+}
+
+/// One image the cache holds blocks of.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ImageReport {
+    pub name: String,
+    pub cached_bytes: u64,
+    pub dirty_bytes: u64,
+}
+
+/// A flash cache on one device, shared by every disk of a server.
+pub struct FlashCache {
+    device: BackendRef,
+    sb: Superblock,
+    layout: Layout,
+    config: CacheConfig,
+    state: Mutex<State>,
+    /// Wakes the write-back thread.
+    wake: Condvar,
+    /// Signals progress of write-back (drains wait on it).
+    progress: Condvar,
+    stats: Stats,
+    stop: AtomicBool,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for FlashCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlashCache")
+            .field("device", &self.device.name())
+            .finish()
+    }
+}
+
+fn io_err(e: CacheError) -> io::Error {
+    match e {
+        CacheError::Device { source, .. } => source,
+        other => io::Error::other(other.to_string()),
+    }
+}
+
+/// Identity of an image store: (device, inode) of a local file, the size
+/// of a fixed-size store (an NBD export); a growable store without a file
+/// behind it (memory) has no identity beyond its name.
+fn identity_of(name: &str, backend: &BackendRef) -> ImageIdentity {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata(name) {
+        Ok(m) => ImageIdentity {
+            size: 0,
+            dev: m.dev(),
+            ino: m.ino(),
+        },
+        Err(_) => ImageIdentity {
+            size: if backend.can_grow() {
+                0
+            } else {
+                backend.len().unwrap_or(0)
+            },
+            dev: 0,
+            ino: 0,
+        },
+    }
+}
+
+impl FlashCache {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// Sets the policy of one disk.
+    pub fn set_policy(&self, disk: DiskId, policy: DiskPolicy) {
+        self.lock().policies.insert(disk.0, policy);
+    }
+
+    fn new_state(
+        layout: &Layout,
+        config: &CacheConfig,
+        journal: JournalWriter,
+        generation: u64,
+    ) -> State {
+        State {
+            index: Index::new(layout.data_blocks()),
+            regions: Regions::new(
+                layout.regions,
+                layout.blocks_per_region(),
+                config.replacement,
+            ),
+            journal,
+            generation,
+            images: Vec::new(),
+            by_name: HashMap::new(),
+            policies: HashMap::new(),
+            hot: HotFilter::new(HOT_FILTER_ENTRIES),
+            runs: HashMap::new(),
+            unsynced: BTreeSet::new(),
+            dirty_lines: BTreeSet::new(),
+            recent: VecDeque::new(),
+            write_seq: 0,
+            drain_requests: 0,
+            writeback_busy: false,
+        }
+    }
+
+    fn assemble(
+        device: BackendRef,
+        sb: Superblock,
+        config: CacheConfig,
+        state: State,
+    ) -> Arc<FlashCache> {
+        let cache = Arc::new(FlashCache {
+            layout: sb.layout,
+            device,
+            sb,
+            config,
+            state: Mutex::new(state),
+            wake: Condvar::new(),
+            progress: Condvar::new(),
+            stats: Stats::default(),
+            stop: AtomicBool::new(false),
+            thread: Mutex::new(None),
+        });
+        writeback::start(&cache);
+        cache
+    }
+
+    /// The id of an image, registering it (and checking it is the file the
+    /// cache recorded under that name) on first sight.
+    pub(crate) fn image_id(&self, image: &ImageHandle, disk: DiskId) -> Result<u16> {
+        let mut st = self.lock();
+        if let Some(&id) = st.by_name.get(&*image.name) {
+            let rec = &mut st.images[id as usize];
+            if rec.backend.is_none() {
+                let identity = identity_of(&image.name, &image.backend);
+                if identity != rec.identity {
+                    let reason = format!("recorded {:?}, found {:?}", rec.identity, identity);
+                    let name = rec.name.clone();
+                    drop(st);
+                    return self.replace_stale_image(id, name, reason, image, disk);
+                }
+                rec.backend = Some(image.backend.clone());
+            }
+            rec.disk = disk;
+            return Ok(id);
+        }
+        let id = u16::try_from(st.images.len())
+            .map_err(|_| CacheError::Config("more than 65535 images share one cache".into()))?;
+        let identity = identity_of(&image.name, &image.backend);
+        st.images.push(ImageRecord {
+            name: image.name.to_string(),
+            identity,
+            backend: Some(image.backend.clone()),
+            disk,
+            end: 0,
+        });
+        st.by_name.insert(image.name.to_string(), id);
+        st.journal.push(&Entry::Image {
+            id,
+            name: image.name.to_string(),
+            identity,
+        });
+        Ok(id)
+    }
+
+    /// A file now under a recorded name is not the recorded file. Refuse
+    /// when the cache holds dirty data of the old file; otherwise forget
+    /// what was cached for it.
+    fn replace_stale_image(
+        &self,
+        id: u16,
+        name: String,
+        reason: String,
+        image: &ImageHandle,
+        disk: DiskId,
+    ) -> Result<u16> {
+        let mut st = self.lock();
+        let lines: Vec<u64> = st
+            .index
+            .lines()
+            .filter(|l| crate::index::key_image(l.key) == id)
+            .map(|l| l.key)
+            .collect();
+        if lines.iter().any(|k| {
+            st.index
+                .get(*k)
+                .is_some_and(|l| l.dirty != 0 || l.partial != 0)
+        }) {
+            return Err(CacheError::WrongImage { name, reason });
+        }
+        tracing::warn!(image = %name, %reason, "image changed since it was cached; dropping its cached blocks");
+        for key in lines {
+            for slot in 0..crate::layout::LINE_BLOCKS as usize {
+                self.unmap_block(&mut st, key, slot);
+            }
+        }
+        let identity = identity_of(&image.name, &image.backend);
+        let rec = &mut st.images[id as usize];
+        rec.identity = identity;
+        rec.backend = Some(image.backend.clone());
+        rec.disk = disk;
+        st.journal.push(&Entry::Image { id, name, identity });
+        Ok(id)
+    }
+
+    /// Removes one slot from the index, journaling it and freeing its block.
+    pub(crate) fn unmap_block(&self, st: &mut State, key: u64, slot: usize) -> bool {
+        let Some((cbn, _dirty, r)) = st.index.unmap(key, slot) else {
+            return false;
+        };
+        if st.index.release(cbn, r) {
+            st.regions.release_block(cbn);
+        }
+        st.journal.push(&Entry::Unmap {
+            key,
+            slot: slot as u8,
+        });
+        if st.index.get(key).is_none_or(|l| l.dirty == 0) {
+            st.dirty_lines.remove(&key);
+        }
+        true
+    }
+
+    /// Statistics.
+    pub fn report(&self) -> CacheReport {
+        let st = self.lock();
+        let counts: RegionCounts = st.regions.counts();
+        let cached = st.index.present_blocks() * BLOCK;
+        let memory = st.index.memory_bytes();
+        let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.images.len()];
+        let mut dirty_by_disk: HashMap<u32, u64> = HashMap::new();
+        for l in st.index.lines() {
+            let img = crate::index::key_image(l.key) as usize;
+            if let Some(p) = per_image.get_mut(img) {
+                p.0 += u64::from(l.present.count_ones()) * BLOCK;
+                p.1 += u64::from(l.dirty.count_ones()) * BLOCK;
+            }
+            if let Some(rec) = st.images.get(img) {
+                *dirty_by_disk.entry(rec.disk.0).or_default() +=
+                    u64::from(l.dirty.count_ones()) * BLOCK;
+            }
+        }
+        let images = st
+            .images
+            .iter()
+            .zip(&per_image)
+            .map(|(r, &(c, d))| ImageReport {
+                name: r.name.clone(),
+                cached_bytes: c,
+                dirty_bytes: d,
+            })
+            .collect();
+        let dirty = st.index.dirty_blocks() * BLOCK;
+        drop(st);
+        let mut disks = self.stats.all();
+        let mut total = DiskStats::default();
+        for (d, s) in &mut disks {
+            s.dirty_bytes = dirty_by_disk.get(d).copied().unwrap_or(0);
+            total.add(s);
+        }
+        total.dirty_bytes = dirty;
+        CacheReport {
+            device_bytes: self.layout.device_bytes,
+            data_bytes: self.layout.data_blocks() * BLOCK,
+            region_bytes: self.layout.region_bytes,
+            regions_free: counts.free,
+            regions_open: counts.open,
+            regions_full: counts.full,
+            cached_bytes: cached,
+            dirty_bytes: dirty,
+            index_memory_bytes: memory,
+            index_memory_ratio: if cached == 0 {
+                0.0
+            } else {
+                memory as f64 / cached as f64
+            },
+            replacement: self.config.replacement.name(),
+            total,
+            disks,
+            images,
+        }
+    }
+
+    /// Stops the write-back thread. With `keep_dirty` false every dirty
+    /// block is written back first, so the images are complete; either way
+    /// the index is checkpointed so the next open is fast.
+    pub fn shutdown(&self, keep_dirty: bool) -> Result<()> {
+        if !keep_dirty {
+            self.drain()?;
+        }
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake.notify_all();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+        let mut st = self.lock();
+        self.commit(&mut st)?;
+        self.checkpoint(&mut st)
+    }
+}
+
+impl HostIo for FlashCache {
+    fn read(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        buf: &mut [u8],
+        tag: IoTag,
+    ) -> io::Result<()> {
+        self.read_blocks(image, offset.0, buf, tag).map_err(io_err)
+    }
+
+    fn write(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        segments: &[WriteSegment<'_>],
+    ) -> io::Result<()> {
+        self.write_blocks(image, offset.0, segments).map_err(io_err)
+    }
+
+    fn discard(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        len: u64,
+        tag: IoTag,
+    ) -> io::Result<()> {
+        self.discard_blocks(image, offset.0, len, tag)
+            .map_err(io_err)
+    }
+
+    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> io::Result<()> {
+        self.flush_image(image, kind).map_err(io_err)
+    }
+
+    fn len(&self, image: &ImageHandle) -> io::Result<u64> {
+        let stored = image.backend.len()?;
+        let st = self.lock();
+        let cached = st
+            .by_name
+            .get(&*image.name)
+            .and_then(|&id| st.images.get(id as usize))
+            .map_or(0, |r| r.end);
+        Ok(stored.max(cached))
+    }
+}

@@ -1,0 +1,256 @@
+//! Reads: blocks present in flash are read from flash (runs of contiguous
+//! blocks in one request); the rest from the backend, aligned to whole
+//! blocks, and admitted into the promotion stream when the admission
+//! policy says so and no write overtook the read.
+
+use super::{FlashCache, State};
+use crate::config::{Admission, DiskPolicy};
+use crate::error::{CacheError, Result};
+use crate::index::{Cbn, line_key};
+use crate::journal::Entry;
+use crate::layout::{BLOCK, LINE_BLOCKS};
+use crate::region::Stream;
+use crate::stats::bump;
+use vdcache_image::{ImageHandle, IoClass, IoTag};
+
+/// Copies the part of `data` (starting at byte `data_at` of the image)
+/// that overlaps the request `[req_at, req_at + buf.len())` into `buf`.
+pub(crate) fn copy_overlap(data: &[u8], data_at: u64, buf: &mut [u8], req_at: u64) {
+    let start = data_at.max(req_at);
+    let end = (data_at + data.len() as u64).min(req_at + buf.len() as u64);
+    if start >= end {
+        return;
+    }
+    buf[(start - req_at) as usize..(end - req_at) as usize]
+        .copy_from_slice(&data[(start - data_at) as usize..(end - data_at) as usize]);
+}
+
+/// Consecutive runs of `(block, cbn)` pairs where both numbers advance by one.
+pub(crate) fn runs(pairs: &[(u64, Cbn)]) -> Vec<&[(u64, Cbn)]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=pairs.len() {
+        let breaks = i == pairs.len()
+            || pairs[i].0 != pairs[i - 1].0 + 1
+            || pairs[i].1 != pairs[i - 1].1 + 1;
+        if breaks {
+            out.push(&pairs[start..i]);
+            start = i;
+        }
+    }
+    out
+}
+
+impl FlashCache {
+    pub(crate) fn read_blocks(
+        &self,
+        image: &ImageHandle,
+        off: u64,
+        buf: &mut [u8],
+        tag: IoTag,
+    ) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let id = self.image_id(image, tag.disk)?;
+        let counters = self.stats.disk(tag.disk);
+        let guest = tag.class == IoClass::GuestData;
+        if guest {
+            bump(&counters.guest_reads, 1);
+            bump(&counters.guest_read_bytes, buf.len() as u64);
+        }
+        let first = off / BLOCK;
+        let last = (off + buf.len() as u64 - 1) / BLOCK;
+        let mut hits: Vec<(u64, Cbn)> = Vec::new();
+        let mut misses: Vec<u64> = Vec::new();
+        let (read_seq, policy) = {
+            let mut st = self.lock();
+            for b in first..=last {
+                let key = line_key(id, b / LINE_BLOCKS);
+                match st.index.block(key, (b % LINE_BLOCKS) as usize) {
+                    Some(cbn) => {
+                        let r = st.regions.region_of(cbn);
+                        st.regions.pin(r);
+                        st.regions.touch(r);
+                        hits.push((b, cbn));
+                    }
+                    None => {
+                        st.regions.note_miss(key);
+                        misses.push(b);
+                    }
+                }
+            }
+            (
+                st.write_seq,
+                st.policy(tag.disk, self.config.default_policy),
+            )
+        };
+        let hit_blocks = hits.len() as u64;
+        bump(&counters.all_hit_blocks, hit_blocks);
+        bump(&counters.all_miss_blocks, misses.len() as u64);
+        if guest {
+            bump(&counters.read_hit_blocks, hit_blocks);
+            bump(&counters.read_miss_blocks, misses.len() as u64);
+        }
+        let flash = self.read_hits(&hits, off, buf);
+        {
+            let mut st = self.lock();
+            for &(_, cbn) in &hits {
+                let r = st.regions.region_of(cbn);
+                st.regions.unpin(r);
+            }
+        }
+        bump(&counters.flash_bytes_read, hit_blocks * BLOCK);
+        flash?;
+        if misses.is_empty() {
+            return Ok(());
+        }
+        let fetched = self.read_misses(image, &misses, off, buf, &counters)?;
+        self.promote(id, tag, policy, read_seq, fetched)
+    }
+
+    fn read_hits(&self, hits: &[(u64, Cbn)], off: u64, buf: &mut [u8]) -> Result<()> {
+        for run in runs(hits) {
+            let at = run[0].0 * BLOCK;
+            let len = run.len() as u64 * BLOCK;
+            let dev_off = self.layout.block_offset(run[0].1);
+            if at >= off && at + len <= off + buf.len() as u64 {
+                let dst = &mut buf[(at - off) as usize..(at - off + len) as usize];
+                self.device
+                    .read_at(dst, dev_off)
+                    .map_err(CacheError::device("read block"))?;
+            } else {
+                let mut tmp = vec![0u8; len as usize];
+                self.device
+                    .read_at(&mut tmp, dev_off)
+                    .map_err(CacheError::device("read block"))?;
+                copy_overlap(&tmp, at, buf, off);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads missing blocks from the backend in runs; returns the whole
+    /// blocks read, for admission.
+    fn read_misses(
+        &self,
+        image: &ImageHandle,
+        misses: &[u64],
+        off: u64,
+        buf: &mut [u8],
+        counters: &crate::stats::DiskCounters,
+    ) -> Result<Vec<(u64, Vec<u8>)>> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < misses.len() {
+            let mut j = i + 1;
+            while j < misses.len() && misses[j] == misses[j - 1] + 1 {
+                j += 1;
+            }
+            let at = misses[i] * BLOCK;
+            let len = (j - i) as u64 * BLOCK;
+            let mut data = vec![0u8; len as usize];
+            image
+                .backend
+                .read_at(&mut data, at)
+                .map_err(CacheError::device("read backend"))?;
+            bump(&counters.backend_bytes_read, len);
+            copy_overlap(&data, at, buf, off);
+            out.push((misses[i], data));
+            i = j;
+        }
+        Ok(out)
+    }
+
+    /// Whether the disk's policy admits a read miss of `blocks` blocks.
+    fn admits_read(
+        &self,
+        st: &mut State,
+        policy: DiskPolicy,
+        tag: IoTag,
+        first_block: u64,
+        blocks: u64,
+    ) -> bool {
+        match policy.admission {
+            Admission::All => true,
+            Admission::Hot => st.hot.missed((u64::from(tag.disk.0) << 56) ^ first_block),
+            Admission::SequentialBypass => {
+                let run = st
+                    .runs
+                    .entry(tag.disk.0)
+                    .or_default()
+                    .observe(first_block * BLOCK, blocks * BLOCK);
+                run < policy.sequential_threshold
+            }
+        }
+    }
+
+    /// Admits blocks read from the backend, unless a write to them
+    /// completed since the read started (its data would be newer).
+    fn promote(
+        &self,
+        id: u16,
+        tag: IoTag,
+        policy: DiskPolicy,
+        read_seq: u64,
+        fetched: Vec<(u64, Vec<u8>)>,
+    ) -> Result<()> {
+        let counters = self.stats.disk(tag.disk);
+        for (first, data) in fetched {
+            let n = data.len() as u64 / BLOCK;
+            let runs = {
+                let mut st = self.lock();
+                if !self.admits_read(&mut st, policy, tag, first, n) {
+                    continue;
+                }
+                self.allocate(&mut st, Stream::Promote, n as u32)?
+            };
+            let mut done = 0u64;
+            let mut written = Vec::new();
+            let mut failed = None;
+            for &(cbn, k) in &runs {
+                let part = &data[(done * BLOCK) as usize..((done + u64::from(k)) * BLOCK) as usize];
+                if let Err(e) = self.device.write_at(part, self.layout.block_offset(cbn)) {
+                    failed = Some(e);
+                    break;
+                }
+                written.push((first + done, cbn, k));
+                done += u64::from(k);
+            }
+            bump(&counters.flash_bytes_written, done * BLOCK);
+            let mut st = self.lock();
+            if let Some(e) = failed {
+                self.give_back(&mut st, &runs);
+                return Err(CacheError::device("write block")(e));
+            }
+            self.settle(&mut st, &runs);
+            for (block0, cbn0, k) in written {
+                for i in 0..u64::from(k) {
+                    let block = block0 + i;
+                    let cbn = cbn0 + i as u32;
+                    let bytes = &data[((block - first) * BLOCK) as usize
+                        ..((block - first + 1) * BLOCK) as usize];
+                    let key = line_key(id, block / LINE_BLOCKS);
+                    let slot = (block % LINE_BLOCKS) as usize;
+                    let stale = st.written_since(read_seq, id, block * BLOCK, (block + 1) * BLOCK)
+                        || st.index.block(key, slot).is_some();
+                    if stale {
+                        st.regions.release_block(cbn);
+                        continue;
+                    }
+                    let guest = tag.guest_cluster.unwrap_or(u64::MAX);
+                    st.index.map(key, guest, slot, cbn, false);
+                    st.journal.push(&Entry::Map {
+                        key,
+                        slot: slot as u8,
+                        cbn,
+                        guest,
+                        dirty: false,
+                        crc: crc32c::crc32c(bytes),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}

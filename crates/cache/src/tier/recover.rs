@@ -1,0 +1,362 @@
+//! Formatting a cache device, and opening one: fast recovery (the newest
+//! valid checkpoint, then the journal replayed up to the first batch or
+//! block that does not verify) and full recovery (every dirty block
+//! written back to its image, leaving the images standalone).
+
+use super::commit::decode_checkpoint;
+use super::{FlashCache, ImageRecord, State};
+use crate::config::CacheConfig;
+use crate::error::{CacheError, Result};
+use crate::journal::{self, CheckpointMark, Entry, JournalWriter};
+use crate::layout::{BLOCK, Layout, Superblock, host_identity, random_uuid};
+use std::sync::Arc;
+use vdcache_backend::BackendRef;
+
+/// What fast recovery found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub batches_replayed: u64,
+    pub entries_replayed: u64,
+    /// Replay stopped at a record whose data did not verify.
+    pub stopped_at_torn_block: bool,
+}
+
+impl FlashCache {
+    /// Formats `device` (all of it) as an empty cache and opens it.
+    pub fn format(device: BackendRef, config: CacheConfig) -> Result<Arc<FlashCache>> {
+        config.validate()?;
+        let len = device.len().map_err(CacheError::device("stat"))?;
+        let layout = Layout::compute(len, config.region_bytes)?;
+        let sb = Superblock {
+            uuid: random_uuid(),
+            host: config.host.clone().unwrap_or_else(host_identity),
+            layout,
+            created_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        };
+        // Forget whatever the device held before: the data zone is
+        // discarded and the checkpoint slots zeroed before the superblock
+        // makes the device a cache.
+        let _ = device.discard(layout.data_offset, layout.device_bytes - layout.data_offset);
+        let zero = vec![0u8; BLOCK as usize];
+        for slot in 0..2 {
+            device
+                .write_at(&zero, layout.slot_offset(slot))
+                .map_err(CacheError::device("write checkpoint"))?;
+        }
+        let journal = JournalWriter::new(&layout, &sb.uuid, 0, 1, 0);
+        let state = Self::new_state(&layout, &config, journal, 0);
+        sb.write(&*device)?;
+        let cache = Self::assemble(device, sb, config, state);
+        {
+            let mut st = cache.lock();
+            cache.checkpoint(&mut st)?;
+        }
+        Ok(cache)
+    }
+
+    /// Opens a formatted cache device, recovering its index.
+    pub fn open(device: BackendRef, config: CacheConfig) -> Result<Arc<FlashCache>> {
+        config.validate()?;
+        let sb = Superblock::read(&*device)?;
+        let this = config.host.clone().unwrap_or_else(host_identity);
+        if sb.host != this && !config.force_foreign {
+            return Err(CacheError::ForeignHost {
+                owner: sb.host,
+                this,
+            });
+        }
+        let (state, report) = recover_state(&*device, &sb, &config)?;
+        tracing::info!(
+            batches = report.batches_replayed,
+            entries = report.entries_replayed,
+            torn = report.stopped_at_torn_block,
+            "cache recovered"
+        );
+        let cache = Self::assemble(device, sb, config, state);
+        {
+            // Consolidate: the replayed state becomes the new checkpoint,
+            // so a torn journal tail can never be read again.
+            let mut st = cache.lock();
+            cache.checkpoint(&mut st)?;
+        }
+        Ok(cache)
+    }
+
+    /// Opens the device if it holds a cache, formats it otherwise.
+    pub fn open_or_format(device: BackendRef, config: CacheConfig) -> Result<Arc<FlashCache>> {
+        match Self::open(device.clone(), config.clone()) {
+            Err(CacheError::NotACache) => Self::format(device, config),
+            other => other,
+        }
+    }
+
+    /// Images the cache knows, with dirty bytes each.
+    pub fn images(&self) -> Vec<(String, u64)> {
+        let st = self.lock();
+        let mut dirty = vec![0u64; st.images.len()];
+        for l in st.index.lines() {
+            if let Some(d) = dirty.get_mut(crate::index::key_image(l.key) as usize) {
+                *d += u64::from(l.dirty.count_ones()) * BLOCK;
+            }
+        }
+        st.images
+            .iter()
+            .map(|r| r.name.clone())
+            .zip(dirty)
+            .collect()
+    }
+
+    /// Full recovery: opens each image with dirty blocks through `open`
+    /// (by the name the cache recorded), checks it is the recorded file,
+    /// writes every dirty block back and syncs. Returns the images written.
+    pub fn recover_full(&self, open: &dyn Fn(&str) -> Result<BackendRef>) -> Result<Vec<String>> {
+        let names: Vec<String> = self
+            .images()
+            .into_iter()
+            .filter(|(_, d)| *d > 0)
+            .map(|(n, _)| n)
+            .collect();
+        for name in &names {
+            let backend = open(name)?;
+            let mut st = self.lock();
+            let id = st
+                .by_name
+                .get(name)
+                .copied()
+                .ok_or_else(|| CacheError::Corrupt(format!("{name} vanished")))?;
+            let found = super::identity_of(name, &backend);
+            let rec = &mut st.images[id as usize];
+            if found != rec.identity {
+                return Err(CacheError::WrongImage {
+                    name: name.clone(),
+                    reason: format!("recorded {:?}, found {:?}", rec.identity, found),
+                });
+            }
+            rec.backend = Some(backend);
+        }
+        self.drain()?;
+        Ok(names)
+    }
+}
+
+/// Rebuilds the state from the newest checkpoint and the journal.
+fn recover_state(
+    device: &dyn vdcache_backend::Backend,
+    sb: &Superblock,
+    config: &CacheConfig,
+) -> Result<(State, RecoveryReport)> {
+    let layout = sb.layout;
+    let (mark, payload) = journal::read_checkpoint(device, &layout, &sb.uuid)?;
+    let (images, lines) = decode_checkpoint(&payload)?;
+    let journal = JournalWriter::new(
+        &layout,
+        &sb.uuid,
+        mark.generation,
+        mark.journal_seq,
+        mark.journal_pos,
+    );
+    let mut st = FlashCache::new_state(&layout, config, journal, mark.generation);
+    for e in images {
+        apply(&mut st, &layout, e)?;
+    }
+    for l in lines {
+        for (slot, cbn) in l.cbn {
+            check_cbn(&layout, cbn)?;
+            let dirty = l.dirty & (1 << slot) != 0;
+            st.index.map(l.key, l.guest, slot, cbn, dirty);
+            st.regions.restore_block(cbn);
+            if dirty {
+                st.dirty_lines.insert(l.key);
+            }
+        }
+        if l.partial != 0 {
+            st.index.set_partial(l.key, l.guest, l.partial);
+        }
+    }
+    let report = replay(device, sb, config, &mut st, mark)?;
+    st.regions.finish_recovery();
+    let ends: Vec<(u16, u64)> = st
+        .index
+        .lines()
+        .filter(|l| l.dirty != 0)
+        .map(|l| {
+            let last = 15 - l.dirty.leading_zeros() as u64;
+            let end = crate::index::key_line(l.key) * crate::layout::LINE + (last + 1) * BLOCK;
+            (crate::index::key_image(l.key), end)
+        })
+        .collect();
+    for (id, end) in ends {
+        if let Some(rec) = st.images.get_mut(id as usize) {
+            rec.end = rec.end.max(end);
+        }
+    }
+    Ok((st, report))
+}
+
+fn check_cbn(layout: &Layout, cbn: u32) -> Result<()> {
+    if u64::from(cbn) >= layout.data_blocks() {
+        return Err(CacheError::Corrupt(format!(
+            "block number {cbn} lies outside the data zone ({} blocks)",
+            layout.data_blocks()
+        )));
+    }
+    Ok(())
+}
+
+/// Applies the journal after the checkpoint. Its tail may not have been
+/// synced: a Map record whose block does not match its checksum, while
+/// that mapping is still the live one, proves the log was cut there (a
+/// sync after the record would have made the block durable), so replay
+/// keeps only the records before it. A mapping superseded later in the
+/// replayed log may legitimately point at reused space and is not checked.
+fn replay(
+    device: &dyn vdcache_backend::Backend,
+    sb: &Superblock,
+    config: &CacheConfig,
+    st: &mut State,
+    mark: CheckpointMark,
+) -> Result<RecoveryReport> {
+    let layout = sb.layout;
+    let mut report = RecoveryReport::default();
+    let (batches, _, _) = journal::read_batches(device, &layout, &sb.uuid, mark)?;
+    let mut log: Vec<Entry> = Vec::new();
+    for payload in &batches {
+        match journal::decode_entries(payload) {
+            Ok(e) => log.extend(e),
+            Err(e) => {
+                tracing::warn!("journal batch does not decode ({e}); replay stops there");
+                break;
+            }
+        }
+        report.batches_replayed += 1;
+    }
+    let mut end = log.len();
+    if !config.test_index_before_data {
+        let mut verified: std::collections::HashMap<usize, bool> = std::collections::HashMap::new();
+        let mut block = vec![0u8; BLOCK as usize];
+        loop {
+            let mut live: std::collections::HashMap<(u64, u8), Option<usize>> =
+                std::collections::HashMap::new();
+            for (i, e) in log[..end].iter().enumerate() {
+                match e {
+                    Entry::Map { key, slot, .. } => {
+                        live.insert((*key, *slot), Some(i));
+                    }
+                    Entry::Unmap { key, slot } => {
+                        live.insert((*key, *slot), None);
+                    }
+                    _ => {}
+                }
+            }
+            let mut candidates: Vec<usize> = live.values().flatten().copied().collect();
+            candidates.sort_unstable();
+            let mut cut = None;
+            for i in candidates {
+                let Entry::Map { cbn, crc, .. } = &log[i] else {
+                    continue;
+                };
+                check_cbn(&layout, *cbn)?;
+                let ok = match verified.get(&i) {
+                    Some(&ok) => ok,
+                    None => {
+                        device
+                            .read_at(&mut block, layout.block_offset(*cbn))
+                            .map_err(CacheError::device("read block"))?;
+                        let ok = crc32c::crc32c(&block) == *crc;
+                        verified.insert(i, ok);
+                        ok
+                    }
+                };
+                if !ok {
+                    cut = Some(i);
+                    break;
+                }
+            }
+            match cut {
+                Some(i) => {
+                    end = i;
+                    report.stopped_at_torn_block = true;
+                }
+                None => break,
+            }
+        }
+    }
+    for e in log.into_iter().take(end) {
+        apply(st, &layout, e)?;
+        report.entries_replayed += 1;
+    }
+    Ok(report)
+}
+
+fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
+    match e {
+        Entry::Map {
+            key,
+            slot,
+            cbn,
+            guest,
+            dirty,
+            ..
+        } => {
+            check_cbn(layout, cbn)?;
+            let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
+            if let Some((old, r)) = st.index.map(key, guest, slot, cbn, dirty)
+                && st.index.release(old, r) {
+                    st.regions.release_block(old);
+                }
+            st.regions.restore_block(cbn);
+            if dirty {
+                st.dirty_lines.insert(key);
+            } else if st.index.get(key).is_none_or(|l| l.dirty == 0) {
+                st.dirty_lines.remove(&key);
+            }
+        }
+        Entry::Unmap { key, slot } => {
+            let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
+            if let Some((cbn, _, r)) = st.index.unmap(key, slot)
+                && st.index.release(cbn, r) {
+                    st.regions.release_block(cbn);
+                }
+            if st.index.get(key).is_none_or(|l| l.dirty == 0) {
+                st.dirty_lines.remove(&key);
+            }
+        }
+        Entry::Clean { key, slot, cbn } => {
+            let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
+            st.index.mark_clean(key, slot, cbn);
+            if st.index.get(key).is_none_or(|l| l.dirty == 0) {
+                st.dirty_lines.remove(&key);
+            }
+        }
+        Entry::Image { id, name, identity } => {
+            let i = id as usize;
+            if i > st.images.len() {
+                return Err(CacheError::Corrupt(format!(
+                    "image id {id} recorded out of order"
+                )));
+            }
+            let rec = ImageRecord {
+                name: name.clone(),
+                identity,
+                backend: None,
+                disk: vdcache_image::DiskId::default(),
+                end: 0,
+            };
+            if i == st.images.len() {
+                st.images.push(rec);
+            } else {
+                st.by_name.remove(&st.images[i].name);
+                st.images[i] = rec;
+            }
+            st.by_name.insert(name, id);
+        }
+        Entry::Partial { key, mask } => {
+            let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
+            st.index.set_partial(key, guest, mask);
+        }
+    }
+    Ok(())
+}

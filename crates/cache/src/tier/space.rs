@@ -1,0 +1,245 @@
+//! Allocating cache blocks and reclaiming regions: the victim region's
+//! dirty blocks are written back, hot clean blocks may be re-inserted,
+//! the rest are dropped; the region is reused only after the journal
+//! records that emptied it are durable, and its space is discarded.
+
+use super::{FlashCache, State};
+use crate::error::{CacheError, Result};
+use crate::index::Cbn;
+use crate::journal::Entry;
+use crate::layout::BLOCK;
+use crate::region::Stream;
+use crate::stats::bump;
+
+/// A dirty block to copy to its backend: (line key, slot, block).
+pub(crate) type DirtyBlock = (u64, usize, Cbn);
+
+/// Where an image's blocks go back to: (image id, store, disk to bill).
+pub(crate) type Target = (u16, vdcache_backend::BackendRef, vdcache_image::DiskId);
+
+/// At most this share of a victim region is re-inserted as hot.
+const RELOCATE_LIMIT: u32 = 4;
+
+impl FlashCache {
+    /// Allocates up to `n` blocks in `stream`, reclaiming regions when none
+    /// is free. Returns the runs obtained (fewer blocks than asked when no
+    /// region can be reclaimed, e.g. all are in use by in-flight I/O).
+    /// The runs' regions stay pinned until [`Self::settle`] or
+    /// [`Self::give_back`]: blocks allocated but not yet mapped must not be
+    /// reclaimed under the writer.
+    pub(crate) fn allocate(
+        &self,
+        st: &mut State,
+        stream: Stream,
+        n: u32,
+    ) -> Result<Vec<(Cbn, u32)>> {
+        let mut out = Vec::new();
+        let mut left = n;
+        while left > 0 {
+            if st.regions.free_regions() < self.config.reserve_regions {
+                // Keep a reserve; when nothing is reclaimable the open
+                // region's remaining space is still used below.
+                self.evict_one(st)?;
+            }
+            match st.regions.allocate(stream, left) {
+                Some((c, k)) => {
+                    let r = st.regions.region_of(c);
+                    st.regions.pin(r);
+                    out.push((c, k));
+                    left -= k;
+                }
+                None => {
+                    if !self.evict_one(st)? {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Returns allocated blocks unused (the data was not written).
+    pub(crate) fn give_back(&self, st: &mut State, runs: &[(Cbn, u32)]) {
+        for &(c, k) in runs {
+            for cbn in c..c + k {
+                st.regions.release_block(cbn);
+            }
+        }
+        self.settle(st, runs);
+    }
+
+    /// Unpins the regions of allocated runs once their blocks are mapped.
+    pub(crate) fn settle(&self, st: &mut State, runs: &[(Cbn, u32)]) {
+        for &(c, _) in runs {
+            let r = st.regions.region_of(c);
+            st.regions.unpin(r);
+        }
+    }
+
+    /// Reclaims one region; false when none can be reclaimed.
+    pub(crate) fn evict_one(&self, st: &mut State) -> Result<bool> {
+        let Some(victim) = st.regions.choose_victim() else {
+            return Ok(false);
+        };
+        st.regions.pin(victim);
+        let result = self.empty_region(st, victim);
+        st.regions.unpin(victim);
+        result?;
+        // The unmaps must be durable before anything overwrites the region.
+        self.commit(st)?;
+        let off = self.layout.region_offset(victim);
+        // Discarding is advisory: a device without TRIM keeps the bytes.
+        let _ = self.device.discard(off, self.layout.region_bytes);
+        st.regions.reset(victim);
+        Ok(true)
+    }
+
+    fn empty_region(&self, st: &mut State, victim: u32) -> Result<()> {
+        let hot = self.config.relocate_hot && st.regions.is_hot(victim);
+        let budget = st.regions.blocks_per_region() / RELOCATE_LIMIT;
+        let mut dirty: Vec<DirtyBlock> = Vec::new();
+        let mut relocate: Vec<DirtyBlock> = Vec::new();
+        let mut keys = Vec::new();
+        for cbn in st.regions.used_blocks(victim) {
+            let Some((key, slot)) = st.index.owner(cbn) else {
+                continue;
+            };
+            keys.push(key);
+            let is_dirty = st
+                .index
+                .get(key)
+                .is_some_and(|l| l.dirty & (1 << slot) != 0);
+            if is_dirty {
+                dirty.push((key, slot, cbn));
+            } else if hot && (relocate.len() as u32) < budget {
+                relocate.push((key, slot, cbn));
+            } else {
+                self.unmap_block(st, key, slot);
+            }
+        }
+        if !dirty.is_empty() {
+            let backends = self.backends_of(st, &dirty)?;
+            self.copy_to_backends(&backends, &dirty)?;
+            for &(key, slot, cbn) in &dirty {
+                if st.index.mark_clean(key, slot, cbn) {
+                    st.journal.push(&Entry::Clean {
+                        key,
+                        slot: slot as u8,
+                        cbn,
+                    });
+                }
+                self.unmap_block(st, key, slot);
+            }
+        }
+        self.relocate(st, &relocate)?;
+        st.regions.remember_evicted(victim, keys.into_iter());
+        Ok(())
+    }
+
+    /// Copies hot clean blocks into the promotion stream (only into space
+    /// that is already free: relocation never triggers another eviction).
+    fn relocate(&self, st: &mut State, blocks: &[DirtyBlock]) -> Result<()> {
+        let mut buf = vec![0u8; BLOCK as usize];
+        for &(key, slot, cbn) in blocks {
+            let Some((dst, 1)) = st.regions.allocate(Stream::Promote, 1) else {
+                self.unmap_block(st, key, slot);
+                continue;
+            };
+            self.device
+                .read_at(&mut buf, self.layout.block_offset(cbn))
+                .map_err(CacheError::device("read block"))?;
+            self.device
+                .write_at(&buf, self.layout.block_offset(dst))
+                .map_err(CacheError::device("write block"))?;
+            let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
+            if let Some((old, r)) = st.index.map(key, guest, slot, dst, false)
+                && st.index.release(old, r) {
+                    st.regions.release_block(old);
+                }
+            st.journal.push(&Entry::Map {
+                key,
+                slot: slot as u8,
+                cbn: dst,
+                guest,
+                dirty: false,
+                crc: crc32c::crc32c(&buf),
+            });
+        }
+        Ok(())
+    }
+
+    /// The stores of the images the blocks belong to.
+    pub(crate) fn backends_of(&self, st: &State, blocks: &[DirtyBlock]) -> Result<Vec<Target>> {
+        let mut out: Vec<Target> = Vec::new();
+        for &(key, _, _) in blocks {
+            let id = crate::index::key_image(key);
+            if out.iter().any(|(i, _, _)| *i == id) {
+                continue;
+            }
+            let rec = st
+                .images
+                .get(id as usize)
+                .ok_or_else(|| CacheError::Corrupt(format!("block of unknown image {id}")))?;
+            let backend = rec.backend.clone().ok_or_else(|| {
+                CacheError::Config(format!(
+                    "dirty blocks of {} cannot be written back: the image is not open (run recover --full)",
+                    rec.name
+                ))
+            })?;
+            out.push((id, backend, rec.disk));
+        }
+        Ok(out)
+    }
+
+    /// Reads dirty blocks from flash and writes them to their images,
+    /// coalescing neighbours into one request, then syncs each image.
+    pub(crate) fn copy_to_backends(&self, targets: &[Target], blocks: &[DirtyBlock]) -> Result<()> {
+        let mut sorted: Vec<DirtyBlock> = blocks.to_vec();
+        sorted.sort_unstable_by_key(|&(key, slot, _)| (key, slot));
+        let mut i = 0;
+        while i < sorted.len() {
+            let (key, slot, _) = sorted[i];
+            let image = crate::index::key_image(key);
+            let start = crate::index::key_line(key) * crate::layout::LINE + slot as u64 * BLOCK;
+            let mut j = i + 1;
+            while j < sorted.len() {
+                let (k2, s2, _) = sorted[j];
+                let pos = crate::index::key_line(k2) * crate::layout::LINE + s2 as u64 * BLOCK;
+                if crate::index::key_image(k2) != image
+                    || pos != start + (j - i) as u64 * BLOCK
+                    || j - i >= 256
+                {
+                    break;
+                }
+                j += 1;
+            }
+            let mut data = vec![0u8; (j - i) * BLOCK as usize];
+            for (n, &(_, _, cbn)) in sorted[i..j].iter().enumerate() {
+                self.device
+                    .read_at(
+                        &mut data[n * BLOCK as usize..(n + 1) * BLOCK as usize],
+                        self.layout.block_offset(cbn),
+                    )
+                    .map_err(CacheError::device("read block"))?;
+            }
+            let (_, backend, disk) = targets
+                .iter()
+                .find(|(id, _, _)| *id == image)
+                .ok_or_else(|| CacheError::Corrupt(format!("no store for image {image}")))?;
+            backend
+                .write_at(&data, start)
+                .map_err(CacheError::device("write back"))?;
+            let c = self.stats.disk(*disk);
+            bump(&c.flash_bytes_read, data.len() as u64);
+            bump(&c.backend_bytes_written, data.len() as u64);
+            i = j;
+        }
+        for (_, backend, disk) in targets {
+            backend
+                .flush()
+                .map_err(CacheError::device("sync backend"))?;
+            bump(&self.stats.disk(*disk).backend_syncs, 1);
+        }
+        Ok(())
+    }
+}

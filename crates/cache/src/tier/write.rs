@@ -1,0 +1,458 @@
+//! Writes and discards. Write-back appends whole blocks to the write
+//! stream (partial blocks are completed from their current content first)
+//! and records them dirty; write-through writes the backend and keeps a
+//! clean copy; write-around writes the backend and drops cached copies.
+//! A block that is dirty in flash is never bypassed by a partial write,
+//! since the backend does not hold its current content.
+
+use super::read::copy_overlap;
+use super::{FlashCache, State};
+use crate::config::{Admission, WriteMode};
+use crate::error::{CacheError, Result};
+use crate::index::{Cbn, line_key};
+use crate::journal::Entry;
+use crate::layout::{BLOCK, LINE_BLOCKS};
+use crate::region::Stream;
+use crate::stats::bump;
+use vdcache_image::hostio::WriteSegment;
+use vdcache_image::{ImageHandle, IoClass, IoTag};
+
+/// The bytes of a block range: old content around the written segments.
+struct Blocks<'a> {
+    pieces: Vec<&'a [u8]>,
+}
+
+impl<'a> Blocks<'a> {
+    /// Slices covering bytes `[start, end)` of the range.
+    fn slices(&self, start: usize, end: usize) -> Vec<&'a [u8]> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        for p in &self.pieces {
+            let (ps, pe) = (at, at + p.len());
+            let (s, e) = (start.max(ps), end.min(pe));
+            if s < e {
+                out.push(&p[s - ps..e - ps]);
+            }
+            at = pe;
+        }
+        out
+    }
+
+    fn crc(&self, start: usize, end: usize) -> u32 {
+        self.slices(start, end)
+            .iter()
+            .fold(0, |c, s| crc32c::crc32c_append(c, s))
+    }
+}
+
+fn total_len(segments: &[WriteSegment<'_>]) -> u64 {
+    segments.iter().map(|s| s.data.len() as u64).sum()
+}
+
+impl FlashCache {
+    pub(crate) fn write_blocks(
+        &self,
+        image: &ImageHandle,
+        off: u64,
+        segments: &[WriteSegment<'_>],
+    ) -> Result<()> {
+        let len = total_len(segments);
+        let Some(first_seg) = segments.first() else {
+            return Ok(());
+        };
+        if len == 0 {
+            return Ok(());
+        }
+        let tag = first_seg.tag;
+        let id = self.image_id(image, tag.disk)?;
+        let counters = self.stats.disk(tag.disk);
+        let guest_bytes: u64 = segments
+            .iter()
+            .filter(|s| s.tag.class == IoClass::GuestData)
+            .map(|s| s.data.len() as u64)
+            .sum();
+        if guest_bytes > 0 {
+            bump(&counters.guest_writes, 1);
+            bump(&counters.guest_write_bytes, guest_bytes);
+        }
+        let policy = self.lock().policy(tag.disk, self.config.default_policy);
+        let bypass = policy.admission == Admission::SequentialBypass && {
+            let mut st = self.lock();
+            st.runs.entry(tag.disk.0).or_default().observe(off, len) >= policy.sequential_threshold
+        };
+        match policy.mode {
+            WriteMode::WriteBack if !bypass => {
+                if self.write_back(image, id, off, len, segments, tag)? {
+                    return Ok(());
+                }
+                // No room in flash: fall back to writing through.
+                self.write_through(image, id, off, len, segments, tag, false)
+            }
+            WriteMode::WriteBack | WriteMode::WriteAround => {
+                self.write_through(image, id, off, len, segments, tag, false)
+            }
+            WriteMode::WriteThrough => self.write_through(image, id, off, len, segments, tag, true),
+        }
+    }
+
+    /// The current content of one block: from flash when cached, else from
+    /// the backend.
+    fn block_content(
+        &self,
+        image: &ImageHandle,
+        id: u16,
+        block: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let key = line_key(id, block / LINE_BLOCKS);
+        let cached = {
+            let mut st = self.lock();
+            let c = st.index.block(key, (block % LINE_BLOCKS) as usize);
+            if let Some(cbn) = c {
+                let r = st.regions.region_of(cbn);
+                st.regions.pin(r);
+            }
+            c
+        };
+        let result = match cached {
+            Some(cbn) => self
+                .device
+                .read_at(out, self.layout.block_offset(cbn))
+                .map_err(CacheError::device("read block")),
+            None => image
+                .backend
+                .read_at(out, block * BLOCK)
+                .map_err(CacheError::device("read backend")),
+        };
+        if let Some(cbn) = cached {
+            let mut st = self.lock();
+            let r = st.regions.region_of(cbn);
+            st.regions.unpin(r);
+        }
+        result
+    }
+
+    /// Old content of the partial head and tail blocks of a write.
+    fn edges(
+        &self,
+        image: &ImageHandle,
+        id: u16,
+        off: u64,
+        len: u64,
+    ) -> Result<(Vec<u8>, Vec<u8>)> {
+        let first = off / BLOCK;
+        let last = (off + len - 1) / BLOCK;
+        let end = off + len;
+        let mut head = Vec::new();
+        let mut tail = Vec::new();
+        if !off.is_multiple_of(BLOCK) || (first == last && !end.is_multiple_of(BLOCK)) {
+            let mut b = vec![0u8; BLOCK as usize];
+            self.block_content(image, id, first, &mut b)?;
+            if first == last {
+                tail = b[(end % BLOCK) as usize..].to_vec();
+                if end.is_multiple_of(BLOCK) {
+                    tail.clear();
+                }
+            }
+            b.truncate((off % BLOCK) as usize);
+            head = b;
+        }
+        if !end.is_multiple_of(BLOCK) && first != last {
+            let mut b = vec![0u8; BLOCK as usize];
+            self.block_content(image, id, last, &mut b)?;
+            tail = b[(end % BLOCK) as usize..].to_vec();
+        }
+        Ok((head, tail))
+    }
+
+    /// Write-back: whole blocks appended to the write stream, recorded
+    /// dirty. Returns false (nothing done) when flash has no room.
+    fn write_back(
+        &self,
+        image: &ImageHandle,
+        id: u16,
+        off: u64,
+        len: u64,
+        segments: &[WriteSegment<'_>],
+        tag: IoTag,
+    ) -> Result<bool> {
+        let (head, tail) = self.edges(image, id, off, len)?;
+        let mut pieces: Vec<&[u8]> = vec![&head];
+        pieces.extend(segments.iter().map(|s| s.data));
+        pieces.push(&tail);
+        let blocks = Blocks { pieces };
+        let first = off / BLOCK;
+        let n = (head.len() as u64 + len + tail.len() as u64) / BLOCK;
+        let runs = {
+            let mut st = self.lock();
+            let runs = self.allocate(&mut st, Stream::Write, n as u32)?;
+            let got: u64 = runs.iter().map(|r| u64::from(r.1)).sum();
+            if got < n {
+                self.give_back(&mut st, &runs);
+                return Ok(false);
+            }
+            runs
+        };
+        let crcs: Vec<u32> = (0..n as usize)
+            .map(|i| blocks.crc(i * BLOCK as usize, (i + 1) * BLOCK as usize))
+            .collect();
+        if self.config.test_index_before_data {
+            let mut st = self.lock();
+            self.record_dirty(&mut st, id, first, &runs, &crcs, tag);
+            self.commit(&mut st)?;
+        }
+        let mut done = 0usize;
+        for &(cbn, k) in &runs {
+            let end = done + k as usize;
+            let slices = blocks.slices(done * BLOCK as usize, end * BLOCK as usize);
+            if let Err(e) = self
+                .device
+                .write_vectored_at(&slices, self.layout.block_offset(cbn))
+            {
+                let mut st = self.lock();
+                self.give_back(&mut st, &runs);
+                return Err(CacheError::device("write block")(e));
+            }
+            done = end;
+        }
+        bump(&self.stats.disk(tag.disk).flash_bytes_written, n * BLOCK);
+        let mut st = self.lock();
+        if !self.config.test_index_before_data {
+            self.record_dirty(&mut st, id, first, &runs, &crcs, tag);
+        }
+        self.settle(&mut st, &runs);
+        st.note_write(id, off, off + len);
+        let dirty = st.index.dirty_blocks() as f64 / self.layout.data_blocks() as f64;
+        if dirty > self.config.high_watermark {
+            self.wake.notify_all();
+        }
+        Ok(true)
+    }
+
+    /// Maps freshly written blocks dirty and journals them.
+    fn record_dirty(
+        &self,
+        st: &mut State,
+        id: u16,
+        first: u64,
+        runs: &[(Cbn, u32)],
+        crcs: &[u32],
+        tag: IoTag,
+    ) {
+        let guest = tag.guest_cluster.unwrap_or(u64::MAX);
+        let mut i = 0u64;
+        for &(cbn0, k) in runs {
+            for j in 0..k {
+                let block = first + i;
+                let cbn = cbn0 + j;
+                let key = line_key(id, block / LINE_BLOCKS);
+                let slot = (block % LINE_BLOCKS) as usize;
+                if let Some((old, r)) = st.index.map(key, guest, slot, cbn, true)
+                    && st.index.release(old, r) {
+                        st.regions.release_block(old);
+                    }
+                st.dirty_lines.insert(key);
+                st.journal.push(&Entry::Map {
+                    key,
+                    slot: slot as u8,
+                    cbn,
+                    guest,
+                    dirty: true,
+                    crc: crcs[i as usize],
+                });
+                if let Some(rec) = st.images.get_mut(id as usize) {
+                    rec.end = rec.end.max((block + 1) * BLOCK);
+                }
+                i += 1;
+            }
+        }
+    }
+
+    /// Write-through and write-around: the backend takes the write; flash
+    /// keeps a clean copy of whole blocks (write-through) or drops them.
+    #[allow(clippy::too_many_arguments)]
+    fn write_through(
+        &self,
+        image: &ImageHandle,
+        id: u16,
+        off: u64,
+        len: u64,
+        segments: &[WriteSegment<'_>],
+        tag: IoTag,
+        keep_copy: bool,
+    ) -> Result<()> {
+        let first = off / BLOCK;
+        let last = (off + len - 1) / BLOCK;
+        // Partial blocks that are dirty in flash must be completed there.
+        let dirty_edges: Vec<u64> = {
+            let st = self.lock();
+            [first, last]
+                .into_iter()
+                .filter(|&b| {
+                    let partial = b * BLOCK < off || (b + 1) * BLOCK > off + len;
+                    let key = line_key(id, b / LINE_BLOCKS);
+                    partial
+                        && st
+                            .index
+                            .get(key)
+                            .is_some_and(|l| l.dirty & (1 << (b % LINE_BLOCKS)) != 0)
+                })
+                .collect()
+        };
+        // Cached copies the backend write supersedes are forgotten durably
+        // first: after a crash the backend may hold the new bytes, and a
+        // stale clean copy must never be served instead.
+        {
+            let mut st = self.lock();
+            let mut dropped = false;
+            for b in first..=last {
+                if !dirty_edges.contains(&b) {
+                    dropped |= self.unmap_block(
+                        &mut st,
+                        line_key(id, b / LINE_BLOCKS),
+                        (b % LINE_BLOCKS) as usize,
+                    );
+                }
+            }
+            if dropped {
+                self.commit(&mut st)?;
+            }
+        }
+        let bufs: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
+        image
+            .backend
+            .write_vectored_at(&bufs, off)
+            .map_err(CacheError::device("write backend"))?;
+        bump(&self.stats.disk(tag.disk).backend_bytes_written, len);
+        let whole: Vec<u64> = {
+            let mut st = self.lock();
+            st.unsynced.insert(id);
+            st.note_write(id, off, off + len);
+            (first..=last)
+                .filter(|&b| keep_copy && b * BLOCK >= off && (b + 1) * BLOCK <= off + len)
+                .collect()
+        };
+        for b in dirty_edges {
+            let mut content = vec![0u8; BLOCK as usize];
+            self.block_content(image, id, b, &mut content)?;
+            let flat: Vec<u8> = segments
+                .iter()
+                .flat_map(|s| s.data.iter().copied())
+                .collect();
+            copy_overlap(&flat, off, &mut content, b * BLOCK);
+            let seg = [WriteSegment {
+                data: &content,
+                tag,
+            }];
+            if !self.write_back(image, id, b * BLOCK, BLOCK, &seg, tag)? {
+                return Err(CacheError::Config(
+                    "no flash space to complete a dirty block".into(),
+                ));
+            }
+        }
+        if !whole.is_empty() {
+            self.keep_clean_copies(id, off, segments, &whole, tag)?;
+        }
+        Ok(())
+    }
+
+    /// Stores clean copies of whole written blocks (write-through).
+    fn keep_clean_copies(
+        &self,
+        id: u16,
+        off: u64,
+        segments: &[WriteSegment<'_>],
+        whole: &[u64],
+        tag: IoTag,
+    ) -> Result<()> {
+        let blocks = Blocks {
+            pieces: segments.iter().map(|s| s.data).collect(),
+        };
+        let runs = {
+            let mut st = self.lock();
+            self.allocate(&mut st, Stream::Write, whole.len() as u32)?
+        };
+        let mut placed: Vec<(u64, Cbn)> = Vec::new();
+        let mut it = whole.iter();
+        for &(cbn0, k) in &runs {
+            for j in 0..k {
+                if let Some(&b) = it.next() {
+                    placed.push((b, cbn0 + j));
+                }
+            }
+        }
+        let mut written = Vec::new();
+        for &(b, cbn) in &placed {
+            let start = (b * BLOCK - off) as usize;
+            let slices = blocks.slices(start, start + BLOCK as usize);
+            match self
+                .device
+                .write_vectored_at(&slices, self.layout.block_offset(cbn))
+            {
+                Ok(()) => written.push((b, cbn, blocks.crc(start, start + BLOCK as usize))),
+                Err(_) => break,
+            }
+        }
+        bump(
+            &self.stats.disk(tag.disk).flash_bytes_written,
+            written.len() as u64 * BLOCK,
+        );
+        let mut st = self.lock();
+        self.settle(&mut st, &runs);
+        let guest = tag.guest_cluster.unwrap_or(u64::MAX);
+        for &(b, cbn) in &placed {
+            let Some(&(_, _, crc)) = written.iter().find(|w| w.1 == cbn) else {
+                st.regions.release_block(cbn);
+                continue;
+            };
+            let key = line_key(id, b / LINE_BLOCKS);
+            let slot = (b % LINE_BLOCKS) as usize;
+            if let Some((old, r)) = st.index.map(key, guest, slot, cbn, false)
+                && st.index.release(old, r) {
+                    st.regions.release_block(old);
+                }
+            if st.index.get(key).is_none_or(|l| l.dirty == 0) {
+                st.dirty_lines.remove(&key);
+            }
+            st.journal.push(&Entry::Map {
+                key,
+                slot: slot as u8,
+                cbn,
+                guest,
+                dirty: false,
+                crc,
+            });
+        }
+        Ok(())
+    }
+
+    /// Drops cached blocks wholly inside the range and passes the discard on.
+    pub(crate) fn discard_blocks(
+        &self,
+        image: &ImageHandle,
+        off: u64,
+        len: u64,
+        tag: IoTag,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let id = self.image_id(image, tag.disk)?;
+        let first = off.div_ceil(BLOCK);
+        let end = (off + len) / BLOCK;
+        {
+            let mut st = self.lock();
+            for b in first..end {
+                self.unmap_block(
+                    &mut st,
+                    line_key(id, b / LINE_BLOCKS),
+                    (b % LINE_BLOCKS) as usize,
+                );
+            }
+            st.note_write(id, off, off + len);
+        }
+        // Advisory: a store that cannot discard keeps its bytes.
+        let _ = image.backend.discard(off, len);
+        Ok(())
+    }
+}

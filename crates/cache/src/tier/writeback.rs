@@ -1,0 +1,175 @@
+//! Background write-back: when more than the high watermark of the data
+//! zone is dirty (or someone drains the cache), dirty blocks are copied to
+//! their images in address order, coalesced into large writes, the images
+//! synced, and the blocks marked clean, until the low watermark is reached.
+
+use super::FlashCache;
+use super::space::DirtyBlock;
+use crate::error::Result;
+use crate::journal::Entry;
+use crate::layout::LINE_BLOCKS;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// Blocks per write-back batch (4 MiB).
+const BATCH_BLOCKS: usize = 1024;
+
+pub(super) fn start(cache: &Arc<FlashCache>) {
+    let weak: Weak<FlashCache> = Arc::downgrade(cache);
+    let handle = std::thread::Builder::new()
+        .name("vdcache-writeback".into())
+        .spawn(move || run(weak));
+    match handle {
+        Ok(h) => *cache.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(h),
+        Err(e) => tracing::error!("cannot start the write-back thread: {e}"),
+    }
+}
+
+fn run(weak: Weak<FlashCache>) {
+    let mut cursor = 0u64;
+    loop {
+        let Some(cache) = weak.upgrade() else { return };
+        if cache.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        match cache.writeback_round(&mut cursor) {
+            Ok(true) => continue,
+            Ok(false) => {}
+            Err(e) => {
+                tracing::error!("write-back failed: {e}");
+                let st = cache.lock();
+                cache.progress.notify_all();
+                drop(cache.wake.wait_timeout(st, Duration::from_secs(1)));
+                continue;
+            }
+        }
+        let st = cache.lock();
+        if cache.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        // Idle: sleep until woken (writes crossed the high watermark, a
+        // drain was requested) or a timeout lets a dropped cache go.
+        drop(cache.wake.wait_timeout(st, Duration::from_millis(200)));
+    }
+}
+
+impl FlashCache {
+    fn needs_writeback(&self, dirty: u64, drain: bool, busy: bool) -> bool {
+        let ratio = dirty as f64 / self.layout.data_blocks() as f64;
+        dirty > 0
+            && (drain
+                || ratio > self.config.low_watermark
+                    && (busy || ratio > self.config.high_watermark))
+    }
+
+    /// Writes back one batch; true when more work remains.
+    fn writeback_round(&self, cursor: &mut u64) -> Result<bool> {
+        let (batch, targets) = {
+            let mut st = self.lock();
+            let dirty = st.index.dirty_blocks();
+            if !self.needs_writeback(dirty, st.drain_requests > 0, st.writeback_busy) {
+                st.writeback_busy = false;
+                self.progress.notify_all();
+                return Ok(false);
+            }
+            st.writeback_busy = true;
+            let batch = collect(&st, cursor);
+            if batch.is_empty() {
+                if *cursor == 0 {
+                    st.writeback_busy = false;
+                    return Ok(false);
+                }
+                *cursor = 0;
+                return Ok(true);
+            }
+            for &(_, _, cbn) in &batch {
+                let r = st.regions.region_of(cbn);
+                st.regions.pin(r);
+            }
+            let targets = self.backends_of(&st, &batch);
+            (batch, targets)
+        };
+        let copied = targets.and_then(|t| self.copy_to_backends(&t, &batch));
+        let mut st = self.lock();
+        for &(_, _, cbn) in &batch {
+            let r = st.regions.region_of(cbn);
+            st.regions.unpin(r);
+        }
+        copied?;
+        for &(key, slot, cbn) in &batch {
+            if st.index.mark_clean(key, slot, cbn) {
+                st.journal.push(&Entry::Clean {
+                    key,
+                    slot: slot as u8,
+                    cbn,
+                });
+            }
+            if st.index.get(key).is_none_or(|l| l.dirty == 0) {
+                st.dirty_lines.remove(&key);
+            }
+        }
+        self.progress.notify_all();
+        Ok(true)
+    }
+
+    /// Writes every dirty block back and makes the result durable: what
+    /// `vdcache flush` and a clean stop do.
+    pub fn drain(&self) -> Result<()> {
+        let mut st = self.lock();
+        st.drain_requests += 1;
+        self.wake.notify_all();
+        while st.index.dirty_blocks() > 0 {
+            if self.thread.lock().map(|t| t.is_none()).unwrap_or(true) {
+                // No write-back thread (stopped): do it here.
+                drop(st);
+                let mut cursor = 0;
+                let mut result = Ok(true);
+                while matches!(result, Ok(true)) {
+                    result = self.writeback_round(&mut cursor);
+                }
+                st = self.lock();
+                if let Err(e) = result {
+                    st.drain_requests -= 1;
+                    return Err(e);
+                }
+                break;
+            }
+            let (guard, timeout) = self
+                .progress
+                .wait_timeout(st, Duration::from_secs(5))
+                .unwrap_or_else(|p| p.into_inner());
+            st = guard;
+            if timeout.timed_out() && st.index.dirty_blocks() > 0 {
+                tracing::info!(dirty_blocks = st.index.dirty_blocks(), "still writing back");
+            }
+        }
+        st.drain_requests -= 1;
+        self.commit(&mut st)
+    }
+}
+
+/// The next dirty blocks in address order, from the cursor on.
+fn collect(st: &super::State, cursor: &mut u64) -> Vec<DirtyBlock> {
+    let mut out = Vec::new();
+    let keys: Vec<u64> = st
+        .dirty_lines
+        .range(*cursor..)
+        .take(BATCH_BLOCKS)
+        .copied()
+        .collect();
+    for key in keys {
+        if let Some(l) = st.index.get(key) {
+            for slot in 0..LINE_BLOCKS as usize {
+                if l.dirty & (1 << slot) != 0 {
+                    out.push((key, slot, l.cbn[slot]));
+                }
+            }
+        }
+        *cursor = key + 1;
+        if out.len() >= BATCH_BLOCKS {
+            break;
+        }
+    }
+    out
+}
