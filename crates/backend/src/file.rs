@@ -35,7 +35,7 @@ impl FileBackend {
             .open(path)
             .map_err(|e| crate::LockError::Io {
                 path: path.display().to_string(),
-                source: e,
+                cause: e,
             })?;
         let name = path.display().to_string();
         if let Some(mode) = opts.lock {

@@ -29,12 +29,8 @@ pub enum LockMode {
 /// Why an image could not be opened or locked.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    #[error("cannot open {path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("cannot open {path}: {cause}")]
+    Io { path: String, cause: std::io::Error },
     #[error(
         "{path} is in use: failed to get the '{perm}' lock (another process, such as a VM, qemu-nbd or another vdcache, has it open; use --force-share to read it anyway)"
     )]
@@ -98,9 +94,9 @@ fn held_elsewhere(file: &File, byte: i64) -> std::io::Result<bool> {
 /// Takes the lock bytes for `mode` on `file`, then checks that nobody else
 /// holds a conflicting one. The locks last as long as the file is open.
 pub(crate) fn acquire(file: &File, mode: LockMode, path: &str) -> Result<(), LockError> {
-    let io_err = |source| LockError::Io {
+    let io_err = |cause| LockError::Io {
         path: path.to_string(),
-        source,
+        cause,
     };
     let (used, shared) = perms(mode);
     for p in 0..PERMS {

@@ -7,12 +7,8 @@ pub enum CacheError {
     NotACache,
     #[error("cache device is corrupt: {0}")]
     Corrupt(String),
-    #[error("cache device {op} failed: {source}")]
-    Device {
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("cache device {op} failed: {cause}")]
+    Device { op: &'static str, cause: std::io::Error },
     #[error(
         "cache device belongs to host '{owner}', not this host '{this}'; its dirty data can only be written back with recover --full (or pass --force-foreign)"
     )]
@@ -21,14 +17,14 @@ pub enum CacheError {
     WrongImage { name: String, reason: String },
     #[error("invalid cache setting: {0}")]
     Config(String),
-    #[error("{0}")]
+    #[error(transparent)]
     Image(#[from] vdcache_image::ImageError),
 }
 
 impl CacheError {
     /// Maps an I/O error of the cache device, naming the operation.
     pub fn device(op: &'static str) -> impl FnOnce(std::io::Error) -> CacheError {
-        move |source| CacheError::Device { op, source }
+        move |cause| CacheError::Device { op, cause }
     }
 }
 

@@ -204,7 +204,7 @@ pub fn open_chain(name: &str, opts: &OpenOptions) -> Result<VirtualDisk> {
                 return Err(ImageError::BackingMissing {
                     image: image.clone(),
                     backing: backing.clone(),
-                    source: Box::new(e),
+                    cause: Box::new(e),
                 });
             }
             (Err(e), None) => return Err(e),
@@ -255,7 +255,7 @@ fn probe_backing_without_format(
             .map_err(|e| ImageError::BackingMissing {
                 image: parent.to_string(),
                 backing: backing.to_string(),
-                source: Box::new(e),
+                cause: Box::new(e),
             })?;
     if probe_is_qcow2(&store, resolved)? {
         return Err(ImageError::UnsafeProbe {

@@ -2,30 +2,26 @@
 
 use vdcache_qcow2::FormatError;
 
-/// Why an image or chain operation failed.
+/// Why an image or chain operation failed. Each message is complete in
+/// itself (the cause is part of the text, not a separate source), so a
+/// chain printer does not repeat it.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
-    #[error("{image}: {source}")]
-    Format {
-        image: String,
-        #[source]
-        source: FormatError,
-    },
-    #[error("{image}: {op} failed: {source}")]
+    #[error("{image}: {cause}")]
+    Format { image: String, cause: FormatError },
+    #[error("{image}: {op} failed: {cause}")]
     Io {
         image: String,
         op: &'static str,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error(transparent)]
     Lock(#[from] vdcache_backend::LockError),
-    #[error("{image}: backing file '{backing}' cannot be opened: {source}")]
+    #[error("{image}: backing file '{backing}' cannot be opened: {cause}")]
     BackingMissing {
         image: String,
         backing: String,
-        #[source]
-        source: Box<ImageError>,
+        cause: Box<ImageError>,
     },
     #[error("backing chain loops: {0} appears twice")]
     ChainLoop(String),
@@ -50,18 +46,18 @@ pub enum ImageError {
 }
 
 impl ImageError {
-    pub(crate) fn io(image: &str, op: &'static str, source: std::io::Error) -> Self {
+    pub(crate) fn io(image: &str, op: &'static str, cause: std::io::Error) -> Self {
         ImageError::Io {
             image: image.to_string(),
             op,
-            source,
+            cause,
         }
     }
 
-    pub(crate) fn format(image: &str, source: FormatError) -> Self {
+    pub(crate) fn format(image: &str, cause: FormatError) -> Self {
         ImageError::Format {
             image: image.to_string(),
-            source,
+            cause,
         }
     }
 
@@ -78,7 +74,7 @@ impl ImageError {
             ImageError::ReadOnly { .. } => libc_eperm(),
             ImageError::OutOfRange { .. } => 22,
             ImageError::NoSpace { .. } => 28,
-            ImageError::Io { source, .. } => source.raw_os_error().unwrap_or(5),
+            ImageError::Io { cause, .. } => cause.raw_os_error().unwrap_or(5),
             _ => 5,
         }
     }

@@ -30,6 +30,16 @@ fn check(a: &Args) -> Result<u8> {
         Some("leaks") | Some("all") => true,
         Some(other) => anyhow::bail!("unknown repair mode '{other}' (use leaks or all)"),
     };
+    // Like qemu-img check, an image whose backing chain cannot be opened
+    // (missing file, loop, unsafe format) cannot be checked.
+    drop(open_chain(
+        &a.file,
+        &OpenOptions {
+            read_only: true,
+            force_share: true,
+            ..OpenOptions::default()
+        },
+    )?);
     let disk = open_chain(
         &a.file,
         &OpenOptions {

@@ -11,6 +11,7 @@ mod cmd_demo;
 mod cmd_info;
 mod cmd_io;
 mod meta_args;
+mod serve;
 mod size;
 
 use clap::{Parser, Subcommand};

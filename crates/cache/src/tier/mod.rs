@@ -167,7 +167,7 @@ impl std::fmt::Debug for FlashCache {
 
 fn io_err(e: CacheError) -> io::Error {
     match e {
-        CacheError::Device { source, .. } => source,
+        CacheError::Device { cause, .. } => cause,
         other => io::Error::other(other.to_string()),
     }
 }

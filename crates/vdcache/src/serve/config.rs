@@ -1,0 +1,183 @@
+//! The server's configuration: the TOML file of `vdcache serve --config`,
+//! or the same settings built from command-line flags. Every key is
+//! validated with an error that names it.
+
+use crate::size::parse_size;
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// A whole server: listeners, the shared cache, the exports.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    #[serde(default)]
+    pub server: Listen,
+    pub cache: Option<CacheSection>,
+    #[serde(default, rename = "export")]
+    pub exports: Vec<ExportConfig>,
+}
+
+/// Where clients connect.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Listen {
+    /// Unix socket path (created with mode 0600).
+    pub socket: Option<PathBuf>,
+    /// TCP address, only when asked for (e.g. "127.0.0.1:10809").
+    pub tcp: Option<String>,
+    /// Control socket for `vdcache stats` and `vdcache flush`.
+    pub control: Option<PathBuf>,
+    /// TLS: when set, clients must use it.
+    pub tls: Option<TlsConfig>,
+    /// Worker threads per connection (requests served in parallel).
+    pub workers: Option<usize>,
+}
+
+/// TLS credentials: an x509 certificate and key, or a PSK keys file.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub psk: Option<PathBuf>,
+}
+
+/// The shared flash cache.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CacheSection {
+    /// Cache device: a file (created) or a block device.
+    pub path: PathBuf,
+    /// Size of a cache file to create (ignored for block devices).
+    pub size: Option<String>,
+    pub mode: Option<String>,
+    pub admission: Option<String>,
+    pub replacement: Option<String>,
+    pub region_size: Option<String>,
+    /// stacked | cow-aware
+    pub cow: Option<String>,
+    pub keep_dirty: Option<bool>,
+    pub high_watermark: Option<f64>,
+    pub low_watermark: Option<f64>,
+}
+
+/// One export: a name and the top image of a chain.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ExportConfig {
+    pub name: String,
+    pub image: String,
+    pub format: Option<String>,
+    #[serde(default)]
+    pub read_only: bool,
+    pub description: Option<String>,
+    /// Per-disk cache mode, admission and metadata cache settings.
+    pub cache_mode: Option<String>,
+    pub admission: Option<String>,
+    pub l2_cache_size: Option<String>,
+    pub refcount_cache_size: Option<String>,
+    pub meta_slice_size: Option<String>,
+    /// Bypass the cache for this export.
+    #[serde(default)]
+    pub no_cache: bool,
+}
+
+impl ServerConfig {
+    /// Reads and validates a TOML configuration file.
+    pub fn load(path: &Path) -> Result<ServerConfig> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config {}", path.display()))?;
+        let cfg: ServerConfig = toml::from_str(&text)
+            .with_context(|| format!("config {} is not valid", path.display()))?;
+        cfg.validate()
+            .with_context(|| format!("config {}", path.display()))?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.exports.is_empty() {
+            bail!("no [[export]] is configured");
+        }
+        let mut names: Vec<&str> = self.exports.iter().map(|e| e.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            bail!("export name '{}' is used twice", w[0]);
+        }
+        for e in &self.exports {
+            if e.name.len() > 4096 {
+                bail!("export name '{}…' is longer than 4096 bytes", &e.name[..32]);
+            }
+            if e.image.is_empty() {
+                bail!("export '{}': image is empty", e.name);
+            }
+            for (key, v) in [
+                ("l2_cache_size", &e.l2_cache_size),
+                ("refcount_cache_size", &e.refcount_cache_size),
+                ("meta_slice_size", &e.meta_slice_size),
+            ] {
+                if let Some(v) = v {
+                    parse_size(v).with_context(|| format!("export '{}': {key}", e.name))?;
+                }
+            }
+        }
+        if let Some(c) = &self.cache {
+            for (key, v) in [("size", &c.size), ("region_size", &c.region_size)] {
+                if let Some(v) = v {
+                    parse_size(v).with_context(|| format!("[cache] {key}"))?;
+                }
+            }
+        }
+        if self.server.socket.is_none() && self.server.tcp.is_none() {
+            bail!("[server] needs a socket or a tcp address");
+        }
+        if let Some(t) = &self.server.tls {
+            if t.psk.is_none() && (t.cert.is_none() || t.key.is_none()) {
+                bail!("[server.tls] needs cert and key, or psk");
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_full_config_and_names_bad_keys() {
+        let cfg: ServerConfig = toml::from_str(
+            r#"
+            [server]
+            socket = "/run/vd.sock"
+            [cache]
+            path = "/var/cache.img"
+            size = "1G"
+            mode = "writeback"
+            [[export]]
+            name = "vm1"
+            image = "/images/vm1.qcow2"
+            cache_mode = "writethrough"
+            [[export]]
+            name = "vm2"
+            image = "/images/vm2.qcow2"
+            read_only = true
+            "#,
+        )
+        .unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.exports.len(), 2);
+        let bad = toml::from_str::<ServerConfig>("[server]\nsockett = \"x\"\n");
+        assert!(bad.unwrap_err().to_string().contains("sockett"));
+        let dup: ServerConfig = toml::from_str(
+            "[server]\nsocket=\"s\"\n[[export]]\nname=\"a\"\nimage=\"x\"\n[[export]]\nname=\"a\"\nimage=\"y\"\n",
+        )
+        .unwrap();
+        assert!(
+            dup.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("used twice")
+        );
+    }
+}

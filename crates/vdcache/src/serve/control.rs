@@ -1,0 +1,198 @@
+//! The control socket of a running server: one JSON request per line,
+//! one JSON reply per line. `vdcache stats` and `vdcache flush` are its
+//! clients. The socket is created with mode 0600 (owner only).
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+/// What a client asks.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "cmd", rename_all = "kebab-case")]
+pub enum Request {
+    Stats,
+    /// Write every dirty block back to the images.
+    Flush,
+}
+
+/// What the server answers.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Reply {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub data: serde_json::Value,
+}
+
+/// Answers requests; implemented by the server.
+pub trait Handler: Send + Sync {
+    fn handle(&self, req: &Request) -> Result<serde_json::Value>;
+}
+
+/// A listening control socket and its thread.
+pub struct ControlServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    pub fn start(path: &Path, handler: Arc<dyn Handler>) -> Result<ControlServer> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                bail!(
+                    "control socket {} is in use by a running server",
+                    path.display()
+                );
+            }
+            std::fs::remove_file(path)
+                .with_context(|| format!("cannot remove stale {}", path.display()))?;
+        }
+        let listener = UnixListener::bind(path)
+            .with_context(|| format!("cannot listen on {}", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("vdcache-control".into())
+            .spawn(move || serve(listener, handler, s))?;
+        Ok(ControlServer {
+            path: path.to_path_buf(),
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn serve(listener: UnixListener, handler: Arc<dyn Handler>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let h = handler.clone();
+                // One short-lived thread per client: requests may take long
+                // (a flush writes everything back).
+                let _ = std::thread::Builder::new()
+                    .name("vdcache-control-client".into())
+                    .spawn(move || answer(stream, &*h));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(e) => {
+                tracing::warn!("control socket accept failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+fn answer(stream: UnixStream, handler: &dyn Handler) {
+    let _ = stream.set_nonblocking(false);
+    let mut reader = BufReader::new(match stream.try_clone() {
+        Ok(s) => s,
+        Err(_) => return,
+    });
+    let mut writer = stream;
+    let mut line = String::new();
+    // Bounded: a request is a short JSON object.
+    while reader
+        .by_ref()
+        .take(64 * 1024)
+        .read_line(&mut line)
+        .unwrap_or(0)
+        > 0
+    {
+        let reply = match serde_json::from_str::<Request>(line.trim()) {
+            Ok(req) => match handler.handle(&req) {
+                Ok(data) => Reply {
+                    ok: true,
+                    error: None,
+                    data,
+                },
+                Err(e) => Reply {
+                    ok: false,
+                    error: Some(format!("{e:#}")),
+                    data: serde_json::Value::Null,
+                },
+            },
+            Err(e) => Reply {
+                ok: false,
+                error: Some(format!("bad request: {e}")),
+                data: serde_json::Value::Null,
+            },
+        };
+        let Ok(mut text) = serde_json::to_string(&reply) else {
+            return;
+        };
+        text.push('\n');
+        if writer.write_all(text.as_bytes()).is_err() {
+            return;
+        }
+        line.clear();
+    }
+}
+
+/// Sends one request to a running server and returns its data.
+pub fn request(path: &Path, req: &Request) -> Result<serde_json::Value> {
+    let mut stream = UnixStream::connect(path).with_context(|| {
+        format!(
+            "cannot reach a vdcache server at {} (is it running?)",
+            path.display()
+        )
+    })?;
+    let mut text = serde_json::to_string(req)?;
+    text.push('\n');
+    stream.write_all(text.as_bytes())?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    let reply: Reply =
+        serde_json::from_str(&line).context("the server sent an unreadable reply")?;
+    if !reply.ok {
+        bail!("{}", reply.error.unwrap_or_else(|| "request failed".into()));
+    }
+    Ok(reply.data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Echo;
+    impl Handler for Echo {
+        fn handle(&self, req: &Request) -> Result<serde_json::Value> {
+            match req {
+                Request::Stats => Ok(serde_json::json!({"reads": 7})),
+                Request::Flush => bail!("nothing to flush"),
+            }
+        }
+    }
+
+    #[test]
+    fn requests_round_trip_and_errors_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ctl.sock");
+        let _server = ControlServer::start(&path, Arc::new(Echo)).unwrap();
+        assert_eq!(request(&path, &Request::Stats).unwrap()["reads"], 7);
+        let err = request(&path, &Request::Flush).unwrap_err().to_string();
+        assert!(err.contains("nothing to flush"), "{err}");
+        assert!(ControlServer::start(&path, Arc::new(Echo)).is_err());
+    }
+}

@@ -1,0 +1,6 @@
+//! `vdcache serve` and its companions (`stats`, `flush`, `recover`): the
+//! daemon that exports disks over NBD through the shared flash cache.
+
+pub mod config;
+pub mod control;
+pub mod daemon;
