@@ -8,6 +8,7 @@
 mod file;
 mod lock;
 mod mem;
+pub mod recording;
 
 pub use file::{FileBackend, FileOptions};
 pub use lock::{LockError, LockMode};

@@ -1,0 +1,339 @@
+//! What the harness tests: a [`CrashTarget`] creates its devices on a
+//! recording log, opens the disk the workload runs on, and recovers a disk
+//! from a crash state. [`Qcow2Target`] is the plain qcow2 engine (recovery
+//! = opening the chain read-write, which repairs lazy refcounts); the flash
+//! cache plugs in as another target (its cache device is one more
+//! recording device).
+//!
+//! This module owns device setup and the default recovery. It must not
+//! judge results (that is `check.rs`) and must not write devices behind
+//! the target's back.
+
+use crate::error::BoxError;
+use crate::rng::Rng;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use vdcache_backend::recording::{CrashState, Log, RecordingBackend};
+use vdcache_backend::{BackendRef, LockMode};
+use vdcache_image::chain::StoreOpener;
+use vdcache_image::{
+    CreateOptions, HostIo, ImageError, ImageFormat, MemFiles, MetaCacheConfig, OpenOptions,
+    VirtualDisk, open_chain, qcow2_image_bytes,
+};
+
+/// A system under crash test.
+pub trait CrashTarget: Send + Sync {
+    /// A short name for reports (configuration included).
+    fn label(&self) -> String;
+    /// Creates every device (images, cache device) in `files`, with its
+    /// initial, durable contents.
+    fn create(&self, files: &Arc<RecordingFiles>) -> Result<(), BoxError>;
+    /// Opens the disk the workload runs on, over the recording devices.
+    /// Called again after a guest reopen.
+    fn open(&self, files: &Arc<RecordingFiles>) -> Result<VirtualDisk, BoxError>;
+    /// Recovers a disk from the devices a crash left (fresh stores built
+    /// from `state`; see [`mem_files`]).
+    fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError>;
+}
+
+/// Recording devices by name, usable as a chain's [`StoreOpener`].
+#[derive(Debug)]
+pub struct RecordingFiles {
+    log: Arc<Log>,
+    map: Mutex<HashMap<String, Arc<RecordingBackend>>>,
+}
+
+impl RecordingFiles {
+    pub fn new(log: &Arc<Log>) -> Arc<RecordingFiles> {
+        Arc::new(RecordingFiles {
+            log: log.clone(),
+            map: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn log(&self) -> &Arc<Log> {
+        &self.log
+    }
+
+    /// Registers a growable device (an image file) with initial contents.
+    pub fn insert(&self, name: &str, bytes: Vec<u8>) -> Arc<RecordingBackend> {
+        self.add(
+            name,
+            Arc::new(RecordingBackend::new(&self.log, name, bytes)),
+        )
+    }
+
+    /// Registers a fixed-size zeroed device (a cache partition).
+    pub fn insert_fixed(&self, name: &str, len: usize) -> Arc<RecordingBackend> {
+        self.add(
+            name,
+            Arc::new(RecordingBackend::fixed(&self.log, name, len)),
+        )
+    }
+
+    fn add(&self, name: &str, b: Arc<RecordingBackend>) -> Arc<RecordingBackend> {
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.to_string(), b.clone());
+        b
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<RecordingBackend>> {
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+    }
+}
+
+impl StoreOpener for RecordingFiles {
+    fn open(
+        &self,
+        name: &str,
+        _writable: bool,
+        _lock: Option<LockMode>,
+    ) -> vdcache_image::Result<BackendRef> {
+        match self.get(name) {
+            Some(b) => Ok(b),
+            None => Err(ImageError::Io {
+                image: name.to_string(),
+                op: "open",
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+            }),
+        }
+    }
+
+    fn canonical(&self, name: &str) -> vdcache_image::Result<String> {
+        Ok(name.to_string())
+    }
+
+    fn resolve(&self, parent: &str, backing: &str) -> String {
+        vdcache_image::LocalFiles.resolve(parent, backing)
+    }
+}
+
+/// In-memory stores holding a crash state's devices, by device name (for
+/// recovery functions that open a chain with [`OpenOptions::opener`]).
+pub fn mem_files(state: &CrashState) -> Arc<MemFiles> {
+    let files = MemFiles::new();
+    for d in &state.devices {
+        files.insert(&d.name, d.data.clone());
+    }
+    files
+}
+
+/// What the top image of a [`Qcow2Target`] sits on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backing {
+    None,
+    /// A raw base 64 KiB shorter than the disk (its tail reads zeros),
+    /// every sector distinct.
+    Raw,
+    /// A qcow2 base with three quarters of its clusters written (distinct
+    /// sectors) and the rest unallocated.
+    Qcow2,
+}
+
+/// Wraps the [`HostIo`] of the workload's opens (fault injection).
+pub type IoFactory = Arc<dyn Fn() -> Arc<dyn HostIo> + Send + Sync>;
+
+/// The plain qcow2 engine: a top image (optionally over a base) on
+/// recording devices; recovery opens the chain read-write.
+#[derive(Clone)]
+pub struct Qcow2Target {
+    pub label: String,
+    pub size: u64,
+    /// Options of the top image (`backing` is set from [`Self::backing`]).
+    pub create: CreateOptions,
+    pub backing: Backing,
+    pub cache: MetaCacheConfig,
+    /// HostIo for the workload's opens; `None` is the engine's direct I/O.
+    /// Recovery always uses direct I/O.
+    pub io: Option<IoFactory>,
+}
+
+impl std::fmt::Debug for Qcow2Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qcow2Target")
+            .field("label", &self.label)
+            .field("size", &self.size)
+            .field("create", &self.create)
+            .field("backing", &self.backing)
+            .field("cache", &self.cache)
+            .field("io", &self.io.is_some())
+            .finish()
+    }
+}
+
+impl Qcow2Target {
+    /// Name of the top image.
+    pub const TOP: &'static str = "dir/top.qcow2";
+    pub const RAW_BASE: &'static str = "dir/base.raw";
+    pub const QCOW2_BASE: &'static str = "dir/base.qcow2";
+
+    pub fn new(label: impl Into<String>, size: u64, create: CreateOptions) -> Qcow2Target {
+        Qcow2Target {
+            label: label.into(),
+            size,
+            create,
+            backing: Backing::None,
+            cache: MetaCacheConfig::default(),
+            io: None,
+        }
+    }
+
+    pub fn with_backing(mut self, backing: Backing) -> Self {
+        self.backing = backing;
+        self
+    }
+
+    pub fn with_cache(mut self, cache: MetaCacheConfig) -> Self {
+        self.cache = cache;
+        self
+    }
+
+    pub fn with_io(mut self, io: IoFactory) -> Self {
+        self.io = Some(io);
+        self
+    }
+
+    fn options(&self, opener: Arc<dyn StoreOpener>, io: Option<Arc<dyn HostIo>>) -> OpenOptions {
+        OpenOptions {
+            format: Some(ImageFormat::Qcow2),
+            cache: self.cache,
+            opener,
+            io,
+            ..OpenOptions::default()
+        }
+    }
+}
+
+/// Distinct, deterministic content for every sector of a base image.
+fn base_pattern(len: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len as usize];
+    for (i, sector) in v.chunks_mut(512).enumerate() {
+        Rng::new(0xba5e_0000 + i as u64).fill(sector);
+    }
+    v
+}
+
+fn qcow2_base(size: u64) -> Result<Vec<u8>, BoxError> {
+    let opts = CreateOptions {
+        cluster_size: 65536,
+        ..CreateOptions::default()
+    };
+    let files = MemFiles::new();
+    files.insert("base", qcow2_image_bytes(Path::new("base"), &opts, size)?);
+    let disk = open_chain(
+        "base",
+        &OpenOptions {
+            format: Some(ImageFormat::Qcow2),
+            opener: files.clone(),
+            ..OpenOptions::default()
+        },
+    )?;
+    let pattern = base_pattern(size);
+    let cs = opts.cluster_size;
+    for c in 0..size / cs {
+        if c % 4 != 3 {
+            let at = (c * cs) as usize;
+            disk.write(c * cs, &pattern[at..at + cs as usize], false)?;
+        }
+    }
+    disk.close()?;
+    drop(disk);
+    Ok(files.get("base").ok_or("base image vanished")?.snapshot())
+}
+
+impl CrashTarget for Qcow2Target {
+    fn label(&self) -> String {
+        let c = &self.create;
+        format!(
+            "{} (qcow2 v{} cluster {} refcount_bits {}{}{}{}, size {}, l2 cache {} slice {:?})",
+            self.label,
+            c.version,
+            c.cluster_size,
+            c.refcount_bits,
+            if c.extended_l2 { " extended_l2" } else { "" },
+            if c.lazy_refcounts {
+                " lazy_refcounts"
+            } else {
+                ""
+            },
+            match self.backing {
+                Backing::None => "",
+                Backing::Raw => " over raw",
+                Backing::Qcow2 => " over qcow2",
+            },
+            self.size,
+            self.cache.l2_bytes,
+            self.cache.slice_bytes,
+        )
+    }
+
+    fn create(&self, files: &Arc<RecordingFiles>) -> Result<(), BoxError> {
+        let mut opts = self.create.clone();
+        opts.size = Some(self.size);
+        opts.backing = match self.backing {
+            Backing::None => None,
+            Backing::Raw => {
+                let len = self.size.saturating_sub(65536);
+                files.insert(Self::RAW_BASE, base_pattern(len));
+                Some(("base.raw".into(), ImageFormat::Raw))
+            }
+            Backing::Qcow2 => {
+                files.insert(Self::QCOW2_BASE, qcow2_base(self.size)?);
+                Some(("base.qcow2".into(), ImageFormat::Qcow2))
+            }
+        };
+        let bytes = qcow2_image_bytes(Path::new(Self::TOP), &opts, self.size)?;
+        files.insert(Self::TOP, bytes);
+        Ok(())
+    }
+
+    fn open(&self, files: &Arc<RecordingFiles>) -> Result<VirtualDisk, BoxError> {
+        let opener: Arc<dyn StoreOpener> = files.clone();
+        let io = self.io.as_ref().map(|f| f());
+        Ok(open_chain(Self::TOP, &self.options(opener, io))?)
+    }
+
+    fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
+        Ok(open_chain(
+            Self::TOP,
+            &self.options(mem_files(state), None),
+        )?)
+    }
+}
+
+/// A target whose recovery is a closure, everything else from `inner`:
+/// e.g. "recover the flash cache, then open the chain through it".
+pub struct WithRecovery<T, F> {
+    pub inner: T,
+    pub recover: F,
+}
+
+impl<T, F, E> CrashTarget for WithRecovery<T, F>
+where
+    T: CrashTarget,
+    F: Fn(&CrashState) -> Result<VirtualDisk, E> + Send + Sync,
+    E: Into<BoxError>,
+{
+    fn label(&self) -> String {
+        format!("{} (custom recovery)", self.inner.label())
+    }
+
+    fn create(&self, files: &Arc<RecordingFiles>) -> Result<(), BoxError> {
+        self.inner.create(files)
+    }
+
+    fn open(&self, files: &Arc<RecordingFiles>) -> Result<VirtualDisk, BoxError> {
+        self.inner.open(files)
+    }
+
+    fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
+        (self.recover)(state).map_err(Into::into)
+    }
+}

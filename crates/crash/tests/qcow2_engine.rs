@@ -1,0 +1,185 @@
+//! The plain qcow2 engine (no cache) under the crash harness: several
+//! configurations, each a seeded workload and a budget of crash states,
+//! all of which must pass invariants 1-3.
+//!
+//! Longer sweeps: `VDCACHE_CRASH_STATES=N` (states per configuration and
+//! seed) and `VDCACHE_CRASH_SEEDS=M` (workload seeds per configuration).
+
+use vdcache_crash::{
+    Backing, CrashTarget, Log, Qcow2Target, RecordingFiles, Report, RunConfig, STATES_ENV,
+    WorkloadConfig, qemu_img_available, run, run_workload, seed_count, state_budget,
+};
+use vdcache_image::{CreateOptions, MetaCacheConfig};
+use vdcache_qcow2::Header;
+
+const MIB: u64 = 1 << 20;
+
+fn tiny_cache(slice: Option<u64>) -> MetaCacheConfig {
+    MetaCacheConfig {
+        l2_bytes: 4096,
+        refcount_bytes: 4096,
+        slice_bytes: slice,
+    }
+}
+
+/// Runs `target` for every seed with `default_budget` states each (a
+/// quarter in debug builds; `VDCACHE_CRASH_STATES` overrides); asserts no
+/// violation and, with the default budget, that at least three quarters
+/// of it were distinct states.
+fn sweep(target: &Qcow2Target, base: RunConfig, default_budget: usize) {
+    let default_budget = if cfg!(debug_assertions) {
+        default_budget / 4
+    } else {
+        default_budget
+    };
+    let budget = state_budget(default_budget);
+    let mut states = 0;
+    let mut failures: Vec<Report> = Vec::new();
+    for s in 0..seed_count(1) as u64 {
+        let mut cfg = base.clone();
+        cfg.budget = budget;
+        cfg.workload.seed = base.workload.seed + s;
+        let report = run(target, &cfg).expect("harness run");
+        eprintln!("{}", report.summary());
+        states += report.states;
+        if !report.is_clean() {
+            failures.push(report);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "crash violations:\n{}",
+        failures.iter().map(|r| r.to_string()).collect::<String>()
+    );
+    if std::env::var(STATES_ENV).is_err() {
+        let seeds = seed_count(1);
+        assert!(
+            states * 4 >= budget * seeds * 3,
+            "only {states} distinct states for a budget of {budget} x {seeds}"
+        );
+    }
+}
+
+fn config(seed: u64) -> RunConfig {
+    RunConfig {
+        workload: WorkloadConfig {
+            seed,
+            ..WorkloadConfig::default()
+        },
+        ..RunConfig::default()
+    }
+}
+
+#[test]
+fn clusters_64k() {
+    let target = Qcow2Target::new("64k", 8 * MIB, CreateOptions::default());
+    let mut cfg = config(0x64);
+    if qemu_img_available() {
+        cfg.qemu_img_check = true;
+        cfg.qemu_img_every = 8;
+    } else {
+        eprintln!("qemu-img not installed: skipping the qemu-img check part");
+    }
+    sweep(&target, cfg, 700);
+}
+
+#[test]
+fn clusters_4k_refcount_bits_64_tiny_cache() {
+    let target = Qcow2Target::new(
+        "4k-rc64",
+        8 * MIB,
+        CreateOptions {
+            cluster_size: 4096,
+            refcount_bits: 64,
+            ..CreateOptions::default()
+        },
+    )
+    .with_cache(tiny_cache(Some(512)));
+    sweep(&target, config(0x4c), 700);
+}
+
+fn table_growth_target() -> (Qcow2Target, RunConfig) {
+    // 512-byte clusters with 64-bit refcounts: one refcount table cluster
+    // covers 2 MiB of file, so the workload outgrows it.
+    let target = Qcow2Target::new(
+        "512-rc64-table-growth",
+        8 * MIB,
+        CreateOptions {
+            cluster_size: 512,
+            refcount_bits: 64,
+            ..CreateOptions::default()
+        },
+    );
+    let mut cfg = config(0x512);
+    cfg.workload.max_len = Some(256 * 1024);
+    cfg.workload.hot_percent = 10;
+    (target, cfg)
+}
+
+#[test]
+fn refcount_table_growth() {
+    let (target, cfg) = table_growth_target();
+    // The workload really moves the refcount table.
+    let log = Log::new();
+    let files = RecordingFiles::new(&log);
+    target.create(&files).expect("create");
+    let initial =
+        Header::parse(&files.get(Qcow2Target::TOP).expect("top").contents()).expect("header");
+    let run_ = run_workload(&target, &files, &cfg.workload).expect("workload");
+    assert!(run_.live.is_empty(), "{:?}", run_.live);
+    let after =
+        Header::parse(&files.get(Qcow2Target::TOP).expect("top").contents()).expect("header");
+    assert!(
+        after.refcount_table_clusters > initial.refcount_table_clusters,
+        "refcount table did not grow: {} clusters at {:#x}, file {} bytes",
+        after.refcount_table_clusters,
+        after.refcount_table_offset,
+        files.get(Qcow2Target::TOP).expect("top").contents().len()
+    );
+    sweep(&target, cfg, 700);
+}
+
+#[test]
+fn extended_l2_over_raw_backing() {
+    let target = Qcow2Target::new(
+        "extl2-raw",
+        8 * MIB,
+        CreateOptions {
+            extended_l2: true,
+            ..CreateOptions::default()
+        },
+    )
+    .with_backing(Backing::Raw);
+    sweep(&target, config(0xe2), 700);
+}
+
+#[test]
+fn lazy_refcounts_over_qcow2_backing() {
+    let target = Qcow2Target::new(
+        "lazy-qcow2",
+        8 * MIB,
+        CreateOptions {
+            cluster_size: 16384,
+            lazy_refcounts: true,
+            ..CreateOptions::default()
+        },
+    )
+    .with_backing(Backing::Qcow2)
+    .with_cache(tiny_cache(None));
+    sweep(&target, config(0x1a2), 700);
+}
+
+#[test]
+fn version2_over_raw_backing() {
+    let target = Qcow2Target::new(
+        "v2-raw",
+        4 * MIB,
+        CreateOptions {
+            version: 2,
+            cluster_size: 4096,
+            ..CreateOptions::default()
+        },
+    )
+    .with_backing(Backing::Raw);
+    sweep(&target, config(0x02), 400);
+}
