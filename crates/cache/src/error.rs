@@ -8,7 +8,10 @@ pub enum CacheError {
     #[error("cache device is corrupt: {0}")]
     Corrupt(String),
     #[error("cache device {op} failed: {cause}")]
-    Device { op: &'static str, cause: std::io::Error },
+    Device {
+        op: &'static str,
+        cause: std::io::Error,
+    },
     #[error(
         "cache device belongs to host '{owner}', not this host '{this}'; its dirty data can only be written back with recover --full (or pass --force-foreign)"
     )]

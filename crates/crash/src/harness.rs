@@ -450,3 +450,22 @@ pub fn reproduce(
     let (checked, _) = worker(target, &prep, cfg, &target.label(), &[(0, (point, kind))]);
     Ok(checked.into_iter().flat_map(|c| c.violations).collect())
 }
+
+/// Runs `target` once per workload seed (`VDCACHE_CRASH_SEEDS`, default 1)
+/// with `budget` states each (`VDCACHE_CRASH_STATES` overrides) and returns
+/// every report: what the tests and the long-sweep command share.
+pub fn sweep(
+    target: &dyn CrashTarget,
+    base: &RunConfig,
+    budget: usize,
+) -> Result<Vec<Report>, HarnessError> {
+    let budget = state_budget(budget);
+    let mut reports = Vec::new();
+    for s in 0..seed_count(1) as u64 {
+        let mut cfg = base.clone();
+        cfg.budget = budget;
+        cfg.workload.seed = base.workload.seed + s;
+        reports.push(run(target, &cfg)?);
+    }
+    Ok(reports)
+}

@@ -26,6 +26,7 @@
 //! must never relax a check to make a target pass.
 
 pub mod broken;
+pub mod cache_target;
 mod check;
 pub mod error;
 pub mod harness;
@@ -35,6 +36,7 @@ pub mod target;
 pub mod workload;
 
 pub use broken::{Breakage, BrokenIo};
+pub use cache_target::{CACHE_DEVICE, CacheTarget};
 pub use error::{BoxError, HarnessError};
 pub use harness::{
     Report, RunConfig, SEEDS_ENV, STATES_ENV, Violation, ViolationKind, qemu_img_available,

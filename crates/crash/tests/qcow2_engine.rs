@@ -7,7 +7,7 @@
 
 use vdcache_crash::{
     Backing, CrashTarget, Log, Qcow2Target, RecordingFiles, Report, RunConfig, STATES_ENV,
-    WorkloadConfig, qemu_img_available, run, run_workload, seed_count, state_budget,
+    WorkloadConfig, qemu_img_available, run_workload, seed_count, state_budget,
 };
 use vdcache_image::{CreateOptions, MetaCacheConfig};
 use vdcache_qcow2::Header;
@@ -22,30 +22,22 @@ fn tiny_cache(slice: Option<u64>) -> MetaCacheConfig {
     }
 }
 
-/// Runs `target` for every seed with `default_budget` states each (a
-/// quarter in debug builds; `VDCACHE_CRASH_STATES` overrides); asserts no
-/// violation and, with the default budget, that at least three quarters
-/// of it were distinct states.
+/// Sweeps `target` with `default_budget` states per seed (a quarter in
+/// debug builds); asserts no violation and, with the default budget, that
+/// at least three quarters of it were distinct states.
 fn sweep(target: &Qcow2Target, base: RunConfig, default_budget: usize) {
     let default_budget = if cfg!(debug_assertions) {
         default_budget / 4
     } else {
         default_budget
     };
-    let budget = state_budget(default_budget);
-    let mut states = 0;
-    let mut failures: Vec<Report> = Vec::new();
-    for s in 0..seed_count(1) as u64 {
-        let mut cfg = base.clone();
-        cfg.budget = budget;
-        cfg.workload.seed = base.workload.seed + s;
-        let report = run(target, &cfg).expect("harness run");
-        eprintln!("{}", report.summary());
-        states += report.states;
-        if !report.is_clean() {
-            failures.push(report);
-        }
+    let reports =
+        vdcache_crash::harness::sweep(target, &base, default_budget).expect("harness run");
+    let states: usize = reports.iter().map(|r| r.states).sum();
+    for r in &reports {
+        eprintln!("{}", r.summary());
     }
+    let failures: Vec<&Report> = reports.iter().filter(|r| !r.is_clean()).collect();
     assert!(
         failures.is_empty(),
         "crash violations:\n{}",
@@ -53,6 +45,7 @@ fn sweep(target: &Qcow2Target, base: RunConfig, default_budget: usize) {
     );
     if std::env::var(STATES_ENV).is_err() {
         let seeds = seed_count(1);
+        let budget = state_budget(default_budget);
         assert!(
             states * 4 >= budget * seeds * 3,
             "only {states} distinct states for a budget of {budget} x {seeds}"

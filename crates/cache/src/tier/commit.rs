@@ -28,6 +28,7 @@ impl FlashCache {
     /// Writes pending journal entries and syncs the cache device.
     pub(crate) fn commit(&self, st: &mut State) -> Result<()> {
         self.sync_backends(st)?;
+        st.uncommitted_dirty = false;
         if st.journal.needs_checkpoint() {
             return self.checkpoint(st);
         }
@@ -41,6 +42,7 @@ impl FlashCache {
     /// starts from here.
     pub(crate) fn checkpoint(&self, st: &mut State) -> Result<()> {
         self.sync_backends(st)?;
+        st.uncommitted_dirty = false;
         // Every block the checkpoint names must be durable before it.
         self.device
             .flush()
@@ -57,6 +59,16 @@ impl FlashCache {
             .map_err(CacheError::device("sync cache device"))?;
         st.generation = mark.generation;
         st.journal.checkpointed(mark.generation);
+        Ok(())
+    }
+
+    /// Makes recorded dirty blocks durable before a write that bypasses the
+    /// log reaches a backend: the bypassing write may depend on them (an L2
+    /// entry written back must not outlive the data it points to).
+    pub(crate) fn commit_before_bypass(&self, st: &mut State) -> Result<()> {
+        if st.uncommitted_dirty {
+            self.commit(st)?;
+        }
         Ok(())
     }
 

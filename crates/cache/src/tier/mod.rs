@@ -9,6 +9,7 @@
 //! always yields a prefix of what was acknowledged, never garbage.
 
 mod commit;
+mod ranges;
 mod read;
 mod recover;
 mod space;
@@ -74,6 +75,10 @@ pub(crate) struct State {
     pub dirty_lines: BTreeSet<u64>,
     recent: VecDeque<RecentWrite>,
     write_seq: u64,
+    /// Dirty blocks were recorded since the last commit: before anything
+    /// bypasses the log to a backend, they must be durable (the log keeps
+    /// the COW layer's write order only for what goes through it).
+    pub uncommitted_dirty: bool,
     /// Someone waits for every dirty block to be written back.
     pub drain_requests: u64,
     /// Write-back thread is between collecting and completing a batch.
@@ -155,6 +160,8 @@ pub struct FlashCache {
     stats: Stats,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Image ranges with a backend write in progress outside the state lock.
+    ranges: ranges::BackendRanges,
 }
 
 impl std::fmt::Debug for FlashCache {
@@ -241,6 +248,7 @@ impl FlashCache {
             dirty_lines: BTreeSet::new(),
             recent: VecDeque::new(),
             write_seq: 0,
+            uncommitted_dirty: false,
             drain_requests: 0,
             writeback_busy: false,
         }
@@ -263,6 +271,7 @@ impl FlashCache {
             stats: Stats::default(),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
+            ranges: ranges::BackendRanges::default(),
         });
         writeback::start(&cache);
         cache

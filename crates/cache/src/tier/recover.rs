@@ -304,9 +304,10 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
             check_cbn(layout, cbn)?;
             let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
             if let Some((old, r)) = st.index.map(key, guest, slot, cbn, dirty)
-                && st.index.release(old, r) {
-                    st.regions.release_block(old);
-                }
+                && st.index.release(old, r)
+            {
+                st.regions.release_block(old);
+            }
             st.regions.restore_block(cbn);
             if dirty {
                 st.dirty_lines.insert(key);
@@ -317,9 +318,10 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
         Entry::Unmap { key, slot } => {
             let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
             if let Some((cbn, _, r)) = st.index.unmap(key, slot)
-                && st.index.release(cbn, r) {
-                    st.regions.release_block(cbn);
-                }
+                && st.index.release(cbn, r)
+            {
+                st.regions.release_block(cbn);
+            }
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
                 st.dirty_lines.remove(&key);
             }

@@ -118,6 +118,7 @@ impl FlashCache {
             }
         }
         if !dirty.is_empty() {
+            self.commit_before_bypass(st)?;
             let backends = self.backends_of(st, &dirty)?;
             self.copy_to_backends(&backends, &dirty)?;
             for &(key, slot, cbn) in &dirty {
@@ -153,9 +154,10 @@ impl FlashCache {
                 .map_err(CacheError::device("write block"))?;
             let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
             if let Some((old, r)) = st.index.map(key, guest, slot, dst, false)
-                && st.index.release(old, r) {
-                    st.regions.release_block(old);
-                }
+                && st.index.release(old, r)
+            {
+                st.regions.release_block(old);
+            }
             st.journal.push(&Entry::Map {
                 key,
                 slot: slot as u8,

@@ -248,9 +248,10 @@ impl FlashCache {
                 let key = line_key(id, block / LINE_BLOCKS);
                 let slot = (block % LINE_BLOCKS) as usize;
                 if let Some((old, r)) = st.index.map(key, guest, slot, cbn, true)
-                    && st.index.release(old, r) {
-                        st.regions.release_block(old);
-                    }
+                    && st.index.release(old, r)
+                {
+                    st.regions.release_block(old);
+                }
                 st.dirty_lines.insert(key);
                 st.journal.push(&Entry::Map {
                     key,
@@ -263,6 +264,7 @@ impl FlashCache {
                 if let Some(rec) = st.images.get_mut(id as usize) {
                     rec.end = rec.end.max((block + 1) * BLOCK);
                 }
+                st.uncommitted_dirty = true;
                 i += 1;
             }
         }
@@ -283,6 +285,7 @@ impl FlashCache {
     ) -> Result<()> {
         let first = off / BLOCK;
         let last = (off + len - 1) / BLOCK;
+        let _range = self.ranges.lock(&[(id, first * BLOCK, (last + 1) * BLOCK)]);
         // Partial blocks that are dirty in flash must be completed there.
         let dirty_edges: Vec<u64> = {
             let st = self.lock();
@@ -304,6 +307,7 @@ impl FlashCache {
         // stale clean copy must never be served instead.
         {
             let mut st = self.lock();
+            self.commit_before_bypass(&mut st)?;
             let mut dropped = false;
             for b in first..=last {
                 if !dirty_edges.contains(&b) {
@@ -408,9 +412,10 @@ impl FlashCache {
             let key = line_key(id, b / LINE_BLOCKS);
             let slot = (b % LINE_BLOCKS) as usize;
             if let Some((old, r)) = st.index.map(key, guest, slot, cbn, false)
-                && st.index.release(old, r) {
-                    st.regions.release_block(old);
-                }
+                && st.index.release(old, r)
+            {
+                st.regions.release_block(old);
+            }
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
                 st.dirty_lines.remove(&key);
             }
@@ -440,6 +445,7 @@ impl FlashCache {
         let id = self.image_id(image, tag.disk)?;
         let first = off.div_ceil(BLOCK);
         let end = (off + len) / BLOCK;
+        let _range = self.ranges.lock(&[(id, off, off + len)]);
         {
             let mut st = self.lock();
             for b in first..end {

@@ -65,7 +65,7 @@ impl FlashCache {
 
     /// Writes back one batch; true when more work remains.
     fn writeback_round(&self, cursor: &mut u64) -> Result<bool> {
-        let (batch, targets) = {
+        let collected = {
             let mut st = self.lock();
             let dirty = st.index.dirty_blocks();
             if !self.needs_writeback(dirty, st.drain_requests > 0, st.writeback_busy) {
@@ -83,6 +83,31 @@ impl FlashCache {
                 *cursor = 0;
                 return Ok(true);
             }
+            batch
+        };
+        // Hold the image ranges so no write-through or discard of the same
+        // bytes interleaves with this copy; then keep only blocks that are
+        // still dirty in the same place.
+        let ranges: Vec<(u16, u64, u64)> = collected
+            .iter()
+            .map(|&(key, slot, _)| {
+                let at = crate::index::key_line(key) * crate::layout::LINE
+                    + slot as u64 * crate::layout::BLOCK;
+                (crate::index::key_image(key), at, at + crate::layout::BLOCK)
+            })
+            .collect();
+        let _range = self.ranges.lock(&ranges);
+        let (batch, targets) = {
+            let mut st = self.lock();
+            self.commit_before_bypass(&mut st)?;
+            let batch: Vec<DirtyBlock> = collected
+                .into_iter()
+                .filter(|&(key, slot, cbn)| {
+                    st.index
+                        .get(key)
+                        .is_some_and(|l| l.dirty & (1 << slot) != 0 && l.cbn[slot] == cbn)
+                })
+                .collect();
             for &(_, _, cbn) in &batch {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);

@@ -1,0 +1,140 @@
+//! The flash cache under crash test: a [`Qcow2Target`]'s images plus a
+//! cache device, all recorded. The workload runs through the cache (with
+//! some guest reopens also restarting the cache, keeping its dirty data).
+//! Recovery after a crash is the cache's fast recovery, whose reads must
+//! equal, byte for byte, the images after full recovery (every dirty block
+//! written back); the harness then checks those standalone images.
+//!
+//! This module only wires the cache into the harness; it must not relax
+//! any check.
+
+use crate::error::BoxError;
+use crate::target::{CrashTarget, Qcow2Target, RecordingFiles, mem_files};
+use std::sync::{Arc, Mutex};
+use vdcache_backend::BackendRef;
+use vdcache_backend::recording::CrashState;
+use vdcache_cache::{CacheConfig, FlashCache};
+use vdcache_image::chain::StoreOpener;
+use vdcache_image::{DiskId, HostIo, ImageFormat, OpenOptions, VirtualDisk, open_chain};
+
+/// Name of the cache device among the recorded devices.
+pub const CACHE_DEVICE: &str = "cache.dev";
+
+/// Images of a [`Qcow2Target`] served through a flash cache.
+pub struct CacheTarget {
+    pub images: Qcow2Target,
+    pub config: CacheConfig,
+    pub device_bytes: usize,
+    /// The cache the live workload runs through, and how often it was opened.
+    live: Mutex<(Option<Arc<FlashCache>>, u32)>,
+}
+
+impl CacheTarget {
+    pub fn new(images: Qcow2Target, config: CacheConfig, device_bytes: usize) -> CacheTarget {
+        CacheTarget {
+            images,
+            config,
+            device_bytes,
+            live: Mutex::new((None, 0)),
+        }
+    }
+
+    fn options(&self, opener: Arc<dyn StoreOpener>, io: Option<Arc<dyn HostIo>>) -> OpenOptions {
+        OpenOptions {
+            format: Some(ImageFormat::Qcow2),
+            cache: self.images.cache,
+            opener,
+            io,
+            disk: DiskId(1),
+            ..OpenOptions::default()
+        }
+    }
+}
+
+impl CrashTarget for CacheTarget {
+    fn label(&self) -> String {
+        let p = self.config.default_policy;
+        format!(
+            "{} through a {} KiB cache ({}, {}, {}{})",
+            self.images.label(),
+            self.device_bytes >> 10,
+            p.mode.name(),
+            p.admission.name(),
+            self.config.replacement.name(),
+            if self.config.test_index_before_data {
+                ", index before data"
+            } else {
+                ""
+            }
+        )
+    }
+
+    fn create(&self, files: &Arc<RecordingFiles>) -> Result<(), BoxError> {
+        self.images.create(files)?;
+        let dev: BackendRef = files.insert_fixed(CACHE_DEVICE, self.device_bytes);
+        let cache = FlashCache::format(dev, self.config.clone())?;
+        cache.shutdown(true)?;
+        Ok(())
+    }
+
+    fn open(&self, files: &Arc<RecordingFiles>) -> Result<VirtualDisk, BoxError> {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        // Every other reopen also restarts the cache (a fast restart that
+        // keeps dirty data in flash).
+        if live.1 % 2 == 1
+            && let Some(c) = live.0.take()
+        {
+            c.shutdown(true)?;
+        }
+        live.1 += 1;
+        let cache = match &live.0 {
+            Some(c) => c.clone(),
+            None => {
+                let dev: BackendRef = files.get(CACHE_DEVICE).ok_or("no cache device")?;
+                let c = FlashCache::open(dev, self.config.clone())?;
+                live.0 = Some(c.clone());
+                c
+            }
+        };
+        let opener: Arc<dyn StoreOpener> = files.clone();
+        Ok(open_chain(
+            Qcow2Target::TOP,
+            &self.options(opener, Some(cache)),
+        )?)
+    }
+
+    fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
+        let files = mem_files(state);
+        let dev = files
+            .get(CACHE_DEVICE)
+            .ok_or("crash state has no cache device")?;
+        let dev: BackendRef = dev;
+        // A crash while the cache was being formatted leaves no cache (and
+        // nothing in it): formatting again is what serve does.
+        let cache = FlashCache::open_or_format(dev, self.config.clone())?;
+        // Fast recovery: what the guest sees when it continues on this host.
+        let fast = open_chain(
+            Qcow2Target::TOP,
+            &self.options(files.clone(), Some(cache.clone())),
+        )?;
+        let mut seen = vec![0u8; fast.size() as usize];
+        fast.read(0, &mut seen)?;
+        fast.close()?;
+        drop(fast);
+        // Full recovery: every dirty block back to the images.
+        cache.drain()?;
+        cache.shutdown(false)?;
+        drop(cache);
+        let standalone = open_chain(Qcow2Target::TOP, &self.options(files, None))?;
+        let mut alone = vec![0u8; standalone.size() as usize];
+        standalone.read(0, &mut alone)?;
+        if let Some(at) = seen.iter().zip(&alone).position(|(a, b)| a != b) {
+            return Err(format!(
+                "fast recovery read {:#04x} at guest offset {at}, the images after full recovery {:#04x}",
+                seen[at], alone[at]
+            )
+            .into());
+        }
+        Ok(standalone)
+    }
+}
