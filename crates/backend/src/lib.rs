@@ -8,11 +8,13 @@
 mod file;
 mod lock;
 mod mem;
+mod nbd;
 pub mod recording;
 
 pub use file::{FileBackend, FileOptions};
 pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
+pub use nbd::{NbdBackend, is_nbd_uri};
 
 use std::fmt::Debug;
 use std::io;

@@ -10,7 +10,7 @@ use crate::meta_cache::MetaCacheConfig;
 use crate::qimage::{self, ImageOptions, Qcow2Image};
 use std::path::Path;
 use std::sync::Arc;
-use vdcache_backend::{BackendRef, FileBackend, FileOptions, LockMode, MemBackend};
+use vdcache_backend::{BackendRef, FileBackend, FileOptions, LockMode, MemBackend, NbdBackend, is_nbd_uri};
 use vdcache_qcow2::header::MAGIC;
 
 /// Longest chain accepted (QEMU has no fixed limit; this bounds recursion).
@@ -56,6 +56,10 @@ pub struct LocalFiles;
 
 impl StoreOpener for LocalFiles {
     fn open(&self, name: &str, writable: bool, lock: Option<LockMode>) -> Result<BackendRef> {
+        if is_nbd_uri(name) {
+            let b = NbdBackend::connect(name).map_err(|e| ImageError::io(name, "connect", e))?;
+            return Ok(Arc::new(b));
+        }
         let b = FileBackend::open(
             Path::new(name),
             FileOptions {
@@ -68,6 +72,9 @@ impl StoreOpener for LocalFiles {
     }
 
     fn canonical(&self, name: &str) -> Result<String> {
+        if is_nbd_uri(name) {
+            return Ok(name.to_string());
+        }
         std::fs::canonicalize(name)
             .map(|p| p.display().to_string())
             .map_err(|e| ImageError::io(name, "open", e))
@@ -75,14 +82,31 @@ impl StoreOpener for LocalFiles {
 
     fn resolve(&self, parent: &str, backing: &str) -> String {
         let b = Path::new(backing);
-        if b.is_absolute() {
+        if b.is_absolute() || is_nbd_uri(backing) {
             return backing.to_string();
+        }
+        if is_nbd_uri(parent) {
+            return resolve_in_uri(parent, backing);
         }
         let dir = Path::new(parent)
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_default();
         dir.join(b).display().to_string()
+    }
+}
+
+/// A backing name relative to an image on an NBD export names another
+/// export of the same server, in the same directory of export names (as
+/// nbdkit's file plugin exports a directory).
+fn resolve_in_uri(parent: &str, backing: &str) -> String {
+    match vdcache_nbd::NbdUri::parse(parent) {
+        Ok(mut uri) => {
+            let dir = uri.export.rfind('/').map_or("", |i| &uri.export[..=i]).to_string();
+            uri.export = format!("{dir}{backing}");
+            uri.to_string()
+        }
+        Err(_) => backing.to_string(),
     }
 }
 

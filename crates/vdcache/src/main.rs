@@ -10,6 +10,7 @@ mod cmd_create;
 mod cmd_demo;
 mod cmd_info;
 mod cmd_io;
+mod cmd_serve;
 mod meta_args;
 mod serve;
 mod size;
@@ -45,6 +46,14 @@ enum Command {
     Convert(cmd_convert::Args),
     /// Create a chain in a scratch directory, write, read back and check it.
     Demo(cmd_demo::Args),
+    /// Serve disks over NBD, optionally through a flash cache.
+    Serve(cmd_serve::ServeArgs),
+    /// Statistics of a running server.
+    Stats(cmd_serve::ControlArgs),
+    /// Write every dirty block of a running server back to its images.
+    Flush(cmd_serve::ControlArgs),
+    /// Recover a cache device offline (--full: write everything back).
+    Recover(cmd_serve::RecoverArgs),
     /// Benchmarks (not tests): measure the engine next to QEMU's tools.
     Bench(cmd_bench::Args),
 }
@@ -68,6 +77,10 @@ fn main() -> ExitCode {
         Command::Io(a) => cmd_io::run(a),
         Command::Convert(a) => cmd_convert::run(a),
         Command::Demo(a) => cmd_demo::run(a),
+        Command::Serve(a) => cmd_serve::serve(a),
+        Command::Stats(a) => cmd_serve::stats(a),
+        Command::Flush(a) => cmd_serve::flush(a),
+        Command::Recover(a) => cmd_serve::recover(a),
         Command::Bench(a) => cmd_bench::run(a),
     };
     match result {

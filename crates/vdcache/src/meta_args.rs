@@ -8,14 +8,14 @@ use vdcache_image::MetaCacheConfig;
 pub struct MetaCacheArgs {
     /// Memory for cached L2 table slices (default 4M).
     #[arg(long = "l2-cache-size", value_name = "SIZE")]
-    l2_cache_size: Option<String>,
+    pub l2_cache_size: Option<String>,
     /// Memory for cached refcount block slices (default 1M).
     #[arg(long = "refcount-cache-size", value_name = "SIZE")]
-    refcount_cache_size: Option<String>,
+    pub refcount_cache_size: Option<String>,
     /// Slice size: from 512 (one sector) up to the cluster size (whole
     /// tables, the default).
     #[arg(long = "meta-slice-size", value_name = "SIZE")]
-    slice_size: Option<String>,
+    pub slice_size: Option<String>,
 }
 
 impl MetaCacheArgs {

@@ -37,8 +37,9 @@ impl FlashCache {
                 .unwrap_or(0),
         };
         // Forget whatever the device held before: the data zone is
-        // discarded and the checkpoint slots zeroed before the superblock
-        // makes the device a cache.
+        // discarded and the checkpoint slots zeroed. An empty checkpoint is
+        // durable before the superblock makes the device a cache, so a
+        // crash during formatting leaves either no cache or an empty one.
         let _ = device.discard(layout.data_offset, layout.device_bytes - layout.data_offset);
         let zero = vec![0u8; BLOCK as usize];
         for slot in 0..2 {
@@ -46,14 +47,19 @@ impl FlashCache {
                 .write_at(&zero, layout.slot_offset(slot))
                 .map_err(CacheError::device("write checkpoint"))?;
         }
-        let journal = JournalWriter::new(&layout, &sb.uuid, 0, 1, 0);
-        let state = Self::new_state(&layout, &config, journal, 0);
+        let empty_index = [0u8; 12];
+        let mark = CheckpointMark {
+            generation: 1,
+            journal_seq: 1,
+            journal_pos: 0,
+        };
+        journal::write_checkpoint(&*device, &layout, &sb.uuid, mark, &empty_index)?;
+        device.flush().map_err(CacheError::device("sync cache device"))?;
         sb.write(&*device)?;
+        device.flush().map_err(CacheError::device("sync cache device"))?;
+        let journal = JournalWriter::new(&layout, &sb.uuid, mark.generation, mark.journal_seq, mark.journal_pos);
+        let state = Self::new_state(&layout, &config, journal, mark.generation);
         let cache = Self::assemble(device, sb, config, state);
-        {
-            let mut st = cache.lock();
-            cache.checkpoint(&mut st)?;
-        }
         Ok(cache)
     }
 

@@ -55,8 +55,6 @@ pub struct CacheSection {
     pub admission: Option<String>,
     pub replacement: Option<String>,
     pub region_size: Option<String>,
-    /// stacked | cow-aware
-    pub cow: Option<String>,
     pub keep_dirty: Option<bool>,
     pub high_watermark: Option<f64>,
     pub low_watermark: Option<f64>,

@@ -4,3 +4,5 @@
 pub mod config;
 pub mod control;
 pub mod daemon;
+pub mod export;
+pub mod run;

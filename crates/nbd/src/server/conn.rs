@@ -1,0 +1,881 @@
+//! One server connection: handshake, then the transmission phase.
+//!
+//! The connection thread reads requests and validates them; a small pool of
+//! worker threads (started on demand, at most `workers_per_connection`)
+//! executes them against the export and writes replies under one writer
+//! lock, so replies may leave out of order.
+//!
+//! Owns: request validation (magic, flags, bounds, alignment, payload
+//! limits, read-only), reply encoding (simple and structured), the
+//! in-flight budget, per-connection counters.
+//! Must not: let a bad request crash the process or touch other
+//! connections; allocate a payload before checking its length; keep
+//! reading once the client misbehaved at the framing level.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use tracing::{debug, warn};
+
+use super::handshake::{self, Negotiated};
+use super::{ConnInfo, ExportEntry, ServerInner};
+use crate::export::{Export, ExportError, Extent, ZeroFlags};
+use crate::proto::{self, Request};
+use crate::transport::{ConnReader, ConnWriter, Socket};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Entry point of a connection thread.
+pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<ConnInfo>) {
+    let peer = sock.peer();
+    let ctl = match sock.try_clone() {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("nbd: connection {id}: cannot clone socket: {e}");
+            return;
+        }
+    };
+    let (mut reader, writer, neg, tls) = match handshake::negotiate(inner, sock) {
+        Ok(x) => x,
+        Err(end) => {
+            handshake::log_end(id, &peer, &end);
+            return;
+        }
+    };
+    let entry = &inner.exports[neg.export];
+    debug!(
+        "nbd: connection {id} ({peer}) serving export {:?} (structured={}, tls={tls})",
+        entry.name, neg.structured
+    );
+    info.tls.store(tls, Ordering::Relaxed);
+    *lock(&info.export) = Some(entry.name.clone());
+    entry.connection_started();
+    let session = Arc::new(Session {
+        export: entry.export.clone(),
+        size: entry.export.size(),
+        neg,
+        writer: Mutex::new(writer),
+        broken: AtomicBool::new(false),
+        info: info.clone(),
+        inner: inner.clone(),
+        budget: Budget::new(
+            inner.limits.max_inflight_bytes,
+            inner.limits.max_inflight_requests,
+        ),
+    });
+    let pool = Pool::new(session.clone(), inner.limits.workers_per_connection);
+    let end = read_loop(&session, &mut reader, &pool);
+    match &end {
+        LoopEnd::Eof => debug!("nbd: connection {id} ({peer}) closed by client"),
+        LoopEnd::Disc => debug!("nbd: connection {id} ({peer}) disconnected (NBD_CMD_DISC)"),
+        LoopEnd::Abuse(m) => {
+            warn!("nbd: connection {id} ({peer}) dropped: {m}");
+            // Do not wait for a misbehaving client to read its replies.
+            let _ = ctl.shutdown(std::net::Shutdown::Both);
+        }
+    }
+    pool.finish();
+    drop(reader);
+    lock(&session.writer).close();
+    entry.connection_ended();
+}
+
+enum LoopEnd {
+    Eof,
+    Disc,
+    Abuse(String),
+}
+
+struct Session {
+    export: Arc<dyn Export>,
+    size: u64,
+    neg: Negotiated,
+    writer: Mutex<ConnWriter>,
+    broken: AtomicBool,
+    info: Arc<ConnInfo>,
+    inner: Arc<ServerInner>,
+    budget: Budget,
+}
+
+/// One validated request waiting for a worker.
+struct Job {
+    req: Request,
+    payload: Vec<u8>,
+    /// Set when validation already failed: reply with this error.
+    error: Option<ExportError>,
+    /// Budget units held until the reply is sent.
+    cost: u64,
+}
+
+/// Reads and validates requests until EOF, DISC or abuse.
+fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
+    let max_payload = s.neg.block_sizes.maximum;
+    loop {
+        let mut hdr = [0u8; proto::REQUEST_LEN];
+        if let Err(e) = r.read_exact(&mut hdr) {
+            return match e.kind() {
+                io::ErrorKind::UnexpectedEof => LoopEnd::Eof,
+                _ => LoopEnd::Abuse(format!("read failed: {e}")),
+            };
+        }
+        let Some(req) = Request::decode(&hdr) else {
+            return LoopEnd::Abuse("bad request magic".into());
+        };
+        if req.kind == proto::CMD_DISC {
+            return LoopEnd::Disc;
+        }
+        let mut payload = Vec::new();
+        let mut cost = 0u64;
+        if req.kind == proto::CMD_WRITE {
+            if req.length > max_payload {
+                // The payload follows and cannot be skipped cheaply: the
+                // spec allows a hard disconnect for oversized writes.
+                return LoopEnd::Abuse(format!(
+                    "write payload of {} bytes exceeds the maximum {max_payload}",
+                    req.length
+                ));
+            }
+            cost = u64::from(req.length);
+            s.budget.acquire(cost);
+            payload = vec![0u8; req.length as usize];
+            if let Err(e) = r.read_exact(&mut payload) {
+                s.budget.release(cost);
+                return match e.kind() {
+                    io::ErrorKind::UnexpectedEof => {
+                        LoopEnd::Abuse("client vanished mid-request".into())
+                    }
+                    _ => LoopEnd::Abuse(format!("read failed: {e}")),
+                };
+            }
+        } else if req.kind == proto::CMD_READ && req.length <= max_payload {
+            cost = u64::from(req.length);
+            s.budget.acquire(cost);
+        } else {
+            s.budget.acquire(0);
+        }
+        let error = validate(s, &req).err();
+        pool.push(Job {
+            req,
+            payload,
+            error,
+            cost,
+        });
+    }
+}
+
+fn inval(m: impl Into<String>) -> ExportError {
+    ExportError::Invalid(m.into())
+}
+
+/// Checks a request against the negotiated state; the error to reply with.
+fn validate(s: &Session, req: &Request) -> Result<(), ExportError> {
+    use proto::*;
+    let neg = &s.neg;
+    let allowed = match req.kind {
+        CMD_READ => CMD_FLAG_FUA | if neg.structured { CMD_FLAG_DF } else { 0 },
+        CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_CACHE => CMD_FLAG_FUA,
+        CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+        CMD_BLOCK_STATUS => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
+        other => return Err(inval(format!("unknown command {other}"))),
+    };
+    if req.flags & !allowed != 0 {
+        return Err(inval(format!(
+            "flags {:#x} not valid for this command",
+            req.flags
+        )));
+    }
+    if req.kind == CMD_FLUSH {
+        return Ok(());
+    }
+    let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+    if writes && s.export.read_only() {
+        return Err(ExportError::PermissionDenied("export is read-only".into()));
+    }
+    let len = u64::from(req.length);
+    let in_bounds = req.offset.checked_add(len).is_some_and(|end| end <= s.size);
+    if !in_bounds {
+        let msg = format!(
+            "request {}+{} beyond the end of the export ({} bytes)",
+            req.offset, req.length, s.size
+        );
+        return Err(match req.kind {
+            CMD_WRITE | CMD_WRITE_ZEROES => ExportError::NoSpace(msg),
+            _ => ExportError::Invalid(msg),
+        });
+    }
+    let bs = neg.block_sizes;
+    if matches!(req.kind, CMD_READ | CMD_CACHE) && req.length > bs.maximum {
+        return Err(inval(format!(
+            "length {} exceeds the maximum block size {}",
+            req.length, bs.maximum
+        )));
+    }
+    let min = u64::from(bs.minimum);
+    if min > 1
+        && (!req.offset.is_multiple_of(min)
+            || (!len.is_multiple_of(min) && req.offset + len != s.size))
+    {
+        return Err(inval(format!("request not aligned to {min} bytes")));
+    }
+    if req.kind == CMD_BLOCK_STATUS {
+        if neg.meta_id.is_none() {
+            return Err(inval("no metadata context negotiated"));
+        }
+        if req.length == 0 {
+            return Err(inval("empty block status request"));
+        }
+    }
+    Ok(())
+}
+
+/// Bounds what one connection holds in flight (requests and payload bytes).
+struct Budget {
+    state: Mutex<(u64, usize)>,
+    cv: Condvar,
+    max_bytes: u64,
+    max_requests: usize,
+}
+
+impl Budget {
+    fn new(max_bytes: u64, max_requests: usize) -> Budget {
+        Budget {
+            state: Mutex::new((0, 0)),
+            cv: Condvar::new(),
+            max_bytes,
+            max_requests,
+        }
+    }
+
+    /// Waits until the request fits; a lone request always fits.
+    fn acquire(&self, bytes: u64) {
+        let mut st = lock(&self.state);
+        while st.1 > 0 && (st.1 >= self.max_requests || st.0 + bytes > self.max_bytes) {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.0 += bytes;
+        st.1 += 1;
+    }
+
+    fn release(&self, bytes: u64) {
+        let mut st = lock(&self.state);
+        st.0 = st.0.saturating_sub(bytes);
+        st.1 = st.1.saturating_sub(1);
+        self.cv.notify_all();
+    }
+}
+
+/// Worker threads of one connection, started when all are busy.
+struct Pool {
+    session: Arc<Session>,
+    shared: Arc<PoolShared>,
+    max_workers: usize,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+struct PoolShared {
+    state: Mutex<PoolState>,
+    cv: Condvar,
+}
+
+struct PoolState {
+    jobs: VecDeque<Job>,
+    idle: usize,
+    closed: bool,
+}
+
+impl Pool {
+    fn new(session: Arc<Session>, max_workers: usize) -> Pool {
+        Pool {
+            session,
+            shared: Arc::new(PoolShared {
+                state: Mutex::new(PoolState {
+                    jobs: VecDeque::new(),
+                    idle: 0,
+                    closed: false,
+                }),
+                cv: Condvar::new(),
+            }),
+            max_workers,
+            threads: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn push(&self, job: Job) {
+        let need_worker = {
+            let mut st = lock(&self.shared.state);
+            st.jobs.push_back(job);
+            st.idle < st.jobs.len()
+        };
+        self.shared.cv.notify_one();
+        if need_worker {
+            let mut threads = lock(&self.threads);
+            if threads.len() < self.max_workers {
+                let shared = self.shared.clone();
+                let session = self.session.clone();
+                match std::thread::Builder::new()
+                    .name("nbd-worker".into())
+                    .spawn(move || worker(&shared, &session))
+                {
+                    Ok(t) => threads.push(t),
+                    Err(e) if threads.is_empty() => {
+                        // Without any worker the job would never run: do it here.
+                        warn!("nbd: cannot start a worker thread: {e}");
+                        let job = lock(&self.shared.state).jobs.pop_back();
+                        if let Some(job) = job {
+                            run_job(&self.session, job);
+                        }
+                    }
+                    Err(e) => debug!("nbd: cannot start another worker thread: {e}"),
+                }
+            }
+        }
+    }
+
+    /// Lets queued jobs finish, then stops and joins the workers.
+    fn finish(&self) {
+        lock(&self.shared.state).closed = true;
+        self.shared.cv.notify_all();
+        for t in lock(&self.threads).drain(..) {
+            let _ = t.join();
+        }
+        // Jobs left only if no worker could ever start.
+        let rest: Vec<Job> = lock(&self.shared.state).jobs.drain(..).collect();
+        for job in rest {
+            run_job(&self.session, job);
+        }
+    }
+}
+
+fn worker(shared: &PoolShared, session: &Session) {
+    loop {
+        let job = {
+            let mut st = lock(&shared.state);
+            loop {
+                if let Some(j) = st.jobs.pop_front() {
+                    break Some(j);
+                }
+                if st.closed {
+                    break None;
+                }
+                st.idle += 1;
+                st = shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                st.idle -= 1;
+            }
+        };
+        match job {
+            Some(j) => run_job(session, j),
+            None => return,
+        }
+    }
+}
+
+/// Runs an export call, turning a panic inside the export into EIO.
+fn guarded<T>(f: impl FnOnce() -> Result<T, ExportError>) -> Result<T, ExportError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(_) => Err(ExportError::Io("internal error in the export".into())),
+    }
+}
+
+fn run_job(s: &Session, job: Job) {
+    let req = job.req;
+    match job.error {
+        Some(e) => send_error(s, &req, &e),
+        None => execute(s, &req, &job.payload),
+    }
+    s.budget.release(job.cost);
+}
+
+fn record(s: &Session, read: u64, written: u64, error: bool) {
+    s.info.counters.record(read, written, error);
+    let entry: &ExportEntry = &s.inner.exports[s.neg.export];
+    entry.counters.record(read, written, error);
+}
+
+/// Executes a valid request and sends its reply.
+fn execute(s: &Session, req: &Request, payload: &[u8]) {
+    use proto::*;
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let len = u64::from(req.length);
+    let e = &s.export;
+    let res = match req.kind {
+        CMD_READ => return read(s, req),
+        CMD_BLOCK_STATUS => return block_status(s, req),
+        CMD_WRITE => guarded(|| e.write(req.offset, payload, fua)),
+        CMD_FLUSH => guarded(|| e.flush()),
+        CMD_TRIM if len == 0 => Ok(()),
+        CMD_TRIM => guarded(|| e.trim(req.offset, len, fua)),
+        CMD_WRITE_ZEROES if len == 0 => Ok(()),
+        CMD_WRITE_ZEROES => {
+            let flags = ZeroFlags {
+                no_hole: req.flags & CMD_FLAG_NO_HOLE != 0,
+                fast_zero: req.flags & CMD_FLAG_FAST_ZERO != 0,
+                fua,
+            };
+            match guarded(|| e.write_zeroes(req.offset, len, flags)) {
+                // Only a fast-zero request may fail for lack of support.
+                Err(ExportError::NotSupported(_)) if !flags.fast_zero => {
+                    write_zero_buffers(e.as_ref(), req.offset, len, fua)
+                }
+                r => r,
+            }
+        }
+        CMD_CACHE => guarded(|| e.cache(req.offset, len)),
+        _ => Err(inval("unknown command")),
+    };
+    // ENOTSUP is reserved for fast zeroing; trim and cache are only hints.
+    let res = match res {
+        Err(ExportError::NotSupported(_)) if matches!(req.kind, CMD_TRIM | CMD_CACHE) => Ok(()),
+        Err(ExportError::NotSupported(m)) if req.kind != CMD_WRITE_ZEROES => {
+            Err(ExportError::Invalid(m))
+        }
+        r => r,
+    };
+    match res {
+        Ok(()) => {
+            let hdr = proto::simple_reply(req.cookie, 0);
+            let written = if req.kind == CMD_WRITE { len } else { 0 };
+            send(s, Stat::ok(0, written), &mut [IoSlice::new(&hdr)]);
+        }
+        Err(err) => send_error(s, req, &err),
+    }
+}
+
+/// WRITE_ZEROES for an export that cannot zero: plain writes of zeroes.
+fn write_zero_buffers(e: &dyn Export, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
+    let zeroes = vec![0u8; len.min(1 << 20) as usize];
+    let mut pos = 0u64;
+    while pos < len {
+        let n = (len - pos).min(zeroes.len() as u64);
+        let last = pos + n == len;
+        guarded(|| e.write(offset + pos, &zeroes[..n as usize], fua && last))?;
+        pos += n;
+    }
+    if fua {
+        guarded(|| e.flush())?;
+    }
+    Ok(())
+}
+
+/// What a reply accounts for in the counters.
+struct Stat {
+    read: u64,
+    written: u64,
+    error: bool,
+}
+
+impl Stat {
+    fn err() -> Stat {
+        Stat {
+            read: 0,
+            written: 0,
+            error: true,
+        }
+    }
+
+    fn ok(read: u64, written: u64) -> Stat {
+        Stat {
+            read,
+            written,
+            error: false,
+        }
+    }
+}
+
+/// Counts the request, then writes its (one) reply under the writer lock
+/// (counting first, so a client that saw the reply sees the counters). A
+/// failed write ends the connection (the stream is unusable after a
+/// partial reply).
+fn send(s: &Session, stat: Stat, bufs: &mut [IoSlice<'_>]) {
+    record(s, stat.read, stat.written, stat.error);
+    if s.broken.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut w = lock(&s.writer);
+    if let Err(e) = w.write_all_vectored(bufs) {
+        debug!("nbd: reply write failed: {e}");
+        s.broken.store(true, Ordering::Relaxed);
+        w.abort();
+    }
+}
+
+fn send_error(s: &Session, req: &Request, err: &ExportError) {
+    debug!(
+        "nbd: request type {} at {}+{} failed: {err}",
+        req.kind, req.offset, req.length
+    );
+    let code = err.code();
+    if s.neg.structured {
+        let msg = err.to_string();
+        let msg = &msg.as_bytes()[..msg.len().min(proto::MAX_STRING)];
+        let hdr = proto::chunk_header(
+            req.cookie,
+            proto::REPLY_FLAG_DONE,
+            proto::REPLY_TYPE_ERROR,
+            (6 + msg.len()) as u32,
+        );
+        let mut body = [0u8; 6];
+        body[0..4].copy_from_slice(&code.to_be_bytes());
+        body[4..6].copy_from_slice(&(msg.len() as u16).to_be_bytes());
+        send(
+            s,
+            Stat::err(),
+            &mut [IoSlice::new(&hdr), IoSlice::new(&body), IoSlice::new(msg)],
+        );
+    } else {
+        let hdr = proto::simple_reply(req.cookie, code);
+        send(s, Stat::err(), &mut [IoSlice::new(&hdr)]);
+    }
+}
+
+/// One piece of a structured read reply, relative to the request offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    start: u64,
+    len: u64,
+    zero: bool,
+}
+
+/// Zero runs shorter than this are sent as data (a hole chunk costs more).
+const MIN_HOLE: u64 = 4096;
+/// More runs than this and the read is sent as one data chunk.
+const MAX_RUNS: usize = 64;
+
+/// Splits `[0, len)` into data and zero runs from block status extents.
+fn plan_runs(extents: &[Extent], len: u64) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    let mut pos = 0u64;
+    for ext in extents {
+        if pos >= len || ext.length == 0 {
+            break;
+        }
+        let n = ext.length.min(len - pos);
+        let zero = ext.zero && n >= MIN_HOLE;
+        push_run(
+            &mut runs,
+            Run {
+                start: pos,
+                len: n,
+                zero,
+            },
+        );
+        pos += n;
+    }
+    if pos < len {
+        push_run(
+            &mut runs,
+            Run {
+                start: pos,
+                len: len - pos,
+                zero: false,
+            },
+        );
+    }
+    if runs.len() > MAX_RUNS {
+        return vec![Run {
+            start: 0,
+            len,
+            zero: false,
+        }];
+    }
+    runs
+}
+
+fn push_run(runs: &mut Vec<Run>, r: Run) {
+    match runs.last_mut() {
+        Some(last) if last.zero == r.zero => last.len += r.len,
+        _ => runs.push(r),
+    }
+}
+
+fn read(s: &Session, req: &Request) {
+    let len = u64::from(req.length);
+    let e = &s.export;
+    if !s.neg.structured {
+        let mut buf = vec![0u8; req.length as usize];
+        match guarded(|| e.read(req.offset, &mut buf)) {
+            Ok(()) => {
+                let hdr = proto::simple_reply(req.cookie, 0);
+                send(
+                    s,
+                    Stat::ok(len, 0),
+                    &mut [IoSlice::new(&hdr), IoSlice::new(&buf)],
+                );
+            }
+            Err(err) => send_error(s, req, &err),
+        }
+        return;
+    }
+    if len == 0 {
+        let hdr = proto::chunk_header(
+            req.cookie,
+            proto::REPLY_FLAG_DONE,
+            proto::REPLY_TYPE_NONE,
+            0,
+        );
+        send(s, Stat::ok(0, 0), &mut [IoSlice::new(&hdr)]);
+        return;
+    }
+    let df = req.flags & proto::CMD_FLAG_DF != 0;
+    let runs = if df || len < 2 * MIN_HOLE {
+        vec![Run {
+            start: 0,
+            len,
+            zero: false,
+        }]
+    } else {
+        match guarded(|| e.block_status(req.offset, len)) {
+            Ok(ext) => plan_runs(&ext, len),
+            Err(_) => vec![Run {
+                start: 0,
+                len,
+                zero: false,
+            }],
+        }
+    };
+    // Read every data run into one buffer, packed back to back.
+    let data_len: u64 = runs.iter().filter(|r| !r.zero).map(|r| r.len).sum();
+    let mut buf = vec![0u8; data_len as usize];
+    let mut at = 0usize;
+    for r in runs.iter().filter(|r| !r.zero) {
+        let dst = &mut buf[at..at + r.len as usize];
+        if let Err(err) = guarded(|| e.read(req.offset + r.start, dst)) {
+            send_error(s, req, &err);
+            return;
+        }
+        at += r.len as usize;
+    }
+    // Encode: per run a header plus an 8-byte offset (and 4-byte hole size).
+    let mut meta: Vec<[u8; 32]> = Vec::with_capacity(runs.len());
+    for (i, r) in runs.iter().enumerate() {
+        let flags = if i + 1 == runs.len() {
+            proto::REPLY_FLAG_DONE
+        } else {
+            0
+        };
+        let mut m = [0u8; 32];
+        let off = req.offset + r.start;
+        if r.zero {
+            let h = proto::chunk_header(req.cookie, flags, proto::REPLY_TYPE_OFFSET_HOLE, 12);
+            m[..20].copy_from_slice(&h);
+            m[20..28].copy_from_slice(&off.to_be_bytes());
+            m[28..32].copy_from_slice(&(r.len as u32).to_be_bytes());
+        } else {
+            let h = proto::chunk_header(
+                req.cookie,
+                flags,
+                proto::REPLY_TYPE_OFFSET_DATA,
+                (8 + r.len) as u32,
+            );
+            m[..20].copy_from_slice(&h);
+            m[20..28].copy_from_slice(&off.to_be_bytes());
+        }
+        meta.push(m);
+    }
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(runs.len() * 2);
+    let mut at = 0usize;
+    for (r, m) in runs.iter().zip(meta.iter()) {
+        if r.zero {
+            slices.push(IoSlice::new(&m[..32]));
+        } else {
+            slices.push(IoSlice::new(&m[..28]));
+            slices.push(IoSlice::new(&buf[at..at + r.len as usize]));
+            at += r.len as usize;
+        }
+    }
+    send(s, Stat::ok(len, 0), &mut slices);
+}
+
+/// Largest extent length we put in one descriptor (u32, 4 KiB aligned).
+const MAX_DESCRIPTOR: u64 = 0xFFFF_F000;
+/// Descriptors per reply (8 bytes each).
+const MAX_DESCRIPTORS: usize = 1 << 16;
+
+fn block_status(s: &Session, req: &Request) {
+    let Some(meta_id) = s.neg.meta_id else {
+        send_error(s, req, &inval("no metadata context negotiated"));
+        return;
+    };
+    let len = u64::from(req.length);
+    let extents = match guarded(|| s.export.block_status(req.offset, len)) {
+        Ok(x) => x,
+        Err(err) => {
+            send_error(s, req, &err);
+            return;
+        }
+    };
+    let descs = descriptors(
+        &extents,
+        req.offset,
+        len,
+        s.size,
+        req.flags & proto::CMD_FLAG_REQ_ONE != 0,
+        u64::from(s.neg.block_sizes.minimum),
+    );
+    let mut body = Vec::with_capacity(4 + 8 * descs.len());
+    body.extend_from_slice(&meta_id.to_be_bytes());
+    for (l, f) in &descs {
+        body.extend_from_slice(&l.to_be_bytes());
+        body.extend_from_slice(&f.to_be_bytes());
+    }
+    let hdr = proto::chunk_header(
+        req.cookie,
+        proto::REPLY_FLAG_DONE,
+        proto::REPLY_TYPE_BLOCK_STATUS,
+        body.len() as u32,
+    );
+    send(
+        s,
+        Stat::ok(0, 0),
+        &mut [IoSlice::new(&hdr), IoSlice::new(&body)],
+    );
+}
+
+/// Turns export extents into valid wire descriptors: nonzero u32 lengths,
+/// inside the export, the first N-1 summing to less than `len`, exactly
+/// one no longer than `len` with `req_one`, at least one always.
+fn descriptors(
+    extents: &[Extent],
+    offset: u64,
+    len: u64,
+    size: u64,
+    req_one: bool,
+    min_block: u64,
+) -> Vec<(u32, u32)> {
+    let limit = size - offset;
+    let max_piece = MAX_DESCRIPTOR - MAX_DESCRIPTOR % min_block.max(1);
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    let mut covered = 0u64;
+    for ext in extents {
+        if covered >= len || covered >= limit || out.len() >= MAX_DESCRIPTORS {
+            break;
+        }
+        let mut n = ext.length.min(limit - covered);
+        if req_one {
+            n = n.min(len);
+        }
+        if n == 0 {
+            break;
+        }
+        let flags = ext.flags();
+        while n > 0 && out.len() < MAX_DESCRIPTORS {
+            let piece = n.min(max_piece);
+            match out.last_mut() {
+                Some((l, f)) if *f == flags && u64::from(*l) + piece <= max_piece => {
+                    *l += piece as u32;
+                }
+                _ => out.push((piece as u32, flags)),
+            }
+            covered += piece;
+            n -= piece;
+            if req_one || covered >= len {
+                break;
+            }
+        }
+        if req_one {
+            break;
+        }
+    }
+    if out.is_empty() {
+        // Nothing usable from the export: "unknown" (0) is always safe.
+        let n = len.min(limit).min(max_piece).max(1);
+        out.push((n as u32, 0));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ext(length: u64, zero: bool) -> Extent {
+        Extent {
+            length,
+            hole: zero,
+            zero,
+        }
+    }
+
+    #[test]
+    fn runs_merge_and_skip_small_holes() {
+        let r = plan_runs(
+            &[
+                ext(8192, true),
+                ext(100, false),
+                ext(100, true),
+                ext(8192, true),
+            ],
+            20000,
+        );
+        assert_eq!(
+            r,
+            vec![
+                Run {
+                    start: 0,
+                    len: 8192,
+                    zero: true
+                },
+                Run {
+                    start: 8192,
+                    len: 200,
+                    zero: false
+                },
+                Run {
+                    start: 8392,
+                    len: 8192,
+                    zero: true
+                },
+                Run {
+                    start: 16584,
+                    len: 3416,
+                    zero: false
+                },
+            ]
+        );
+        let r = plan_runs(&[ext(1 << 30, true)], 65536);
+        assert_eq!(
+            r,
+            vec![Run {
+                start: 0,
+                len: 65536,
+                zero: true
+            }]
+        );
+    }
+
+    #[test]
+    fn descriptors_respect_limits() {
+        // REQ_ONE: exactly one, no longer than the request.
+        let d = descriptors(
+            &[ext(1 << 20, true), ext(10, false)],
+            0,
+            4096,
+            1 << 30,
+            true,
+            1,
+        );
+        assert_eq!(d, vec![(4096, proto::STATE_HOLE | proto::STATE_ZERO)]);
+        // Clipped to the export size; huge extents split into u32 pieces.
+        let d = descriptors(
+            &[ext(u64::MAX, false)],
+            0,
+            u64::from(u32::MAX),
+            1 << 40,
+            false,
+            512,
+        );
+        assert_eq!(d.len(), 2);
+        assert!(d.iter().all(|(l, _)| *l > 0 && u64::from(*l) % 512 == 0));
+        let d = descriptors(&[ext(1 << 20, false)], 100, 50, 120, false, 1);
+        assert_eq!(d, vec![(20, 0)]);
+        // Empty answer from the export still yields one descriptor.
+        let d = descriptors(&[], 0, 10, 100, false, 1);
+        assert_eq!(d, vec![(10, 0)]);
+    }
+}

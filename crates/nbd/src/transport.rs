@@ -1,0 +1,405 @@
+//! Byte transport under the NBD protocol: Unix or TCP sockets, optionally
+//! upgraded to TLS (rustls) in place after `NBD_OPT_STARTTLS`.
+//!
+//! Owns: splitting one connection into a reading half (used by one thread)
+//! and a writing half (used under the caller's lock), TLS record handling
+//! for both halves, vectored writes, clean close (TLS close_notify).
+//! Must not: interpret NBD messages, or block the reading half on a lock
+//! that a blocked writer holds (the reader never waits for the socket
+//! writer; see [`TlsShared`]).
+
+use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// A connected stream socket.
+#[derive(Debug)]
+pub(crate) enum Socket {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Socket {
+    pub(crate) fn try_clone(&self) -> io::Result<Socket> {
+        Ok(match self {
+            Socket::Unix(s) => Socket::Unix(s.try_clone()?),
+            Socket::Tcp(s) => Socket::Tcp(s.try_clone()?),
+        })
+    }
+
+    pub(crate) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match self {
+            Socket::Unix(s) => s.shutdown(how),
+            Socket::Tcp(s) => s.shutdown(how),
+        }
+    }
+
+    pub(crate) fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Socket::Unix(s) => s.set_read_timeout(t),
+            Socket::Tcp(s) => s.set_read_timeout(t),
+        }
+    }
+
+    /// A printable peer address for logs and statistics.
+    pub(crate) fn peer(&self) -> String {
+        match self {
+            Socket::Unix(_) => "unix".to_string(),
+            Socket::Tcp(s) => s
+                .peer_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_else(|_| "tcp".to_string()),
+        }
+    }
+}
+
+impl Read for Socket {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Socket::Unix(s) => s.read(buf),
+            Socket::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Socket {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Socket::Unix(s) => s.write(buf),
+            Socket::Tcp(s) => s.write(buf),
+        }
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Socket::Unix(s) => s.write_vectored(bufs),
+            Socket::Tcp(s) => s.write_vectored(bufs),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Writes every byte of `bufs` with as few syscalls as the kernel allows.
+pub(crate) fn write_all_vectored(w: &mut impl Write, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    let mut bufs = bufs;
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// TLS state shared by the two halves of a connection.
+///
+/// Locking: `state` (the rustls state machine plus encrypted bytes waiting to
+/// be sent) is only held for in-memory work, never across a socket call.
+/// `send` (the socket's writing clone) is held while sending; only whoever
+/// holds it takes bytes out of `pending`, so bytes reach the socket in the
+/// order rustls produced them. The reading half only ever `try_lock`s `send`:
+/// if a writer holds it, the writer sends the reader's bytes too before
+/// releasing (or, in a narrow race, with its next write).
+pub(crate) struct TlsShared {
+    state: Mutex<TlsState>,
+    send: Mutex<Socket>,
+    /// Another clone of the socket, only for `shutdown` (never blocks).
+    ctl: Socket,
+}
+
+struct TlsState {
+    conn: rustls::Connection,
+    pending: Vec<u8>,
+}
+
+impl TlsShared {
+    /// Drains encrypted output into `pending` (in memory, cannot block).
+    fn collect(st: &mut TlsState) -> io::Result<()> {
+        while st.conn.wants_write() {
+            let TlsState { conn, pending } = st;
+            conn.write_tls(pending)?;
+        }
+        Ok(())
+    }
+
+    /// With `send` held: sends everything pending until nothing is left.
+    fn drain(&self, sock: &mut Socket) -> io::Result<()> {
+        let mut buf = Vec::new();
+        loop {
+            {
+                let mut st = lock(&self.state);
+                std::mem::swap(&mut buf, &mut st.pending);
+            }
+            if buf.is_empty() {
+                return Ok(());
+            }
+            sock.write_all(&buf)?;
+            buf.clear();
+        }
+    }
+}
+
+/// Runs a TLS handshake to completion on a blocking socket.
+pub(crate) fn tls_handshake(
+    mut conn: rustls::Connection,
+    sock: &mut Socket,
+) -> io::Result<rustls::Connection> {
+    while conn.is_handshaking() {
+        match conn.complete_io(sock) {
+            Ok((0, 0)) if conn.is_handshaking() => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed during TLS handshake",
+                ));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                // Let the peer see our alert, if any.
+                while conn.wants_write() {
+                    if conn.write_tls(sock).is_err() {
+                        break;
+                    }
+                }
+                return Err(e);
+            }
+        }
+    }
+    while conn.wants_write() {
+        conn.write_tls(sock)?;
+    }
+    Ok(conn)
+}
+
+/// The reading half of a connection.
+pub(crate) enum ConnReader {
+    Plain(BufReader<Socket>),
+    Tls(TlsReader),
+    /// Placeholder while a socket is being upgraded; reads see EOF.
+    Closed,
+}
+
+/// The writing half of a connection.
+pub(crate) enum ConnWriter {
+    Plain(Socket),
+    Tls(Arc<TlsShared>),
+}
+
+/// Splits a plain socket into halves.
+pub(crate) fn split_plain(sock: Socket) -> io::Result<(ConnReader, ConnWriter)> {
+    let w = sock.try_clone()?;
+    Ok((
+        ConnReader::Plain(BufReader::with_capacity(64 * 1024, sock)),
+        ConnWriter::Plain(w),
+    ))
+}
+
+/// Splits a socket whose TLS handshake is complete into halves.
+pub(crate) fn split_tls(
+    sock: Socket,
+    conn: rustls::Connection,
+) -> io::Result<(ConnReader, ConnWriter)> {
+    let w = sock.try_clone()?;
+    let ctl = sock.try_clone()?;
+    let shared = Arc::new(TlsShared {
+        state: Mutex::new(TlsState {
+            conn,
+            pending: Vec::new(),
+        }),
+        send: Mutex::new(w),
+        ctl,
+    });
+    Ok((
+        ConnReader::Tls(TlsReader {
+            shared: shared.clone(),
+            sock,
+            raw: vec![0u8; 64 * 1024].into_boxed_slice(),
+            pos: 0,
+            end: 0,
+        }),
+        ConnWriter::Tls(shared),
+    ))
+}
+
+impl ConnReader {
+    /// True when bytes the peer sent are buffered but not yet consumed
+    /// (used to refuse data pipelined behind `NBD_OPT_STARTTLS`).
+    pub(crate) fn has_buffered(&self) -> bool {
+        match self {
+            ConnReader::Plain(b) => !b.buffer().is_empty(),
+            ConnReader::Tls(t) => t.pos < t.end,
+            ConnReader::Closed => false,
+        }
+    }
+
+    /// The underlying socket (for timeouts and TLS upgrade).
+    pub(crate) fn socket(&self) -> Option<&Socket> {
+        match self {
+            ConnReader::Plain(b) => Some(b.get_ref()),
+            ConnReader::Tls(t) => Some(&t.sock),
+            ConnReader::Closed => None,
+        }
+    }
+
+    /// Gives back the plain socket (before a TLS upgrade).
+    pub(crate) fn into_plain_socket(self) -> Option<Socket> {
+        match self {
+            ConnReader::Plain(b) => Some(b.into_inner()),
+            ConnReader::Tls(_) | ConnReader::Closed => None,
+        }
+    }
+}
+
+impl Read for ConnReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            ConnReader::Plain(b) => b.read(buf),
+            ConnReader::Tls(t) => t.read(buf),
+            ConnReader::Closed => Ok(0),
+        }
+    }
+}
+
+impl ConnWriter {
+    /// Sends all of `bufs`, in order, as one contiguous stream segment.
+    pub(crate) fn write_all_vectored(&mut self, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+        match self {
+            ConnWriter::Plain(s) => write_all_vectored(s, bufs),
+            ConnWriter::Tls(shared) => {
+                let mut sock = lock(&shared.send);
+                for b in bufs.iter() {
+                    let mut rest: &[u8] = b;
+                    while !rest.is_empty() {
+                        {
+                            let mut st = lock(&shared.state);
+                            let n = st.conn.writer().write(rest)?;
+                            TlsShared::collect(&mut st)?;
+                            if n == 0 && !st.conn.wants_write() && st.pending.is_empty() {
+                                return Err(io::ErrorKind::WriteZero.into());
+                            }
+                            rest = &rest[n..];
+                        }
+                        shared.drain(&mut sock)?;
+                    }
+                }
+                shared.drain(&mut sock)
+            }
+        }
+    }
+
+    pub(crate) fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        self.write_all_vectored(&mut [IoSlice::new(buf)])
+    }
+
+    /// Ends the connection: TLS close_notify if TLS, then shuts the socket down.
+    pub(crate) fn close(&mut self) {
+        match self {
+            ConnWriter::Plain(s) => {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            ConnWriter::Tls(shared) => {
+                let mut sock = lock(&shared.send);
+                {
+                    let mut st = lock(&shared.state);
+                    st.conn.send_close_notify();
+                    let _ = TlsShared::collect(&mut st);
+                }
+                let _ = shared.drain(&mut sock);
+                let _ = sock.shutdown(Shutdown::Both);
+            }
+        }
+    }
+
+    /// Shuts the socket down without any TLS goodbye (to unblock a reader).
+    pub(crate) fn abort(&self) {
+        match self {
+            ConnWriter::Plain(s) => {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            ConnWriter::Tls(shared) => {
+                let _ = shared.ctl.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// The reading half of a TLS connection: raw bytes are read from the socket
+/// without any lock, then decrypted under the state lock.
+pub(crate) struct TlsReader {
+    shared: Arc<TlsShared>,
+    sock: Socket,
+    raw: Box<[u8]>,
+    pos: usize,
+    end: usize,
+}
+
+impl TlsReader {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            let mut have_output = false;
+            // Some(..): done; None: fed raw bytes, look again; or need more raw bytes.
+            let (result, need_raw) = {
+                let mut st = lock(&self.shared.state);
+                match st.conn.reader().read(out) {
+                    Ok(n) => (Some(Ok(n)), false),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        if self.pos < self.end {
+                            let mut slice = &self.raw[self.pos..self.end];
+                            let n = st.conn.read_tls(&mut slice)?;
+                            self.pos += n;
+                            let processed = st.conn.process_new_packets();
+                            TlsShared::collect(&mut st)?;
+                            have_output = !st.pending.is_empty();
+                            match processed {
+                                Ok(_) => (None, false),
+                                Err(e) => (
+                                    Some(Err(io::Error::new(io::ErrorKind::InvalidData, e))),
+                                    false,
+                                ),
+                            }
+                        } else {
+                            (None, true)
+                        }
+                    }
+                    Err(e) => (Some(Err(e)), false),
+                }
+            };
+            if have_output {
+                // Never wait for the sender: if it is busy it will send these too.
+                if let Ok(mut sock) = self.shared.send.try_lock() {
+                    let _ = self.shared.drain(&mut sock);
+                }
+            }
+            if let Some(r) = result {
+                return r;
+            }
+            if need_raw {
+                let n = loop {
+                    match self.sock.read(&mut self.raw) {
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        r => break r?,
+                    }
+                };
+                if n == 0 {
+                    return Ok(0);
+                }
+                self.pos = 0;
+                self.end = n;
+            }
+        }
+    }
+}

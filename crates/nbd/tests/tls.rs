@@ -1,0 +1,151 @@
+//! TLS (X.509): certificates made by the test; qemu-io, nbdinfo and this
+//! crate's client against the server in FORCEDTLS mode with client
+//! certificate checking; this crate's client against `nbdkit --tls=require`.
+// Helpers outside #[test] functions unwrap freely too.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use common::*;
+use vdcache_nbd::client::ClientOptions;
+use vdcache_nbd::{
+    ClientError, MemExport, NbdClient, NbdUri, Server, TlsClientConfig, TlsServerConfig,
+};
+
+fn tls_server(pki: &std::path::Path) -> (TestServer, Arc<MemExport>) {
+    let disk = Arc::new(MemExport::new(16 << 20));
+    let tls = TlsServerConfig::from_x509_dir(pki, true).unwrap();
+    let b = Server::builder().export("secure", disk.clone()).tls(tls);
+    (TestServer::start_with(b), disk)
+}
+
+#[test]
+fn tls_with_qemu_io_nbdinfo_and_own_client() {
+    require_tool("qemu-io");
+    require_tool("nbdinfo");
+    let pki = tempfile::tempdir().unwrap();
+    make_pki(pki.path());
+    let (s, disk) = tls_server(pki.path());
+
+    // qemu-io over TLS, presenting client-cert.pem from the directory.
+    let image = format!(
+        "driver=nbd,server.type=unix,server.path={},export=secure,tls-creds=tls0,tls-hostname=localhost",
+        s.socket.display()
+    );
+    let out = run(Command::new("qemu-io")
+        .arg("--object")
+        .arg(format!(
+            "tls-creds-x509,id=tls0,endpoint=client,dir={}",
+            pki.path().display()
+        ))
+        .arg("--image-opts")
+        .args([
+            "-c",
+            "write -P 0x42 1M 256k",
+            "-c",
+            "read -P 0x42 1M 256k",
+            "-c",
+            "flush",
+        ])
+        .arg(&image));
+    assert!(!out.contains("failed"), "{out}");
+    assert!(
+        disk.contents()[1 << 20..(1 << 20) + (256 << 10)]
+            .iter()
+            .all(|&b| b == 0x42)
+    );
+
+    // nbdinfo over TLS.
+    let uri = format!(
+        "nbds+unix:///secure?socket={}&tls-certificates={}",
+        s.socket.display(),
+        pki.path().display()
+    );
+    let info = run(Command::new("nbdinfo").arg(&uri));
+    assert!(info.contains("with TLS"), "{info}");
+    assert!(info.contains("export-size: 16777216"), "{info}");
+
+    // Without TLS nothing but STARTTLS is answered.
+    let plain = output(Command::new("nbdinfo").arg(s.uri("secure")));
+    assert!(!plain.status.success());
+    assert!(matches!(
+        NbdClient::connect(&s.uri("secure")),
+        Err(ClientError::TlsRequired)
+    ));
+
+    // Own client over TLS, several threads.
+    let c = NbdClient::connect(&uri).unwrap();
+    std::thread::scope(|sc| {
+        for t in 0..4u64 {
+            let c = &c;
+            sc.spawn(move || {
+                for i in 0..16u64 {
+                    let off = (t * 16 + i) * 65536;
+                    let d = pattern(65536, off);
+                    c.write_at(off, &d, false).unwrap();
+                    let mut b = vec![0u8; 65536];
+                    c.read_at(off, &mut b).unwrap();
+                    assert!(b == d);
+                }
+            });
+        }
+    });
+    let big = pattern(3 << 20, 11);
+    c.write_at(8 << 20, &big, true).unwrap();
+    let mut back = vec![0u8; 3 << 20];
+    c.read_at(8 << 20, &mut back).unwrap();
+    assert!(back == big);
+    assert!(s.server.stats().connections.iter().any(|x| x.tls));
+    drop(c);
+
+    // A client without a certificate is refused (the server verifies peers).
+    let ca_only = TlsClientConfig::from_pem_files(&pki.path().join("ca-cert.pem"), None).unwrap();
+    let opts = ClientOptions {
+        tls: Some(ca_only),
+        ..Default::default()
+    };
+    let r = NbdClient::connect_with(&NbdUri::parse(&uri).unwrap(), &opts);
+    assert!(r.is_err(), "client without certificate accepted");
+
+    // A client trusting another CA refuses the server.
+    let other = tempfile::tempdir().unwrap();
+    make_pki(other.path());
+    let wrong_ca = TlsClientConfig::from_x509_dir(other.path()).unwrap();
+    let opts = ClientOptions {
+        tls: Some(wrong_ca),
+        ..Default::default()
+    };
+    assert!(matches!(
+        NbdClient::connect_with(&NbdUri::parse(&uri).unwrap(), &opts),
+        Err(ClientError::Tls(_))
+    ));
+}
+
+#[test]
+fn own_client_tls_against_nbdkit() {
+    let pki = tempfile::tempdir().unwrap();
+    make_pki(pki.path());
+    let certs = format!("--tls-certificates={}", pki.path().display());
+    let k = Nbdkit::start(&["--tls=require", &certs, "--tls-verify-peer", "memory", "8M"]);
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        k.socket.display(),
+        pki.path().display()
+    );
+    let c = NbdClient::connect(&uri).unwrap();
+    let d = pattern(5 << 20, 2);
+    c.write_at(1 << 20, &d, false).unwrap();
+    c.flush().unwrap();
+    let mut b = vec![0u8; 5 << 20];
+    c.read_at(1 << 20, &mut b).unwrap();
+    assert!(b == d);
+    drop(c);
+    // Plain connection to a TLS-only nbdkit fails with a clear error.
+    assert!(matches!(
+        NbdClient::connect(&k.uri()),
+        Err(ClientError::TlsRequired)
+    ));
+}

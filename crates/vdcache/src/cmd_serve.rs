@@ -1,0 +1,248 @@
+//! `vdcache serve`, `stats`, `flush` and `recover`: the daemon and the
+//! commands that talk to it (or, for recover, to its cache device).
+
+use crate::serve::config::{CacheSection, ExportConfig, Listen, ServerConfig, TlsConfig};
+use crate::serve::control::{Request, request};
+use crate::serve::run::run;
+use anyhow::{Context, Result, bail};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Serve the exports of a TOML configuration file instead of IMAGE.
+    #[arg(long, conflicts_with = "image")]
+    config: Option<PathBuf>,
+    /// Unix socket to listen on (mode 0600).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Also listen on TCP (e.g. 127.0.0.1:10809); only when asked.
+    #[arg(long)]
+    tcp: Option<String>,
+    /// Control socket for stats and flush (default: SOCKET.control).
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// Require TLS with this certificate (PEM) ...
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// ... and this private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Worker threads per connection (requests served in parallel).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Export name of IMAGE (default: the default export "").
+    #[arg(long, default_value = "")]
+    export_name: String,
+    /// Serve IMAGE read-only.
+    #[arg(short = 'r', long)]
+    read_only: bool,
+    /// Format of IMAGE (probed when absent).
+    #[arg(short = 'f', long)]
+    format: Option<String>,
+    /// Flash cache device or file (created with --cache-size if missing).
+    #[arg(long)]
+    cache: Option<PathBuf>,
+    /// Size of a cache file to create.
+    #[arg(long)]
+    cache_size: Option<String>,
+    /// writeback (default), writethrough or writearound.
+    #[arg(long)]
+    cache_mode: Option<String>,
+    /// all (default), hot or sequential-bypass.
+    #[arg(long)]
+    admission: Option<String>,
+    /// lru (default), clock or arc.
+    #[arg(long)]
+    replacement: Option<String>,
+    /// Region (erase block) size when formatting the cache (default 2M).
+    #[arg(long)]
+    region_size: Option<String>,
+    /// On a clean stop, leave dirty data in flash for a fast restart on
+    /// this host instead of writing it back.
+    #[arg(long)]
+    keep_dirty: bool,
+    #[command(flatten)]
+    meta: crate::meta_args::MetaCacheArgs,
+    image: Option<String>,
+}
+
+impl ServeArgs {
+    fn config(self) -> Result<ServerConfig> {
+        if let Some(path) = &self.config {
+            return ServerConfig::load(path);
+        }
+        let Some(image) = self.image else {
+            bail!("give an IMAGE to serve, or --config FILE");
+        };
+        if self.socket.is_none() && self.tcp.is_none() {
+            bail!("give --socket PATH (or --tcp ADDR) to listen on");
+        }
+        let cache = self.cache.map(|path| CacheSection {
+            path,
+            size: self.cache_size,
+            mode: self.cache_mode,
+            admission: self.admission,
+            replacement: self.replacement,
+            region_size: self.region_size,
+            keep_dirty: Some(self.keep_dirty),
+            ..CacheSection::default()
+        });
+        let meta = self.meta;
+        let cfg = ServerConfig {
+            server: Listen {
+                socket: self.socket,
+                tcp: self.tcp,
+                control: self.control,
+                tls: self.tls_cert.map(|cert| TlsConfig {
+                    cert: Some(cert),
+                    key: self.tls_key,
+                    psk: None,
+                }),
+                workers: self.workers,
+            },
+            cache,
+            exports: vec![ExportConfig {
+                name: self.export_name,
+                image,
+                format: self.format,
+                read_only: self.read_only,
+                l2_cache_size: meta.l2_cache_size.clone(),
+                refcount_cache_size: meta.refcount_cache_size.clone(),
+                meta_slice_size: meta.slice_size.clone(),
+                ..ExportConfig::default()
+            }],
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+pub fn serve(a: ServeArgs) -> Result<u8> {
+    run(a.config()?)?;
+    Ok(0)
+}
+
+#[derive(clap::Args)]
+pub struct ControlArgs {
+    /// Control socket of the server (SOCKET.control by default).
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// The server's NBD socket (its control socket is next to it).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+impl ControlArgs {
+    fn path(&self) -> Result<PathBuf> {
+        if let Some(c) = &self.control {
+            return Ok(c.clone());
+        }
+        let s = self.socket.as_ref().context("give --control PATH or --socket PATH")?;
+        let mut p = s.clone().into_os_string();
+        p.push(".control");
+        Ok(PathBuf::from(p))
+    }
+}
+
+pub fn stats(a: ControlArgs) -> Result<u8> {
+    let data = request(&a.path()?, &Request::Stats)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&data)?);
+        return Ok(0);
+    }
+    print_stats(&data);
+    Ok(0)
+}
+
+fn print_stats(d: &serde_json::Value) {
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    if let Some(c) = d.get("cache").filter(|c| !c.is_null()) {
+        let t = &c["total"];
+        println!(
+            "cache: {} of {} bytes cached, {} dirty; regions free {} open {} full {}; index memory {} bytes ({:.3}% of cached)",
+            n(&c["cached_bytes"]),
+            n(&c["data_bytes"]),
+            n(&c["dirty_bytes"]),
+            n(&c["regions_free"]),
+            n(&c["regions_open"]),
+            n(&c["regions_full"]),
+            n(&c["index_memory_bytes"]),
+            c["index_memory_ratio"].as_f64().unwrap_or(0.0) * 100.0
+        );
+        println!(
+            "total: reads {} writes {} read hits {}/{} blocks; flash written {} read {}; backend read {} written {} syncs {}",
+            n(&t["guest_reads"]),
+            n(&t["guest_writes"]),
+            n(&t["read_hit_blocks"]),
+            n(&t["read_hit_blocks"]) + n(&t["read_miss_blocks"]),
+            n(&t["flash_bytes_written"]),
+            n(&t["flash_bytes_read"]),
+            n(&t["backend_bytes_read"]),
+            n(&t["backend_bytes_written"]),
+            n(&t["backend_syncs"])
+        );
+        if let Some(disks) = c["disks"].as_array() {
+            for pair in disks {
+                let (id, s) = (&pair[0], &pair[1]);
+                println!(
+                    "  disk {}: reads {} writes {} hits {}/{} flash w {} backend r {} w {} syncs {} dirty {}",
+                    n(id),
+                    n(&s["guest_reads"]),
+                    n(&s["guest_writes"]),
+                    n(&s["read_hit_blocks"]),
+                    n(&s["read_hit_blocks"]) + n(&s["read_miss_blocks"]),
+                    n(&s["flash_bytes_written"]),
+                    n(&s["backend_bytes_read"]),
+                    n(&s["backend_bytes_written"]),
+                    n(&s["backend_syncs"]),
+                    n(&s["dirty_bytes"])
+                );
+            }
+        }
+    } else {
+        println!("no flash cache");
+    }
+    if let Some(disks) = d["disks"].as_array() {
+        for disk in disks {
+            println!(
+                "export '{}' ({}): L2 memory cache hit ratio {:.3}",
+                disk["export"].as_str().unwrap_or(""),
+                disk["image"].as_str().unwrap_or(""),
+                disk["l2_hit_ratio"].as_f64().unwrap_or(0.0)
+            );
+        }
+    }
+}
+
+pub fn flush(a: ControlArgs) -> Result<u8> {
+    request(&a.path()?, &Request::Flush)?;
+    println!("all dirty data written back");
+    Ok(0)
+}
+
+#[derive(clap::Args)]
+pub struct RecoverArgs {
+    /// Write every dirty block back and leave the images standalone.
+    #[arg(long)]
+    full: bool,
+    /// The cache device or file.
+    #[arg(long)]
+    cache: PathBuf,
+}
+
+pub fn recover(a: RecoverArgs) -> Result<u8> {
+    if !a.full {
+        bail!("only full recovery runs offline (fast recovery happens when serve opens the cache); pass --full");
+    }
+    let written = crate::serve::daemon::recover_full(&a.cache)?;
+    if written.is_empty() {
+        println!("no dirty data in {}; the images are already complete", a.cache.display());
+    }
+    for w in written {
+        println!("written back: {w}");
+    }
+    Ok(0)
+}

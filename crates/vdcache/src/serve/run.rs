@@ -1,0 +1,160 @@
+//! Running a server: listeners, the control socket, and the signal-driven
+//! stop (stop accepting, finish in-flight requests, flush, close the
+//! images clean, write the cache back unless told to keep it dirty).
+
+use super::config::ServerConfig;
+use super::control::{ControlServer, Handler, Request};
+use super::daemon::Daemon;
+use super::export::DiskExport;
+use anyhow::{Context, Result};
+use signal_hook::consts::{SIGINT, SIGTERM};
+use std::path::PathBuf;
+use std::sync::Arc;
+use vdcache_nbd::{Limits, Server, TlsServerConfig};
+
+/// Default worker threads per connection: enough for a queue depth of 16.
+pub const DEFAULT_WORKERS: usize = 16;
+
+struct Control {
+    daemon: Arc<Daemon>,
+    server: Arc<Server>,
+}
+
+impl Handler for Control {
+    fn handle(&self, req: &Request) -> Result<serde_json::Value> {
+        match req {
+            Request::Stats => Ok(stats_json(&self.daemon, &self.server)),
+            Request::Flush => {
+                for d in &self.daemon.disks {
+                    d.disk.flush()?;
+                }
+                if let Some(c) = &self.daemon.cache {
+                    c.drain()?;
+                }
+                Ok(serde_json::json!({"flushed": true}))
+            }
+        }
+    }
+}
+
+fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
+    let nbd = server.stats();
+    let disks: Vec<serde_json::Value> = daemon
+        .disks
+        .iter()
+        .map(|d| {
+            let meta = d.disk.meta_stats();
+            serde_json::json!({
+                "export": d.config.name,
+                "image": d.config.image,
+                "disk": d.id.0,
+                "l2_hit_ratio": meta.map(|m| m.l2.hit_ratio()),
+                "l2_hits": meta.map(|m| m.l2.hits),
+                "l2_misses": meta.map(|m| m.l2.misses),
+            })
+        })
+        .collect();
+    let exports: Vec<serde_json::Value> = nbd
+        .exports
+        .iter()
+        .map(|e| {
+            serde_json::json!({
+                "name": e.name,
+                "active_connections": e.active_connections,
+                "total_connections": e.total_connections,
+                "requests": e.io.requests,
+                "bytes_read": e.io.bytes_read,
+                "bytes_written": e.io.bytes_written,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "cache": daemon.cache.as_ref().map(|c| serde_json::to_value(c.report()).unwrap_or_default()),
+        "disks": disks,
+        "exports": exports,
+        "connections_accepted": nbd.accepted,
+        "connections_refused": nbd.refused,
+    })
+}
+
+fn tls(cfg: &ServerConfig) -> Result<Option<TlsServerConfig>> {
+    let Some(t) = &cfg.server.tls else { return Ok(None) };
+    if t.psk.is_some() {
+        anyhow::bail!("TLS with a pre-shared key is not supported (rustls has no external PSK); use cert and key");
+    }
+    let (Some(cert), Some(key)) = (&t.cert, &t.key) else {
+        anyhow::bail!("TLS needs a certificate and a key");
+    };
+    Ok(Some(TlsServerConfig::from_pem_files(cert, key, None).context("loading TLS credentials")?))
+}
+
+/// Serves until SIGINT or SIGTERM, then stops cleanly.
+pub fn run(cfg: ServerConfig) -> Result<()> {
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).context("installing signal handlers")?;
+    let daemon = Arc::new(Daemon::build(&cfg)?);
+    let limits = Limits {
+        workers_per_connection: cfg.server.workers.unwrap_or(DEFAULT_WORKERS),
+        ..Limits::default()
+    };
+    let mut builder = Server::builder().limits(limits);
+    for d in &daemon.disks {
+        let export = Arc::new(DiskExport { disk: d.disk.clone() });
+        builder = builder.export_with_description(
+            d.config.name.clone(),
+            d.config.description.clone().unwrap_or_else(|| d.config.image.clone()),
+            export,
+        );
+    }
+    if let Some(t) = tls(&cfg)? {
+        builder = builder.tls(t);
+    }
+    let server = Arc::new(builder.build()?);
+    if let Some(path) = &cfg.server.socket {
+        server.listen_unix(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    }
+    if let Some(addr) = &cfg.server.tcp {
+        let bound = server.listen_tcp(addr.as_str()).with_context(|| format!("cannot listen on {addr}"))?;
+        eprintln!("vdcache: listening on tcp {bound}");
+    }
+    let control_path = control_path(&cfg);
+    let _control = match &control_path {
+        Some(p) => Some(ControlServer::start(
+            p,
+            Arc::new(Control {
+                daemon: daemon.clone(),
+                server: server.clone(),
+            }),
+        )?),
+        None => None,
+    };
+    eprintln!(
+        "vdcache: serving {} export(s){}{}",
+        daemon.disks.len(),
+        cfg.server
+            .socket
+            .as_ref()
+            .map(|p| format!(" on {}", p.display()))
+            .unwrap_or_default(),
+        control_path.map(|p| format!(", control {}", p.display())).unwrap_or_default()
+    );
+    let signal = signals.forever().next();
+    eprintln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
+    server.shutdown();
+    daemon.stop()?;
+    if let Some(p) = &cfg.server.socket {
+        let _ = std::fs::remove_file(p);
+    }
+    eprintln!("vdcache: stopped cleanly");
+    Ok(())
+}
+
+/// The control socket: configured, or next to the NBD socket.
+pub fn control_path(cfg: &ServerConfig) -> Option<PathBuf> {
+    cfg.server.control.clone().or_else(|| {
+        cfg.server.socket.as_ref().map(|s| {
+            let mut p = s.clone().into_os_string();
+            p.push(".control");
+            PathBuf::from(p)
+        })
+    })
+}
