@@ -111,6 +111,10 @@ pub struct CacheConfig {
     pub reserve_regions: usize,
     /// Re-insert hot live blocks of an evicted region.
     pub relocate_hot: bool,
+    /// Write back in the writing thread (after the write that crossed the
+    /// high watermark) instead of a background thread: deterministic, for
+    /// trace replay and crash sweeps.
+    pub inline_writeback: bool,
     /// Open a cache device recorded for another host (its dirty data is
     /// only ever written back, never served).
     pub force_foreign: bool,
@@ -131,6 +135,7 @@ impl Default for CacheConfig {
             low_watermark: 0.25,
             reserve_regions: 2,
             relocate_hot: true,
+            inline_writeback: false,
             force_foreign: false,
             host: None,
             test_index_before_data: false,

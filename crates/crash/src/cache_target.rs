@@ -70,6 +70,14 @@ impl CrashTarget for CacheTarget {
     }
 
     fn create(&self, files: &Arc<RecordingFiles>) -> Result<(), BoxError> {
+        // A new run: the cache of an earlier run (other devices) is done.
+        let old = std::mem::replace(
+            &mut *self.live.lock().unwrap_or_else(|p| p.into_inner()),
+            (None, 0),
+        );
+        if let Some(c) = old.0 {
+            c.shutdown(true)?;
+        }
         self.images.create(files)?;
         let dev: BackendRef = files.insert_fixed(CACHE_DEVICE, self.device_bytes);
         let cache = FlashCache::format(dev, self.config.clone())?;

@@ -25,11 +25,13 @@ fn cache_config(mode: WriteMode, admission: Admission, replacement: Replacement)
             admission,
             sequential_threshold: 1 << 20,
         },
-        // Write-back only when a region is reclaimed or on a drain, so the
-        // recorded log is deterministic; the mixed test turns it on.
+        // Write-back only when a region is reclaimed or on a drain; the
+        // mixed test lowers the watermarks. Write-back runs in the writing
+        // thread, so each recorded log is reproducible.
         high_watermark: 1.0,
         low_watermark: 1.0,
         host: Some("crash-host".into()),
+        inline_writeback: true,
         ..CacheConfig::default()
     }
 }

@@ -224,7 +224,12 @@ impl FlashCache {
         st.note_write(id, off, off + len);
         let dirty = st.index.dirty_blocks() as f64 / self.layout.data_blocks() as f64;
         if dirty > self.config.high_watermark {
-            self.wake.notify_all();
+            if self.config.inline_writeback {
+                drop(st);
+                self.writeback_inline()?;
+            } else {
+                self.wake.notify_all();
+            }
         }
         Ok(true)
     }

@@ -16,6 +16,9 @@ use std::time::Duration;
 const BATCH_BLOCKS: usize = 1024;
 
 pub(super) fn start(cache: &Arc<FlashCache>) {
+    if cache.config.inline_writeback {
+        return;
+    }
     let weak: Weak<FlashCache> = Arc::downgrade(cache);
     let handle = std::thread::Builder::new()
         .name("vdcache-writeback".into())
@@ -55,6 +58,14 @@ fn run(weak: Weak<FlashCache>) {
 }
 
 impl FlashCache {
+    /// Inline write-back: called by a writer after it crossed the high
+    /// watermark, when there is no background thread.
+    pub(crate) fn writeback_inline(&self) -> Result<()> {
+        let mut cursor = 0;
+        while self.writeback_round(&mut cursor)? {}
+        Ok(())
+    }
+
     fn needs_writeback(&self, dirty: u64, drain: bool, busy: bool) -> bool {
         let ratio = dirty as f64 / self.layout.data_blocks() as f64;
         dirty > 0
