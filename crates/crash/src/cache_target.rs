@@ -71,10 +71,7 @@ impl CrashTarget for CacheTarget {
 
     fn create(&self, files: &Arc<RecordingFiles>) -> Result<(), BoxError> {
         // A new run: the cache of an earlier run (other devices) is done.
-        let old = std::mem::replace(
-            &mut *self.live.lock().unwrap_or_else(|p| p.into_inner()),
-            (None, 0),
-        );
+        let old = std::mem::take(&mut *self.live.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(c) = old.0 {
             c.shutdown(true)?;
         }
