@@ -113,9 +113,48 @@ struct Job {
     cost: u64,
 }
 
+/// A request slower than this is not run on the reading thread again for
+/// a while.
+const INLINE_SLOW: std::time::Duration = std::time::Duration::from_micros(200);
+/// Requests handed to workers after a slow inline one, before trying again.
+const INLINE_BACKOFF: u32 = 256;
+
+/// Decides where a request runs. Handing a request to a worker costs two
+/// thread switches, which dominate when the export answers from memory or
+/// flash; so requests run on the reading thread while they are fast, and
+/// go to workers (which overlap slow ones) after one was slow.
+#[derive(Default)]
+struct Placement {
+    dispatch_left: u32,
+}
+
+impl Placement {
+    fn run(&mut self, s: &Session, pool: &Pool, job: Job) {
+        let inline_kind = matches!(
+            job.req.kind,
+            proto::CMD_READ
+                | proto::CMD_WRITE
+                | proto::CMD_WRITE_ZEROES
+                | proto::CMD_TRIM
+                | proto::CMD_BLOCK_STATUS
+        );
+        if !inline_kind || self.dispatch_left > 0 {
+            self.dispatch_left = self.dispatch_left.saturating_sub(1);
+            pool.push(job);
+            return;
+        }
+        let start = std::time::Instant::now();
+        run_job(s, job);
+        if start.elapsed() > INLINE_SLOW {
+            self.dispatch_left = INLINE_BACKOFF;
+        }
+    }
+}
+
 /// Reads and validates requests until EOF, DISC or abuse.
 fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
     let max_payload = s.neg.block_sizes.maximum;
+    let mut placement = Placement::default();
     loop {
         let mut hdr = [0u8; proto::REQUEST_LEN];
         if let Err(e) = r.read_exact(&mut hdr) {
@@ -160,12 +199,16 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
             s.budget.acquire(0);
         }
         let error = validate(s, &req).err();
-        pool.push(Job {
-            req,
-            payload,
-            error,
-            cost,
-        });
+        placement.run(
+            s,
+            pool,
+            Job {
+                req,
+                payload,
+                error,
+                cost,
+            },
+        );
     }
 }
 
