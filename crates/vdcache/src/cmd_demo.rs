@@ -1,52 +1,121 @@
 //! `vdcache demo`: the main job on a default it makes itself. Creates a
-//! base image and a delta over it in a scratch directory, writes a pattern
-//! through the chain (copy-on-write from the base), reads everything back
-//! and verifies it, and checks the images (with qemu-img too, if present).
+//! base image and a delta over it in a scratch directory, serves the chain
+//! through a flash cache (writes copy on write from the base, reads come
+//! back from flash), restarts the cache as after a crash, writes everything
+//! back, and checks the images with vdcache and, when installed, with
+//! qemu-img and qemu-io over NBD.
 
+use crate::serve::export::DiskExport;
 use anyhow::{Context, Result, bail};
-use std::path::PathBuf;
-use vdcache_image::{CreateOptions, ImageFormat, Layer, OpenOptions, create_qcow2, open_chain};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use vdcache_backend::{FileBackend, FileOptions, LockMode};
+use vdcache_cache::{CacheConfig, FlashCache};
+use vdcache_image::{
+    CreateOptions, DiskId, HostIo, ImageFormat, Layer, OpenOptions, VirtualDisk, create_qcow2,
+    open_chain,
+};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Directory for the demo images (a fresh temporary one by default).
+    /// Directory for the demo files (a fresh temporary one by default).
     #[arg(long)]
     dir: Option<PathBuf>,
 }
 
-fn pattern(offset: u64) -> u8 {
+const SIZE: u64 = 64 << 20;
+const STEP: u64 = 1 << 20;
+
+fn base_byte(offset: u64) -> u8 {
     (offset / 4096 % 251) as u8
 }
 
-pub fn run(a: Args) -> Result<u8> {
-    let dir = match a.dir {
-        Some(d) => d,
-        None => std::env::temp_dir().join(format!("vdcache-demo-{}", std::process::id())),
+fn expected(offset_in_step: usize, step_start: u64) -> u8 {
+    if (8192..12288).contains(&offset_in_step) {
+        0xee
+    } else {
+        base_byte(step_start + offset_in_step as u64)
+    }
+}
+
+fn open_cache(path: &Path, fresh: bool) -> Result<Arc<FlashCache>> {
+    if fresh {
+        std::fs::File::create(path)?.set_len(128 << 20)?;
+    }
+    let dev = FileBackend::open(
+        path,
+        FileOptions {
+            read_only: false,
+            lock: Some(LockMode::Write),
+            create: false,
+        },
+    )?;
+    let cfg = CacheConfig::default();
+    let cache = if fresh {
+        FlashCache::format(Arc::new(dev), cfg)?
+    } else {
+        FlashCache::open(Arc::new(dev), cfg)?
     };
+    Ok(cache)
+}
+
+fn open_disk(delta: &Path, cache: Option<&Arc<FlashCache>>) -> Result<VirtualDisk> {
+    let io = cache.map(|c| c.clone() as Arc<dyn HostIo>);
+    Ok(open_chain(
+        &delta.display().to_string(),
+        &OpenOptions {
+            io,
+            disk: DiskId(1),
+            ..OpenOptions::default()
+        },
+    )?)
+}
+
+fn verify(disk: &VirtualDisk, what: &str) -> Result<()> {
+    let mut buf = vec![0u8; STEP as usize];
+    for off in (0..SIZE).step_by(STEP as usize) {
+        disk.read(off, &mut buf)?;
+        if let Some(i) = (0..buf.len()).find(|&i| buf[i] != expected(i, off)) {
+            bail!(
+                "{what}: guest offset {} reads {:#04x}, expected {:#04x}",
+                off + i as u64,
+                buf[i],
+                expected(i, off)
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run(a: Args) -> Result<u8> {
+    let dir = a.dir.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("vdcache-demo-{}", std::process::id()))
+    });
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let base = dir.join("base.qcow2");
     let delta = dir.join("delta.qcow2");
-    let size: u64 = 64 << 20;
-    println!(
-        "1. creating base {} (64 MiB) and filling it",
-        base.display()
-    );
+    let cache_file = dir.join("flash.cache");
+    println!("1. base image {} (64 MiB of data)", base.display());
     create_qcow2(
         &base,
         &CreateOptions {
-            size: Some(size),
+            size: Some(SIZE),
             ..CreateOptions::default()
         },
     )?;
     {
         let disk = open_chain(&base.display().to_string(), &OpenOptions::default())?;
-        let chunk: Vec<u8> = (0..1u64 << 20).map(pattern).collect();
-        for off in (0..size).step_by(1 << 20) {
+        for off in (0..SIZE).step_by(STEP as usize) {
+            let chunk: Vec<u8> = (off..off + STEP).map(base_byte).collect();
             disk.write(off, &chunk, false)?;
         }
         disk.close()?;
     }
-    println!("2. creating delta {} over it", delta.display());
+    println!(
+        "2. delta {} over it, a 128 MiB flash cache {}",
+        delta.display(),
+        cache_file.display()
+    );
     create_qcow2(
         &delta,
         &CreateOptions {
@@ -54,36 +123,98 @@ pub fn run(a: Args) -> Result<u8> {
             ..CreateOptions::default()
         },
     )?;
-    let disk = open_chain(&delta.display().to_string(), &OpenOptions::default())?;
-    println!("3. writing 4 KiB into every 1 MiB of the delta (each write copies on write)");
-    for off in (0..size).step_by(1 << 20) {
+    let cache = open_cache(&cache_file, true)?;
+    let disk = open_disk(&delta, Some(&cache))?;
+    println!("3. 4 KiB guest writes into every MiB (copy on write), flushed: write-back to flash");
+    for off in (0..SIZE).step_by(STEP as usize) {
         disk.write(off + 8192, &[0xee; 4096], false)?;
     }
     disk.flush()?;
-    println!("4. reading all 64 MiB back through the chain and verifying");
-    let mut buf = vec![0u8; 1 << 20];
-    for off in (0..size).step_by(1 << 20) {
-        disk.read(off, &mut buf)?;
-        for (i, &b) in buf.iter().enumerate() {
-            let want = if (8192..12288).contains(&i) {
-                0xee
-            } else {
-                pattern(i as u64)
-            };
-            if b != want {
-                bail!(
-                    "mismatch at guest offset {}: read {b:#x}, expected {want:#x}",
-                    off + i as u64
-                );
-            }
-        }
-    }
-    let io = disk.io().clone();
+    verify(&disk, "first read")?;
+    verify(&disk, "second read")?;
+    let r = cache.report();
+    println!(
+        "   read hits {} of {} blocks, {} bytes dirty in flash, {} backend syncs",
+        r.total.read_hit_blocks,
+        r.total.read_hit_blocks + r.total.read_miss_blocks,
+        r.dirty_bytes,
+        r.total.backend_syncs
+    );
+    serve_and_read(&dir, &disk)?;
+    println!("4. restart as after a crash: fast recovery from the cache device");
+    drop(disk);
+    drop(cache);
+    let cache = open_cache(&cache_file, false)?;
+    let disk = open_disk(&delta, Some(&cache))?;
+    verify(&disk, "after fast recovery")?;
     disk.close()?;
     drop(disk);
-    let _ = io;
-    println!("5. checking both images");
-    for img in [&delta, &base] {
+    println!("5. clean stop: every dirty block written back, images standalone");
+    cache.shutdown(false)?;
+    drop(cache);
+    verify(&open_disk(&delta, None)?, "images without the cache")?;
+    check_images(&[&delta, &base])?;
+    println!("demo passed: files are in {}", dir.display());
+    Ok(0)
+}
+
+/// Serves the disk over NBD in-process and reads it with qemu-io.
+fn serve_and_read(dir: &Path, disk: &VirtualDisk) -> Result<()> {
+    let Ok(probe) = std::process::Command::new("qemu-io")
+        .arg("--version")
+        .output()
+    else {
+        println!("   (qemu-io not installed: skipping the NBD read)");
+        return Ok(());
+    };
+    if !probe.status.success() {
+        return Ok(());
+    }
+    let sock = dir.join("demo.sock");
+    let export = Arc::new(DiskExport {
+        disk: Arc::new(shared_view(disk)?),
+    });
+    let server = vdcache_nbd::Server::builder().export("", export).build()?;
+    server.listen_unix(&sock)?;
+    let out = std::process::Command::new("qemu-io")
+        .args([
+            "-r",
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0xee 8192 4096",
+            "-c",
+            "read -P 1 4096 4096",
+        ])
+        .arg(format!("nbd+unix:///?socket={}", sock.display()))
+        .output()?;
+    server.shutdown();
+    if !out.status.success() || String::from_utf8_lossy(&out.stdout).contains("failed") {
+        bail!("qemu-io over NBD: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    println!("   qemu-io read the served disk over NBD: patterns verified");
+    Ok(())
+}
+
+/// A second, read-only VirtualDisk over the same cache and files.
+fn shared_view(disk: &VirtualDisk) -> Result<VirtualDisk> {
+    let Some(top) = disk.layers().first() else {
+        bail!("empty chain");
+    };
+    Ok(open_chain(
+        top.name(),
+        &OpenOptions {
+            read_only: true,
+            force_share: true,
+            io: Some(disk.io().clone()),
+            disk: DiskId(1),
+            ..OpenOptions::default()
+        },
+    )?)
+}
+
+fn check_images(images: &[&Path]) -> Result<()> {
+    for img in images {
         let d = open_chain(
             &img.display().to_string(),
             &OpenOptions {
@@ -109,9 +240,11 @@ pub fn run(a: Args) -> Result<u8> {
                 img.display(),
                 String::from_utf8_lossy(&o.stdout)
             ),
-            Err(_) => println!("   (qemu-img not installed; vdcache's own check passed)"),
+            Err(_) => println!(
+                "   vdcache check {}: clean (qemu-img not installed)",
+                img.display()
+            ),
         }
     }
-    println!("demo passed: images are in {}", dir.display());
-    Ok(0)
+    Ok(())
 }

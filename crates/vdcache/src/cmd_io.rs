@@ -161,14 +161,15 @@ pub fn execute(disk: &VirtualDisk, cmd: &IoCommand) -> Result<bool> {
                 let n = (offset + len - pos).min(CHUNK) as usize;
                 disk.read(pos, &mut buf[..n])?;
                 if let Some(p) = pattern
-                    && let Some(bad) = buf[..n].iter().position(|&b| b != p) {
-                        println!(
-                            "Pattern verification failed at offset {}, {} bytes",
-                            pos + bad as u64,
-                            len
-                        );
-                        ok = false;
-                    }
+                    && let Some(bad) = buf[..n].iter().position(|&b| b != p)
+                {
+                    println!(
+                        "Pattern verification failed at offset {}, {} bytes",
+                        pos + bad as u64,
+                        len
+                    );
+                    ok = false;
+                }
                 pos += n as u64;
             }
             if !quiet {

@@ -140,7 +140,10 @@ impl ControlArgs {
         if let Some(c) = &self.control {
             return Ok(c.clone());
         }
-        let s = self.socket.as_ref().context("give --control PATH or --socket PATH")?;
+        let s = self
+            .socket
+            .as_ref()
+            .context("give --control PATH or --socket PATH")?;
         let mut p = s.clone().into_os_string();
         p.push(".control");
         Ok(PathBuf::from(p))
@@ -235,11 +238,16 @@ pub struct RecoverArgs {
 
 pub fn recover(a: RecoverArgs) -> Result<u8> {
     if !a.full {
-        bail!("only full recovery runs offline (fast recovery happens when serve opens the cache); pass --full");
+        bail!(
+            "only full recovery runs offline (fast recovery happens when serve opens the cache); pass --full"
+        );
     }
     let written = crate::serve::daemon::recover_full(&a.cache)?;
     if written.is_empty() {
-        println!("no dirty data in {}; the images are already complete", a.cache.display());
+        println!(
+            "no dirty data in {}; the images are already complete",
+            a.cache.display()
+        );
     }
     for w in written {
         println!("written back: {w}");

@@ -47,7 +47,7 @@ enum Command {
     /// Create a chain in a scratch directory, write, read back and check it.
     Demo(cmd_demo::Args),
     /// Serve disks over NBD, optionally through a flash cache.
-    Serve(cmd_serve::ServeArgs),
+    Serve(Box<cmd_serve::ServeArgs>),
     /// Statistics of a running server.
     Stats(cmd_serve::ControlArgs),
     /// Write every dirty block of a running server back to its images.
@@ -77,7 +77,7 @@ fn main() -> ExitCode {
         Command::Io(a) => cmd_io::run(a),
         Command::Convert(a) => cmd_convert::run(a),
         Command::Demo(a) => cmd_demo::run(a),
-        Command::Serve(a) => cmd_serve::serve(a),
+        Command::Serve(a) => cmd_serve::serve(*a),
         Command::Stats(a) => cmd_serve::stats(a),
         Command::Flush(a) => cmd_serve::flush(a),
         Command::Recover(a) => cmd_serve::recover(a),

@@ -153,8 +153,9 @@ pub struct FlashCache {
     layout: Layout,
     config: CacheConfig,
     state: Mutex<State>,
-    /// Wakes the write-back thread.
-    wake: Condvar,
+    /// Wakes the write-back thread (shared with it, so the thread can wait
+    /// without keeping the cache alive).
+    wake: Arc<writeback::Wakeup>,
     /// Signals progress of write-back (drains wait on it).
     progress: Condvar,
     stats: Stats,
@@ -266,7 +267,7 @@ impl FlashCache {
             sb,
             config,
             state: Mutex::new(state),
-            wake: Condvar::new(),
+            wake: Arc::default(),
             progress: Condvar::new(),
             stats: Stats::default(),
             stop: AtomicBool::new(false),
@@ -441,13 +442,21 @@ impl FlashCache {
             self.drain()?;
         }
         self.stop.store(true, Ordering::SeqCst);
-        self.wake.notify_all();
+        self.wake.notify();
         if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
         let mut st = self.lock();
         self.commit(&mut st)?;
         self.checkpoint(&mut st)
+    }
+}
+
+impl Drop for FlashCache {
+    fn drop(&mut self) {
+        // Let the write-back thread see that the cache is gone.
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake.notify();
     }
 }
 

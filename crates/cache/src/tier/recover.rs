@@ -54,10 +54,20 @@ impl FlashCache {
             journal_pos: 0,
         };
         journal::write_checkpoint(&*device, &layout, &sb.uuid, mark, &empty_index)?;
-        device.flush().map_err(CacheError::device("sync cache device"))?;
+        device
+            .flush()
+            .map_err(CacheError::device("sync cache device"))?;
         sb.write(&*device)?;
-        device.flush().map_err(CacheError::device("sync cache device"))?;
-        let journal = JournalWriter::new(&layout, &sb.uuid, mark.generation, mark.journal_seq, mark.journal_pos);
+        device
+            .flush()
+            .map_err(CacheError::device("sync cache device"))?;
+        let journal = JournalWriter::new(
+            &layout,
+            &sb.uuid,
+            mark.generation,
+            mark.journal_seq,
+            mark.journal_pos,
+        );
         let state = Self::new_state(&layout, &config, journal, mark.generation);
         let cache = Self::assemble(device, sb, config, state);
         Ok(cache)

@@ -228,7 +228,7 @@ impl FlashCache {
                 drop(st);
                 self.writeback_inline()?;
             } else {
-                self.wake.notify_all();
+                self.wake.notify();
             }
         }
         Ok(true)

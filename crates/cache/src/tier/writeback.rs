@@ -9,51 +9,76 @@ use crate::error::Result;
 use crate::journal::Entry;
 use crate::layout::LINE_BLOCKS;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
 /// Blocks per write-back batch (4 MiB).
 const BATCH_BLOCKS: usize = 1024;
+
+/// A wake-up signal for the write-back thread.
+#[derive(Debug, Default)]
+pub(crate) struct Wakeup {
+    pending: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Wakeup {
+    pub(crate) fn notify(&self) {
+        *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits for a notification or the timeout.
+    fn wait(&self, timeout: Duration) {
+        let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if !*p {
+            p = self
+                .cv
+                .wait_timeout(p, timeout)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        *p = false;
+    }
+}
 
 pub(super) fn start(cache: &Arc<FlashCache>) {
     if cache.config.inline_writeback {
         return;
     }
     let weak: Weak<FlashCache> = Arc::downgrade(cache);
+    let wake = cache.wake.clone();
     let handle = std::thread::Builder::new()
         .name("vdcache-writeback".into())
-        .spawn(move || run(weak));
+        .spawn(move || run(weak, wake));
     match handle {
         Ok(h) => *cache.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(h),
         Err(e) => tracing::error!("cannot start the write-back thread: {e}"),
     }
 }
 
-fn run(weak: Weak<FlashCache>) {
+fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
     let mut cursor = 0u64;
     loop {
-        let Some(cache) = weak.upgrade() else { return };
-        if cache.stop.load(Ordering::SeqCst) {
-            return;
-        }
-        match cache.writeback_round(&mut cursor) {
-            Ok(true) => continue,
-            Ok(false) => {}
-            Err(e) => {
-                tracing::error!("write-back failed: {e}");
-                let st = cache.lock();
-                cache.progress.notify_all();
-                drop(cache.wake.wait_timeout(st, Duration::from_secs(1)));
-                continue;
+        // Hold the cache only while working: when its last user drops it,
+        // the device is closed at once and this thread ends at its next wake.
+        let idle = {
+            let Some(cache) = weak.upgrade() else { return };
+            if cache.stop.load(Ordering::SeqCst) {
+                return;
             }
+            match cache.writeback_round(&mut cursor) {
+                Ok(more) => !more,
+                Err(e) => {
+                    tracing::error!("write-back failed: {e}");
+                    cache.progress.notify_all();
+                    true
+                }
+            }
+        };
+        if idle {
+            wake.wait(Duration::from_millis(500));
         }
-        let st = cache.lock();
-        if cache.stop.load(Ordering::SeqCst) {
-            return;
-        }
-        // Idle: sleep until woken (writes crossed the high watermark, a
-        // drain was requested) or a timeout lets a dropped cache go.
-        drop(cache.wake.wait_timeout(st, Duration::from_millis(200)));
     }
 }
 
@@ -154,7 +179,7 @@ impl FlashCache {
     pub fn drain(&self) -> Result<()> {
         let mut st = self.lock();
         st.drain_requests += 1;
-        self.wake.notify_all();
+        self.wake.notify();
         while st.index.dirty_blocks() > 0 {
             if self.thread.lock().map(|t| t.is_none()).unwrap_or(true) {
                 // No write-back thread (stopped): do it here.

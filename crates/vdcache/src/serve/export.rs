@@ -19,7 +19,9 @@ fn to_nbd(e: ImageError) -> ExportError {
         ImageError::ReadOnly { .. } => ExportError::PermissionDenied(m),
         ImageError::OutOfRange { .. } => ExportError::Invalid(m),
         ImageError::NoSpace { .. } => ExportError::NoSpace(m),
-        ImageError::Io { ref cause, .. } if cause.raw_os_error() == Some(28) => ExportError::NoSpace(m),
+        ImageError::Io { ref cause, .. } if cause.raw_os_error() == Some(28) => {
+            ExportError::NoSpace(m)
+        }
         _ => {
             tracing::error!("I/O error: {m}");
             ExportError::Io(m)
@@ -73,7 +75,9 @@ impl Export for DiskExport {
         if flags.fast_zero {
             // Zeroing may fall back to writing zeros (partial clusters,
             // version 2 images); never promise it is fast.
-            return Err(ExportError::NotSupported("fast zeroing is not guaranteed".into()));
+            return Err(ExportError::NotSupported(
+                "fast zeroing is not guaranteed".into(),
+            ));
         }
         self.disk
             .write_zeroes(

@@ -78,19 +78,26 @@ fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
 }
 
 fn tls(cfg: &ServerConfig) -> Result<Option<TlsServerConfig>> {
-    let Some(t) = &cfg.server.tls else { return Ok(None) };
+    let Some(t) = &cfg.server.tls else {
+        return Ok(None);
+    };
     if t.psk.is_some() {
-        anyhow::bail!("TLS with a pre-shared key is not supported (rustls has no external PSK); use cert and key");
+        anyhow::bail!(
+            "TLS with a pre-shared key is not supported (rustls has no external PSK); use cert and key"
+        );
     }
     let (Some(cert), Some(key)) = (&t.cert, &t.key) else {
         anyhow::bail!("TLS needs a certificate and a key");
     };
-    Ok(Some(TlsServerConfig::from_pem_files(cert, key, None).context("loading TLS credentials")?))
+    Ok(Some(
+        TlsServerConfig::from_pem_files(cert, key, None).context("loading TLS credentials")?,
+    ))
 }
 
 /// Serves until SIGINT or SIGTERM, then stops cleanly.
 pub fn run(cfg: ServerConfig) -> Result<()> {
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).context("installing signal handlers")?;
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .context("installing signal handlers")?;
     let daemon = Arc::new(Daemon::build(&cfg)?);
     let limits = Limits {
         workers_per_connection: cfg.server.workers.unwrap_or(DEFAULT_WORKERS),
@@ -98,10 +105,15 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
     };
     let mut builder = Server::builder().limits(limits);
     for d in &daemon.disks {
-        let export = Arc::new(DiskExport { disk: d.disk.clone() });
+        let export = Arc::new(DiskExport {
+            disk: d.disk.clone(),
+        });
         builder = builder.export_with_description(
             d.config.name.clone(),
-            d.config.description.clone().unwrap_or_else(|| d.config.image.clone()),
+            d.config
+                .description
+                .clone()
+                .unwrap_or_else(|| d.config.image.clone()),
             export,
         );
     }
@@ -110,10 +122,14 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
     }
     let server = Arc::new(builder.build()?);
     if let Some(path) = &cfg.server.socket {
-        server.listen_unix(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+        server
+            .listen_unix(path)
+            .with_context(|| format!("cannot listen on {}", path.display()))?;
     }
     if let Some(addr) = &cfg.server.tcp {
-        let bound = server.listen_tcp(addr.as_str()).with_context(|| format!("cannot listen on {addr}"))?;
+        let bound = server
+            .listen_tcp(addr.as_str())
+            .with_context(|| format!("cannot listen on {addr}"))?;
         eprintln!("vdcache: listening on tcp {bound}");
     }
     let control_path = control_path(&cfg);
@@ -135,7 +151,9 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
             .as_ref()
             .map(|p| format!(" on {}", p.display()))
             .unwrap_or_default(),
-        control_path.map(|p| format!(", control {}", p.display())).unwrap_or_default()
+        control_path
+            .map(|p| format!(", control {}", p.display()))
+            .unwrap_or_default()
     );
     let signal = signals.forever().next();
     eprintln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
