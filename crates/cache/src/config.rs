@@ -76,6 +76,38 @@ impl Admission {
     }
 }
 
+/// How the cache relates to the copy-on-write layer above it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CowMode {
+    /// The papers' stacked baseline (TRDCache): every I/O is cached the
+    /// same way, copy-on-write filler and whole metadata tables included.
+    Stacked,
+    /// COWCache: filler is never admitted, allocating writes in write-back
+    /// mode leave clusters partially valid (decoupled copy-on-write), and
+    /// metadata is cached and journaled by the sector.
+    CowAware,
+}
+
+impl FromStr for CowMode {
+    type Err = CacheError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "stacked" => Ok(CowMode::Stacked),
+            "cow-aware" => Ok(CowMode::CowAware),
+            _ => Err(CacheError::Config(format!("unknown cow mode '{s}' (stacked, cow-aware)"))),
+        }
+    }
+}
+
+impl CowMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            CowMode::Stacked => "stacked",
+            CowMode::CowAware => "cow-aware",
+        }
+    }
+}
+
 /// Per-disk policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DiskPolicy {
@@ -83,6 +115,7 @@ pub struct DiskPolicy {
     pub admission: Admission,
     /// Bytes of consecutive I/O after which sequential bypass starts.
     pub sequential_threshold: u64,
+    pub cow: CowMode,
 }
 
 impl Default for DiskPolicy {
@@ -91,6 +124,7 @@ impl Default for DiskPolicy {
             mode: WriteMode::WriteBack,
             admission: Admission::All,
             sequential_threshold: 4 << 20,
+            cow: CowMode::CowAware,
         }
     }
 }

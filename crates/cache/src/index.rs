@@ -224,7 +224,11 @@ impl Index {
     ) -> Option<(Cbn, BlockRef)> {
         let idx = self.get_or_insert(key, guest);
         let line = &mut self.lines[idx as usize];
-        line.guest = guest as u32;
+        // A partially valid line keeps the guest cluster it was allocated
+        // for: filling it depends on that.
+        if line.partial == 0 {
+            line.guest = guest as u32;
+        }
         let bit = 1u16 << slot;
         let old = (line.present & bit != 0).then_some((line.cbn[slot], BlockRef::new(idx, slot)));
         if old.is_none() {
@@ -315,10 +319,15 @@ impl Index {
         true
     }
 
-    /// Sets the partially valid bitmap of a line (creating it if needed).
-    pub fn set_partial(&mut self, key: u64, guest: u64, mask: u16) {
-        let idx = self.get_or_insert(key, guest);
-        self.lines[idx as usize].partial = mask;
+    /// Sets the partially valid bitmap of a line (creating it if needed);
+    /// `guest` replaces the line's guest cluster when given.
+    pub fn set_partial(&mut self, key: u64, guest: Option<u64>, mask: u16) {
+        let idx = self.get_or_insert(key, guest.unwrap_or(u64::MAX));
+        let line = &mut self.lines[idx as usize];
+        line.partial = mask;
+        if let Some(g) = guest {
+            line.guest = g as u32;
+        }
         self.drop_line_if_empty(idx);
     }
 

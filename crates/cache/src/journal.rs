@@ -46,8 +46,9 @@ pub enum Entry {
         name: String,
         identity: ImageIdentity,
     },
-    /// The partially valid (dcow) bitmap of a line.
-    Partial { key: u64, mask: u16 },
+    /// The partially valid (dcow) bitmap of a line, and the guest cluster
+    /// it was allocated for (`u64::MAX`: unchanged).
+    Partial { key: u64, mask: u16, guest: u64 },
 }
 
 fn put64(out: &mut Vec<u8>, v: u64) {
@@ -141,10 +142,11 @@ impl Entry {
                 put64(out, identity.dev);
                 put64(out, identity.ino);
             }
-            Entry::Partial { key, mask } => {
+            Entry::Partial { key, mask, guest } => {
                 out.push(5);
                 put64(out, *key);
                 put16(out, *mask);
+                put64(out, *guest);
             }
         }
     }
@@ -185,6 +187,7 @@ impl Entry {
             5 => Entry::Partial {
                 key: r.u64()?,
                 mask: r.u16()?,
+                guest: r.u64()?,
             },
             t => {
                 return Err(CacheError::Corrupt(format!(

@@ -18,7 +18,7 @@ pub mod region;
 pub mod stats;
 mod tier;
 
-pub use config::{Admission, CacheConfig, DiskPolicy, WriteMode};
+pub use config::{Admission, CacheConfig, CowMode, DiskPolicy, WriteMode};
 pub use error::{CacheError, Result};
 pub use region::Replacement;
 pub use stats::DiskStats;

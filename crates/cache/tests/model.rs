@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use std::path::Path;
 use std::sync::Arc;
 use vdcache_backend::{Backend, MemBackend};
-use vdcache_cache::{Admission, CacheConfig, DiskPolicy, FlashCache, Replacement, WriteMode};
+use vdcache_cache::{Admission, CacheConfig, CowMode, DiskPolicy, FlashCache, Replacement, WriteMode};
 use vdcache_image::{
     CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain,
     qcow2_image_bytes,
@@ -166,6 +166,9 @@ fn run(policy: DiskPolicy, replacement: Replacement, ops: &[Op]) -> Result<(), T
                 since_flush.clear();
             }
             Op::Restart { keep_dirty } => {
+                if !keep_dirty {
+                    disk.fill_partial(usize::MAX).expect("fill");
+                }
                 disk.close().expect("close");
                 drop(disk);
                 cache.shutdown(keep_dirty).expect("shutdown");
@@ -177,6 +180,8 @@ fn run(policy: DiskPolicy, replacement: Replacement, ops: &[Op]) -> Result<(), T
             }
         }
     }
+    let filled = disk.fill_partial(usize::MAX).expect("fill");
+    prop_assert_eq!(filled.remaining, 0);
     disk.close().expect("close");
     drop(disk);
     cache.shutdown(false).expect("shutdown");
@@ -214,11 +219,13 @@ fn policy() -> impl Strategy<Value = DiskPolicy> {
             Admission::Hot,
             Admission::SequentialBypass,
         ]),
+        prop::sample::select(vec![CowMode::Stacked, CowMode::CowAware]),
     )
-        .prop_map(|(mode, admission)| DiskPolicy {
+        .prop_map(|(mode, admission, cow)| DiskPolicy {
             mode,
             admission,
             sequential_threshold: 256 << 10,
+            cow,
         })
 }
 
@@ -266,6 +273,7 @@ fn writethrough_crash_after_recovery_keeps_flushed_metadata() {
         mode: WriteMode::WriteThrough,
         admission: Admission::Hot,
         sequential_threshold: 262144,
+        cow: CowMode::Stacked,
     };
     let ops = vec![
         Op::Write {

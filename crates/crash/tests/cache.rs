@@ -6,7 +6,7 @@
 //! in the images, and both must satisfy the invariants. A cache that
 //! persists index records before their data must be caught.
 
-use vdcache_cache::{Admission, CacheConfig, DiskPolicy, Replacement, WriteMode};
+use vdcache_cache::{Admission, CacheConfig, CowMode, DiskPolicy, Replacement, WriteMode};
 use vdcache_crash::harness::sweep;
 use vdcache_crash::{Backing, CacheTarget, Qcow2Target, Report, RunConfig, WorkloadConfig};
 use vdcache_image::CreateOptions;
@@ -24,6 +24,7 @@ fn cache_config(mode: WriteMode, admission: Admission, replacement: Replacement)
             mode,
             admission,
             sequential_threshold: 1 << 20,
+            cow: CowMode::Stacked,
         },
         // Write-back only when a region is reclaimed or on a drain; the
         // mixed test lowers the watermarks. Write-back runs in the writing

@@ -10,7 +10,7 @@
 
 use crate::disk::{VirtualDisk, released, sub_mask};
 use crate::error::{ImageError, Result};
-use crate::hostio::{IoClass, WriteSegment};
+use crate::hostio::{DCOW_BLOCK, IoClass, WriteSegment};
 use crate::qimage::{Locked, Qcow2Image};
 use vdcache_qcow2::entries::{L2Mapping, StandardCluster, SubclusterState, all_subclusters};
 use vdcache_qcow2::{Geometry, HostOffset};
@@ -41,6 +41,10 @@ struct ClusterPlan {
     w_lo: u64,
     w_hi: u64,
     new: Option<L2Mapping>,
+    /// Decoupled copy-on-write: only `[w_lo, w_hi)` (whole blocks around
+    /// the guest's bytes) is written; the rest of the new cluster is left
+    /// not yet valid in the layer below.
+    decoupled: bool,
 }
 
 impl ClusterPlan {
@@ -72,7 +76,10 @@ impl VirtualDisk {
         } else {
             None
         };
-        if let Err(e) = self.write_planned(img, &g, &plans, data) {
+        let written = self
+            .mark_decoupled(img, &g, &plans)
+            .and_then(|()| self.write_planned(img, &g, &plans, data));
+        if let Err(e) = written {
             if let Some(first) = first_new {
                 img.lock().release_clusters(first, new_count)?;
             }
@@ -112,6 +119,7 @@ impl VirtualDisk {
                 w_lo: lo,
                 w_hi: hi,
                 new: None,
+                decoupled: false,
             };
             let touched = p.touched(g);
             let owned = match old {
@@ -129,11 +137,20 @@ impl VirtualDisk {
                 }
                 (None, _) => touched | old_alloc_mask(&old, all),
             };
-            if fill != 0 {
+            let unallocated = matches!(old, L2Mapping::Standard(s) if s.host.is_none() && s.alloc == 0 && s.zero == 0);
+            if self.decoupled && owned.is_none() && unallocated {
+                // Only the blocks the guest touches are written now.
+                p.decoupled = true;
+                p.w_lo = p.lo / DCOW_BLOCK * DCOW_BLOCK;
+                p.w_hi = p.hi.div_ceil(DCOW_BLOCK) * DCOW_BLOCK;
+            } else if fill != 0 {
                 let first = u64::from(fill.trailing_zeros());
                 let last = u64::from(31 - fill.leading_zeros());
                 p.w_lo = p.lo.min(first * sc);
                 p.w_hi = p.hi.max((last + 1) * sc);
+            }
+            if let Target::InPlace(h) = p.target {
+                self.complete_invalid_edges(img, &mut p, h)?;
             }
             if !matches!(p.target, Target::InPlace(_)) {
                 l.mark_dirty_for_lazy_refcounts()?;
@@ -157,6 +174,52 @@ impl VirtualDisk {
             pos = base + hi;
         }
         Ok(plans)
+    }
+
+    /// An in-place write that only partly covers a block the layer below
+    /// keeps not yet valid must write the whole block (its other bytes
+    /// from the backing chain), or the block would become valid with
+    /// stale bytes in it.
+    fn complete_invalid_edges(&self, img: &Qcow2Image, p: &mut ClusterPlan, host: HostOffset) -> Result<()> {
+        let (lo_b, hi_b) = (p.lo / DCOW_BLOCK * DCOW_BLOCK, p.hi.div_ceil(DCOW_BLOCK) * DCOW_BLOCK);
+        if lo_b == p.lo && hi_b == p.hi {
+            return Ok(());
+        }
+        let invalid = self
+            .io
+            .invalid_ranges(&img.data, HostOffset(host.0 + lo_b), hi_b - lo_b)
+            .map_err(|e| ImageError::io(img.name(), "read validity", e))?;
+        let covers = |at: u64| invalid.iter().any(|&(s, l)| (s..s + l).contains(&(host.0 + at)));
+        if p.lo != lo_b && covers(lo_b) {
+            p.w_lo = p.w_lo.min(lo_b);
+        }
+        if p.hi != hi_b && covers(hi_b - 1) {
+            p.w_hi = p.w_hi.max(hi_b);
+        }
+        Ok(())
+    }
+
+    /// Records, for decoupled plans, which blocks of the new clusters hold
+    /// no data yet (before anything points at the clusters).
+    fn mark_decoupled(&self, img: &Qcow2Image, g: &Geometry, plans: &[ClusterPlan]) -> Result<()> {
+        for p in plans.iter().filter(|p| p.decoupled) {
+            let Target::New(Some(host)) = p.target else { continue };
+            let tag = self.tag(IoClass::CowFill, g.cluster_offset(p.cluster));
+            let mark = |start: u64, end: u64, invalid: bool| {
+                self.io
+                    .set_invalid(&img.data, HostOffset(host.0 + start), end - start, invalid, tag)
+                    .map_err(|e| ImageError::io(img.name(), "record partially valid cluster", e))
+            };
+            // The cluster is freshly allocated: whatever an earlier use of
+            // it left recorded is void.
+            mark(0, g.cluster_size(), false)?;
+            for (start, end) in [(0, p.w_lo), (p.w_hi, g.cluster_size())] {
+                if end > start {
+                    mark(start, end, true)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Gives every `New` plan a host cluster: one contiguous run, so a
@@ -323,10 +386,9 @@ impl VirtualDisk {
             let run_end = run_end.min(end);
             let part = &mut buf[(pos - guest) as usize..(run_end - guest) as usize];
             match (state, s.host) {
-                (SubclusterState::Allocated, Some(h)) => self
-                    .io
-                    .read(&img.data, HostOffset(h.0 + (pos - base)), part, tag)
-                    .map_err(|e| ImageError::io(img.name(), "read for copy-on-write", e))?,
+                (SubclusterState::Allocated, Some(h)) => {
+                    self.read_top_data(img, HostOffset(h.0 + (pos - base)), pos, part, tag)?
+                }
                 (SubclusterState::Unallocated, _) => {
                     self.read_layer(1, pos, part, IoClass::CowFill)?
                 }

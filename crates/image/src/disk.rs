@@ -7,7 +7,7 @@
 //! touches before any metadata lock.
 
 use crate::error::{ImageError, Result};
-use crate::hostio::{DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, WriteSegment};
+use crate::hostio::{DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, WriteSegment};
 use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image};
 use crate::range_lock::{Mode, RangeLocks};
 use std::sync::Arc;
@@ -85,7 +85,19 @@ pub struct VirtualDisk {
     size: u64,
     read_only: bool,
     pub(crate) cluster_bits: u32,
+    /// Allocating writes skip the filler and leave the cluster partially
+    /// valid in the layer below (decoupled copy-on-write).
+    pub(crate) decoupled: bool,
     locks: RangeLocks,
+}
+
+/// What filling partially valid clusters did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FillReport {
+    /// Bytes copied from the backing chain into the top image.
+    pub filled_bytes: u64,
+    /// Partially valid ranges left (beyond the limit asked for).
+    pub remaining: usize,
 }
 
 impl VirtualDisk {
@@ -102,6 +114,19 @@ impl VirtualDisk {
             Layer::Qcow2(q) => q.geometry().cluster_bits(),
             Layer::Raw(_) => RAW_CLUSTER_BITS,
         };
+        let decoupled = match top {
+            Layer::Qcow2(q) => {
+                let g = q.geometry();
+                !read_only
+                    && io.decoupled_cow(disk)
+                    && !g.extended_l2()
+                    && !q.external_data
+                    && g.cluster_size() >= 2 * DCOW_BLOCK
+                    // Guest cluster numbers are recorded in 32 bits.
+                    && top.size() >> g.cluster_bits() < 1 << 32
+            }
+            Layer::Raw(_) => false,
+        };
         Ok(VirtualDisk {
             size: top.size(),
             layers,
@@ -109,6 +134,7 @@ impl VirtualDisk {
             disk,
             read_only,
             cluster_bits,
+            decoupled,
             locks: RangeLocks::default(),
         })
     }
@@ -146,6 +172,7 @@ impl VirtualDisk {
             class,
             disk: self.disk,
             guest_cluster: Some(guest >> self.cluster_bits),
+            unit: None,
         }
     }
 
@@ -217,6 +244,9 @@ impl VirtualDisk {
                     let part = &mut buf[rel..rel + e.len as usize];
                     let tag = self.tag(class, e.guest);
                     match e.kind {
+                        ExtentKind::Data(host) if depth == 0 => {
+                            self.read_top_data(img, host, e.guest, part, tag)?
+                        }
                         ExtentKind::Data(host) => self
                             .io
                             .read(&img.data, host, part, tag)
@@ -231,6 +261,92 @@ impl VirtualDisk {
                 Ok(())
             }
         }
+    }
+
+    /// Reads allocated data of the top image at `host` (guest `guest`):
+    /// ranges the layer below keeps not yet valid (a cluster whose filler
+    /// was decoupled) come from the backing chain instead.
+    pub(crate) fn read_top_data(&self, img: &Qcow2Image, host: HostOffset, guest: u64, buf: &mut [u8], tag: IoTag) -> Result<()> {
+        let len = buf.len() as u64;
+        let invalid = self
+            .io
+            .invalid_ranges(&img.data, host, len)
+            .map_err(|e| ImageError::io(img.name(), "read", e))?;
+        let mut pos = host.0;
+        let end = host.0 + len;
+        let mut pieces: Vec<(u64, u64, bool)> = Vec::new();
+        for (start, rlen) in invalid {
+            let (s, e) = (start.max(host.0), (start + rlen).min(end));
+            if s >= e {
+                continue;
+            }
+            if s > pos {
+                pieces.push((pos, s, false));
+            }
+            pieces.push((s, e, true));
+            pos = e;
+        }
+        if pos < end {
+            pieces.push((pos, end, false));
+        }
+        for (s, e, from_backing) in pieces {
+            let part = &mut buf[(s - host.0) as usize..(e - host.0) as usize];
+            if from_backing {
+                self.read_layer(1, guest + (s - host.0), part, tag.class)?;
+            } else {
+                self.io
+                    .read(&img.data, HostOffset(s), part, tag)
+                    .map_err(|err| ImageError::io(img.name(), "read", err))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the not yet valid parts of partially valid clusters from the
+    /// backing chain into the top image (at most `limit` ranges), so the
+    /// image no longer depends on the layer below to read correctly.
+    pub fn fill_partial(&self, limit: usize) -> Result<FillReport> {
+        let Layer::Qcow2(img) = &self.layers[0] else {
+            return Ok(FillReport::default());
+        };
+        let ranges = self
+            .io
+            .partial_ranges(&img.data)
+            .map_err(|e| ImageError::io(img.name(), "list partially valid clusters", e))?;
+        let cs = img.geometry().cluster_size();
+        let mut report = FillReport {
+            remaining: ranges.len().saturating_sub(limit),
+            ..FillReport::default()
+        };
+        for r in ranges.into_iter().take(limit) {
+            let guest = r.guest_cluster * cs + (r.offset & (cs - 1));
+            if guest + r.len > self.size {
+                continue;
+            }
+            let (first, end) = self.cluster_range(guest, r.len);
+            let _guard = self.locks.lock(first, end, Mode::Exclusive);
+            let still_mapped = img.map(guest, r.len)?.first().is_some_and(|e| {
+                e.kind == ExtentKind::Data(HostOffset(r.offset)) && e.len == r.len
+            });
+            let tag = self.tag(IoClass::CowFill, guest);
+            if !still_mapped {
+                // An allocation whose L2 entry never became durable (a crash
+                // came first) leaves its record orphaned: nothing reads the
+                // cluster through this guest address, so nothing needs filling.
+                tracing::debug!(image = img.name(), offset = r.offset, "dropping an orphaned partially valid record");
+                self.io
+                    .set_invalid(&img.data, HostOffset(r.offset), r.len, false, tag)
+                    .map_err(|e| ImageError::io(img.name(), "update validity", e))?;
+                continue;
+            }
+            let mut buf = vec![0u8; r.len as usize];
+            self.read_layer(1, guest, &mut buf, IoClass::CowFill)?;
+            self.io
+                .write(&img.data, HostOffset(r.offset), &[WriteSegment { data: &buf, tag }])
+                .map_err(|e| ImageError::io(img.name(), "fill", e))?;
+            report.filled_bytes += r.len;
+        }
+        Ok(report)
     }
 
     /// Writes guest bytes; with `fua` they are durable on return.
@@ -338,6 +454,18 @@ impl VirtualDisk {
                         l.set_l2_entry(cluster, &new)?;
                         if !img.external_data {
                             l.m.pending_frees.extend(released(&old, &new, &g));
+                        }
+                        if let L2Mapping::Standard(StandardCluster {
+                            host: Some(h),
+                            alloc: 0,
+                            ..
+                        }) = new
+                        {
+                            // A kept (preallocated) cluster reads zeros: none
+                            // of it may be routed to the backing chain later.
+                            self.io
+                                .set_invalid(&img.data, h, cs, false, self.tag(IoClass::GuestData, pos))
+                                .map_err(|e| ImageError::io(img.name(), "update validity", e))?;
                         }
                     }
                     Some(_) => {}

@@ -109,6 +109,9 @@ pub struct IoTag {
     /// Guest cluster number (in units of the top image's cluster size);
     /// `None` for I/O that serves no single guest cluster.
     pub guest_cluster: Option<u64>,
+    /// The unit (a whole metadata table, host offset and length) this I/O
+    /// is part of: a layer may fetch all of it on a miss.
+    pub unit: Option<(u64, u32)>,
 }
 
 impl IoTag {
@@ -117,9 +120,13 @@ impl IoTag {
             class: IoClass::Metadata(table),
             disk,
             guest_cluster: None,
+            unit: None,
         }
     }
 }
+
+/// Granularity of partially valid clusters (decoupled copy-on-write).
+pub const DCOW_BLOCK: u64 = 4096;
 
 /// An image file in a chain, as the layers below the COW layer see it.
 #[derive(Debug, Clone)]
@@ -182,6 +189,47 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
     fn len(&self, image: &ImageHandle) -> io::Result<u64> {
         image.backend.len()
     }
+
+    /// Whether this layer keeps clusters partially valid for `disk`
+    /// (decoupled copy-on-write, paper 000 section 3.3): the COW layer may
+    /// then skip the filler of an allocating write and mark the cluster's
+    /// untouched blocks invalid instead.
+    fn decoupled_cow(&self, _disk: DiskId) -> bool {
+        false
+    }
+
+    /// Marks `[offset, offset+len)` (whole [`DCOW_BLOCK`]s) of an image as
+    /// not yet valid (`invalid`: read it from the backing chain) or valid.
+    /// The record is durable no later than any later write of the layer.
+    fn set_invalid(&self, _image: &ImageHandle, _offset: HostOffset, _len: u64, _invalid: bool, _tag: IoTag) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// The not yet valid ranges inside `[offset, offset+len)`.
+    fn invalid_ranges(&self, _image: &ImageHandle, _offset: HostOffset, _len: u64) -> io::Result<Vec<(u64, u64)>> {
+        Ok(Vec::new())
+    }
+
+    /// Every not yet valid range of an image, with the guest cluster it
+    /// serves (for filling them from the backing chain).
+    fn partial_ranges(&self, _image: &ImageHandle) -> io::Result<Vec<PartialRange>> {
+        Ok(Vec::new())
+    }
+
+    /// A hint: cached copies of this range will not be read again (a base
+    /// block masked by a delta write).
+    fn forget(&self, _image: &ImageHandle, _offset: HostOffset, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A range of an image that is not yet valid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartialRange {
+    pub offset: u64,
+    pub len: u64,
+    /// Guest cluster number the range was allocated for (as tagged).
+    pub guest_cluster: u64,
 }
 
 /// Bytes and requests per class, and syncs: what a benchmark or a test

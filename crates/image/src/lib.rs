@@ -22,10 +22,11 @@ mod range_lock;
 pub use chain::{ImageFormat, LocalFiles, MemFiles, OpenOptions, StoreOpener, open_chain};
 pub use check::CheckReport;
 pub use create::{CreateOptions, create_qcow2, create_raw, qcow2_image_bytes};
-pub use disk::{BlockState, Layer, VirtualDisk, ZeroFlags};
+pub use disk::{BlockState, FillReport, Layer, VirtualDisk, ZeroFlags};
 pub use error::{ImageError, Result};
 pub use hostio::{
-    DirectIo, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, MetaTable, WriteSegment,
+    DirectIo, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, MetaTable, PartialRange,
+    WriteSegment,
 };
 pub use meta_cache::MetaCacheConfig;
 pub use qimage::Qcow2Image;

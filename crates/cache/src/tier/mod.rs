@@ -9,6 +9,7 @@
 //! always yields a prefix of what was acknowledged, never garbage.
 
 mod commit;
+mod partial;
 mod ranges;
 mod read;
 mod recover;
@@ -493,6 +494,22 @@ impl HostIo for FlashCache {
 
     fn flush(&self, image: &ImageHandle, kind: FlushKind) -> io::Result<()> {
         self.flush_image(image, kind).map_err(io_err)
+    }
+
+    fn decoupled_cow(&self, disk: DiskId) -> bool {
+        self.decoupled_for(disk)
+    }
+
+    fn set_invalid(&self, image: &ImageHandle, offset: HostOffset, len: u64, invalid: bool, tag: IoTag) -> io::Result<()> {
+        self.set_invalid_range(image, offset.0, len, invalid, tag).map_err(io_err)
+    }
+
+    fn invalid_ranges(&self, image: &ImageHandle, offset: HostOffset, len: u64) -> io::Result<Vec<(u64, u64)>> {
+        Ok(self.invalid_ranges_of(image, offset.0, len))
+    }
+
+    fn partial_ranges(&self, image: &ImageHandle) -> io::Result<Vec<vdcache_image::PartialRange>> {
+        Ok(self.partial_ranges_of(image))
     }
 
     fn len(&self, image: &ImageHandle) -> io::Result<u64> {

@@ -106,6 +106,10 @@ impl FlashCache {
             return Ok(());
         }
         let fetched = self.read_misses(image, &misses, off, buf, &counters)?;
+        if policy.cow == crate::config::CowMode::CowAware && tag.class == IoClass::CowFill {
+            // Copy-on-write filler has no locality of its own.
+            return Ok(());
+        }
         self.promote(id, tag, policy, read_seq, fetched)
     }
 

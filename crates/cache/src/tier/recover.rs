@@ -189,7 +189,7 @@ fn recover_state(
             }
         }
         if l.partial != 0 {
-            st.index.set_partial(l.key, l.guest, l.partial);
+            st.index.set_partial(l.key, Some(l.guest), l.partial);
         }
     }
     let report = replay(device, sb, config, &mut st, mark)?;
@@ -371,9 +371,8 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
             }
             st.by_name.insert(name, id);
         }
-        Entry::Partial { key, mask } => {
-            let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
-            st.index.set_partial(key, guest, mask);
+        Entry::Partial { key, mask, guest } => {
+            st.index.set_partial(key, (guest != u64::MAX).then_some(guest), mask);
         }
     }
     Ok(())

@@ -7,7 +7,7 @@
 
 use super::read::copy_overlap;
 use super::{FlashCache, State};
-use crate::config::{Admission, WriteMode};
+use crate::config::{Admission, CowMode, WriteMode};
 use crate::error::{CacheError, Result};
 use crate::index::{Cbn, line_key};
 use crate::journal::Entry;
@@ -45,6 +45,58 @@ impl<'a> Blocks<'a> {
     }
 }
 
+/// Which blocks of a write-through a cache keeps a clean copy of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    Nothing,
+    Everything,
+    /// Everything but copy-on-write filler.
+    NotFiller,
+}
+
+/// Byte ranges of a write whose blocks may be kept in flash.
+fn cacheable_ranges(off: u64, segments: &[WriteSegment<'_>], keep: Keep) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut at = off;
+    for s in segments {
+        let end = at + s.data.len() as u64;
+        let wanted = match keep {
+            Keep::Nothing => false,
+            Keep::Everything => true,
+            Keep::NotFiller => s.tag.class != IoClass::CowFill,
+        };
+        if wanted {
+            match out.last_mut() {
+                Some((_, e)) if *e == at => *e = end,
+                _ => out.push((at, end)),
+            }
+        }
+        at = end;
+    }
+    out
+}
+
+/// The guest cluster each block of `[first_block, first_block + n)` serves:
+/// that of the segment holding the block's middle byte (or the nearest).
+fn block_guests(off: u64, segments: &[WriteSegment<'_>], first_block: u64, n: u64) -> Vec<u64> {
+    let mut spans: Vec<(u64, u64, u64)> = Vec::with_capacity(segments.len());
+    let mut at = off;
+    for s in segments {
+        let end = at + s.data.len() as u64;
+        spans.push((at, end, s.tag.guest_cluster.unwrap_or(u64::MAX)));
+        at = end;
+    }
+    (first_block..first_block + n)
+        .map(|b| {
+            let mid = b * BLOCK + BLOCK / 2;
+            spans
+                .iter()
+                .min_by_key(|&&(s, e, _)| if mid < s { s - mid } else { mid.saturating_sub(e - 1) })
+                .map_or(u64::MAX, |&(_, _, g)| g)
+        })
+        .collect()
+}
+
 fn total_len(segments: &[WriteSegment<'_>]) -> u64 {
     segments.iter().map(|s| s.data.len() as u64).sum()
 }
@@ -76,22 +128,31 @@ impl FlashCache {
             bump(&counters.guest_write_bytes, guest_bytes);
         }
         let policy = self.lock().policy(tag.disk, self.config.default_policy);
-        let bypass = policy.admission == Admission::SequentialBypass && {
-            let mut st = self.lock();
-            st.runs.entry(tag.disk.0).or_default().observe(off, len) >= policy.sequential_threshold
-        };
+        let filler_only = segments.iter().all(|s| s.tag.class == IoClass::CowFill);
+        let bypass = (policy.cow == CowMode::CowAware && filler_only)
+            || policy.admission == Admission::SequentialBypass && {
+                let mut st = self.lock();
+                st.runs.entry(tag.disk.0).or_default().observe(off, len) >= policy.sequential_threshold
+            };
         match policy.mode {
             WriteMode::WriteBack if !bypass => {
                 if self.write_back(image, id, off, len, segments, tag)? {
                     return Ok(());
                 }
                 // No room in flash: fall back to writing through.
-                self.write_through(image, id, off, len, segments, tag, false)
+                self.write_through(image, id, off, len, segments, tag, Keep::Nothing)
             }
             WriteMode::WriteBack | WriteMode::WriteAround => {
-                self.write_through(image, id, off, len, segments, tag, false)
+                self.write_through(image, id, off, len, segments, tag, Keep::Nothing)
             }
-            WriteMode::WriteThrough => self.write_through(image, id, off, len, segments, tag, true),
+            WriteMode::WriteThrough => {
+                // Copy-on-write filler is never admitted in cow-aware mode.
+                let keep = match policy.cow {
+                    CowMode::Stacked => Keep::Everything,
+                    CowMode::CowAware => Keep::NotFiller,
+                };
+                self.write_through(image, id, off, len, segments, tag, keep)
+            }
         }
     }
 
@@ -196,9 +257,10 @@ impl FlashCache {
         let crcs: Vec<u32> = (0..n as usize)
             .map(|i| blocks.crc(i * BLOCK as usize, (i + 1) * BLOCK as usize))
             .collect();
+        let guests = block_guests(off, segments, first, n);
         if self.config.test_index_before_data {
             let mut st = self.lock();
-            self.record_dirty(&mut st, id, first, &runs, &crcs, tag);
+            self.record_dirty(&mut st, id, first, &runs, &crcs, &guests);
             self.commit(&mut st)?;
         }
         let mut done = 0usize;
@@ -218,7 +280,7 @@ impl FlashCache {
         bump(&self.stats.disk(tag.disk).flash_bytes_written, n * BLOCK);
         let mut st = self.lock();
         if !self.config.test_index_before_data {
-            self.record_dirty(&mut st, id, first, &runs, &crcs, tag);
+            self.record_dirty(&mut st, id, first, &runs, &crcs, &guests);
         }
         self.settle(&mut st, &runs);
         st.note_write(id, off, off + len);
@@ -234,24 +296,19 @@ impl FlashCache {
         Ok(true)
     }
 
-    /// Maps freshly written blocks dirty and journals them.
-    fn record_dirty(
-        &self,
-        st: &mut State,
-        id: u16,
-        first: u64,
-        runs: &[(Cbn, u32)],
-        crcs: &[u32],
-        tag: IoTag,
-    ) {
-        let guest = tag.guest_cluster.unwrap_or(u64::MAX);
-        let mut i = 0u64;
+    /// Maps freshly written blocks dirty and journals them; `guests`
+    /// holds the guest cluster each block serves.
+    fn record_dirty(&self, st: &mut State, id: u16, first: u64, runs: &[(Cbn, u32)], crcs: &[u32], guests: &[u64]) {
+        let blocks: u64 = runs.iter().map(|r| u64::from(r.1)).sum();
+        self.clear_invalid_blocks(st, id, first * BLOCK, blocks * BLOCK);
+        let mut i = 0usize;
         for &(cbn0, k) in runs {
             for j in 0..k {
-                let block = first + i;
+                let block = first + i as u64;
                 let cbn = cbn0 + j;
                 let key = line_key(id, block / LINE_BLOCKS);
                 let slot = (block % LINE_BLOCKS) as usize;
+                let guest = guests[i];
                 if let Some((old, r)) = st.index.map(key, guest, slot, cbn, true)
                     && st.index.release(old, r)
                 {
@@ -264,7 +321,7 @@ impl FlashCache {
                     cbn,
                     guest,
                     dirty: true,
-                    crc: crcs[i as usize],
+                    crc: crcs[i],
                 });
                 if let Some(rec) = st.images.get_mut(id as usize) {
                     rec.end = rec.end.max((block + 1) * BLOCK);
@@ -286,7 +343,7 @@ impl FlashCache {
         len: u64,
         segments: &[WriteSegment<'_>],
         tag: IoTag,
-        keep_copy: bool,
+        keep_copy: Keep,
     ) -> Result<()> {
         let first = off / BLOCK;
         let last = (off + len - 1) / BLOCK;
@@ -333,12 +390,14 @@ impl FlashCache {
             .write_vectored_at(&bufs, off)
             .map_err(CacheError::device("write backend"))?;
         bump(&self.stats.disk(tag.disk).backend_bytes_written, len);
+        let cached = cacheable_ranges(off, segments, keep_copy);
         let whole: Vec<u64> = {
             let mut st = self.lock();
             st.unsynced.insert(id);
             st.note_write(id, off, off + len);
+            self.clear_invalid_blocks(&mut st, id, off, len);
             (first..=last)
-                .filter(|&b| keep_copy && b * BLOCK >= off && (b + 1) * BLOCK <= off + len)
+                .filter(|&b| cached.iter().any(|&(s, e)| b * BLOCK >= s && (b + 1) * BLOCK <= e))
                 .collect()
         };
         for b in dirty_edges {
@@ -408,7 +467,9 @@ impl FlashCache {
         );
         let mut st = self.lock();
         self.settle(&mut st, &runs);
-        let guest = tag.guest_cluster.unwrap_or(u64::MAX);
+        let first_block = whole.first().copied().unwrap_or(0);
+        let span = whole.last().map_or(0, |l| l - first_block + 1);
+        let guests = block_guests(off, segments, first_block, span);
         for &(b, cbn) in &placed {
             let Some(&(_, _, crc)) = written.iter().find(|w| w.1 == cbn) else {
                 st.regions.release_block(cbn);
@@ -416,6 +477,7 @@ impl FlashCache {
             };
             let key = line_key(id, b / LINE_BLOCKS);
             let slot = (b % LINE_BLOCKS) as usize;
+            let guest = guests[(b - first_block) as usize];
             if let Some((old, r)) = st.index.map(key, guest, slot, cbn, false)
                 && st.index.release(old, r)
             {

@@ -46,6 +46,12 @@ impl Locked<'_> {
         if self.cache(kind).lookup(start).is_some() {
             return Ok(());
         }
+        // Tables are one cluster: tell the layer below which one this is.
+        let cs = self.img.geometry.cluster_size();
+        let tag = IoTag {
+            unit: Some((start & !(cs - 1), cs as u32)),
+            ..tag
+        };
         let size = self.cache(kind).slice_size() as usize;
         // A table pointer past the end of the file is corruption; reading
         // (or later writing) there would conjure a table out of nothing.

@@ -176,6 +176,7 @@ impl Locked<'_> {
                     class: IoClass::Reclaim,
                     disk: self.img.disk,
                     guest_cluster: None,
+                    unit: None,
                 };
                 // Reclaiming space is advisory; a store without discard
                 // support keeps the bytes.
