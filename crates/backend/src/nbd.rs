@@ -24,7 +24,10 @@ pub struct NbdBackend {
 
 impl std::fmt::Debug for NbdBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NbdBackend").field("uri", &self.name).field("size", &self.size).finish()
+        f.debug_struct("NbdBackend")
+            .field("uri", &self.name)
+            .field("size", &self.size)
+            .finish()
     }
 }
 
@@ -40,7 +43,8 @@ fn to_io(e: ClientError) -> io::Error {
 impl NbdBackend {
     /// Connects to the export named by `uri`.
     pub fn connect(uri: &str) -> io::Result<NbdBackend> {
-        let client = NbdClient::connect(uri).map_err(|e| io::Error::other(format!("{uri}: {e}")))?;
+        let client =
+            NbdClient::connect(uri).map_err(|e| io::Error::other(format!("{uri}: {e}")))?;
         let size = client.size();
         let chunk = u64::from(client.block_sizes().maximum).clamp(4096, 32 << 20);
         Ok(NbdBackend {

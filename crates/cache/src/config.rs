@@ -94,7 +94,9 @@ impl FromStr for CowMode {
         match s {
             "stacked" => Ok(CowMode::Stacked),
             "cow-aware" => Ok(CowMode::CowAware),
-            _ => Err(CacheError::Config(format!("unknown cow mode '{s}' (stacked, cow-aware)"))),
+            _ => Err(CacheError::Config(format!(
+                "unknown cow mode '{s}' (stacked, cow-aware)"
+            ))),
         }
     }
 }

@@ -13,7 +13,7 @@ pub enum CacheError {
         cause: std::io::Error,
     },
     #[error(
-        "cache device belongs to host '{owner}', not this host '{this}'; its dirty data can only be written back with recover --full (or pass --force-foreign)"
+        "cache device belongs to host '{owner}', not this host '{this}'; write its dirty data back with `vdcache recover --full --cache PATH`, which then hands the device to this host"
     )]
     ForeignHost { owner: String, this: String },
     #[error("image {name} does not match what the cache recorded: {reason}")]

@@ -7,7 +7,9 @@ use proptest::prelude::*;
 use std::path::Path;
 use std::sync::Arc;
 use vdcache_backend::{Backend, MemBackend};
-use vdcache_cache::{Admission, CacheConfig, CowMode, DiskPolicy, FlashCache, Replacement, WriteMode};
+use vdcache_cache::{
+    Admission, CacheConfig, CowMode, DiskPolicy, FlashCache, Replacement, WriteMode,
+};
 use vdcache_image::{
     CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain,
     qcow2_image_bytes,

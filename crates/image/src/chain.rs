@@ -10,7 +10,9 @@ use crate::meta_cache::MetaCacheConfig;
 use crate::qimage::{self, ImageOptions, Qcow2Image};
 use std::path::Path;
 use std::sync::Arc;
-use vdcache_backend::{BackendRef, FileBackend, FileOptions, LockMode, MemBackend, NbdBackend, is_nbd_uri};
+use vdcache_backend::{
+    BackendRef, FileBackend, FileOptions, LockMode, MemBackend, NbdBackend, is_nbd_uri,
+};
 use vdcache_qcow2::header::MAGIC;
 
 /// Longest chain accepted (QEMU has no fixed limit; this bounds recursion).
@@ -102,7 +104,11 @@ impl StoreOpener for LocalFiles {
 fn resolve_in_uri(parent: &str, backing: &str) -> String {
     match vdcache_nbd::NbdUri::parse(parent) {
         Ok(mut uri) => {
-            let dir = uri.export.rfind('/').map_or("", |i| &uri.export[..=i]).to_string();
+            let dir = uri
+                .export
+                .rfind('/')
+                .map_or("", |i| &uri.export[..=i])
+                .to_string();
             uri.export = format!("{dir}{backing}");
             uri.to_string()
         }

@@ -180,8 +180,16 @@ impl VirtualDisk {
     /// keeps not yet valid must write the whole block (its other bytes
     /// from the backing chain), or the block would become valid with
     /// stale bytes in it.
-    fn complete_invalid_edges(&self, img: &Qcow2Image, p: &mut ClusterPlan, host: HostOffset) -> Result<()> {
-        let (lo_b, hi_b) = (p.lo / DCOW_BLOCK * DCOW_BLOCK, p.hi.div_ceil(DCOW_BLOCK) * DCOW_BLOCK);
+    fn complete_invalid_edges(
+        &self,
+        img: &Qcow2Image,
+        p: &mut ClusterPlan,
+        host: HostOffset,
+    ) -> Result<()> {
+        let (lo_b, hi_b) = (
+            p.lo / DCOW_BLOCK * DCOW_BLOCK,
+            p.hi.div_ceil(DCOW_BLOCK) * DCOW_BLOCK,
+        );
         if lo_b == p.lo && hi_b == p.hi {
             return Ok(());
         }
@@ -189,7 +197,11 @@ impl VirtualDisk {
             .io
             .invalid_ranges(&img.data, HostOffset(host.0 + lo_b), hi_b - lo_b)
             .map_err(|e| ImageError::io(img.name(), "read validity", e))?;
-        let covers = |at: u64| invalid.iter().any(|&(s, l)| (s..s + l).contains(&(host.0 + at)));
+        let covers = |at: u64| {
+            invalid
+                .iter()
+                .any(|&(s, l)| (s..s + l).contains(&(host.0 + at)))
+        };
         if p.lo != lo_b && covers(lo_b) {
             p.w_lo = p.w_lo.min(lo_b);
         }
@@ -203,11 +215,19 @@ impl VirtualDisk {
     /// no data yet (before anything points at the clusters).
     fn mark_decoupled(&self, img: &Qcow2Image, g: &Geometry, plans: &[ClusterPlan]) -> Result<()> {
         for p in plans.iter().filter(|p| p.decoupled) {
-            let Target::New(Some(host)) = p.target else { continue };
+            let Target::New(Some(host)) = p.target else {
+                continue;
+            };
             let tag = self.tag(IoClass::CowFill, g.cluster_offset(p.cluster));
             let mark = |start: u64, end: u64, invalid: bool| {
                 self.io
-                    .set_invalid(&img.data, HostOffset(host.0 + start), end - start, invalid, tag)
+                    .set_invalid(
+                        &img.data,
+                        HostOffset(host.0 + start),
+                        end - start,
+                        invalid,
+                        tag,
+                    )
                     .map_err(|e| ImageError::io(img.name(), "record partially valid cluster", e))
             };
             // The cluster is freshly allocated: whatever an earlier use of

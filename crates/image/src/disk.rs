@@ -7,7 +7,9 @@
 //! touches before any metadata lock.
 
 use crate::error::{ImageError, Result};
-use crate::hostio::{DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, WriteSegment};
+use crate::hostio::{
+    DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, WriteSegment,
+};
 use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image};
 use crate::range_lock::{Mode, RangeLocks};
 use std::sync::Arc;
@@ -266,7 +268,14 @@ impl VirtualDisk {
     /// Reads allocated data of the top image at `host` (guest `guest`):
     /// ranges the layer below keeps not yet valid (a cluster whose filler
     /// was decoupled) come from the backing chain instead.
-    pub(crate) fn read_top_data(&self, img: &Qcow2Image, host: HostOffset, guest: u64, buf: &mut [u8], tag: IoTag) -> Result<()> {
+    pub(crate) fn read_top_data(
+        &self,
+        img: &Qcow2Image,
+        host: HostOffset,
+        guest: u64,
+        buf: &mut [u8],
+        tag: IoTag,
+    ) -> Result<()> {
         let len = buf.len() as u64;
         let invalid = self
             .io
@@ -333,7 +342,11 @@ impl VirtualDisk {
                 // An allocation whose L2 entry never became durable (a crash
                 // came first) leaves its record orphaned: nothing reads the
                 // cluster through this guest address, so nothing needs filling.
-                tracing::debug!(image = img.name(), offset = r.offset, "dropping an orphaned partially valid record");
+                tracing::debug!(
+                    image = img.name(),
+                    offset = r.offset,
+                    "dropping an orphaned partially valid record"
+                );
                 self.io
                     .set_invalid(&img.data, HostOffset(r.offset), r.len, false, tag)
                     .map_err(|e| ImageError::io(img.name(), "update validity", e))?;
@@ -342,7 +355,11 @@ impl VirtualDisk {
             let mut buf = vec![0u8; r.len as usize];
             self.read_layer(1, guest, &mut buf, IoClass::CowFill)?;
             self.io
-                .write(&img.data, HostOffset(r.offset), &[WriteSegment { data: &buf, tag }])
+                .write(
+                    &img.data,
+                    HostOffset(r.offset),
+                    &[WriteSegment { data: &buf, tag }],
+                )
                 .map_err(|e| ImageError::io(img.name(), "fill", e))?;
             report.filled_bytes += r.len;
         }
@@ -464,7 +481,13 @@ impl VirtualDisk {
                             // A kept (preallocated) cluster reads zeros: none
                             // of it may be routed to the backing chain later.
                             self.io
-                                .set_invalid(&img.data, h, cs, false, self.tag(IoClass::GuestData, pos))
+                                .set_invalid(
+                                    &img.data,
+                                    h,
+                                    cs,
+                                    false,
+                                    self.tag(IoClass::GuestData, pos),
+                                )
                                 .map_err(|e| ImageError::io(img.name(), "update validity", e))?;
                         }
                     }

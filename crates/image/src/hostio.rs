@@ -201,12 +201,24 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
     /// Marks `[offset, offset+len)` (whole [`DCOW_BLOCK`]s) of an image as
     /// not yet valid (`invalid`: read it from the backing chain) or valid.
     /// The record is durable no later than any later write of the layer.
-    fn set_invalid(&self, _image: &ImageHandle, _offset: HostOffset, _len: u64, _invalid: bool, _tag: IoTag) -> io::Result<()> {
+    fn set_invalid(
+        &self,
+        _image: &ImageHandle,
+        _offset: HostOffset,
+        _len: u64,
+        _invalid: bool,
+        _tag: IoTag,
+    ) -> io::Result<()> {
         Ok(())
     }
 
     /// The not yet valid ranges inside `[offset, offset+len)`.
-    fn invalid_ranges(&self, _image: &ImageHandle, _offset: HostOffset, _len: u64) -> io::Result<Vec<(u64, u64)>> {
+    fn invalid_ranges(
+        &self,
+        _image: &ImageHandle,
+        _offset: HostOffset,
+        _len: u64,
+    ) -> io::Result<Vec<(u64, u64)>> {
         Ok(Vec::new())
     }
 

@@ -57,6 +57,10 @@ pub struct ServeArgs {
     /// Region (erase block) size when formatting the cache (default 2M).
     #[arg(long)]
     region_size: Option<String>,
+    /// cow-aware (default: fine-grained metadata, decoupled copy-on-write,
+    /// no filler in flash) or stacked (the cache sees host I/O only).
+    #[arg(long)]
+    cow: Option<String>,
     /// On a clean stop, leave dirty data in flash for a fast restart on
     /// this host instead of writing it back.
     #[arg(long)]
@@ -84,6 +88,7 @@ impl ServeArgs {
             admission: self.admission,
             replacement: self.replacement,
             region_size: self.region_size,
+            cow: self.cow,
             keep_dirty: Some(self.keep_dirty),
             ..CacheSection::default()
         });
@@ -220,9 +225,26 @@ fn print_stats(d: &serde_json::Value) {
     }
 }
 
-pub fn flush(a: ControlArgs) -> Result<u8> {
-    request(&a.path()?, &Request::Flush)?;
-    println!("all dirty data written back");
+#[derive(clap::Args)]
+pub struct FlushArgs {
+    #[command(flatten)]
+    control: ControlArgs,
+    /// Also fill partially valid clusters from their backing files, so the
+    /// images no longer depend on the cache at all.
+    #[arg(long)]
+    fill: bool,
+}
+
+pub fn flush(a: FlushArgs) -> Result<u8> {
+    request(&a.control.path()?, &Request::Flush { fill: a.fill })?;
+    println!(
+        "all dirty data written back{}",
+        if a.fill {
+            ", partially valid clusters filled"
+        } else {
+            ""
+        }
+    );
     Ok(0)
 }
 

@@ -51,7 +51,7 @@ enum Command {
     /// Statistics of a running server.
     Stats(cmd_serve::ControlArgs),
     /// Write every dirty block of a running server back to its images.
-    Flush(cmd_serve::ControlArgs),
+    Flush(cmd_serve::FlushArgs),
     /// Recover a cache device offline (--full: write everything back).
     Recover(cmd_serve::RecoverArgs),
     /// Benchmarks (not tests): measure the engine next to QEMU's tools.

@@ -500,11 +500,24 @@ impl HostIo for FlashCache {
         self.decoupled_for(disk)
     }
 
-    fn set_invalid(&self, image: &ImageHandle, offset: HostOffset, len: u64, invalid: bool, tag: IoTag) -> io::Result<()> {
-        self.set_invalid_range(image, offset.0, len, invalid, tag).map_err(io_err)
+    fn set_invalid(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        len: u64,
+        invalid: bool,
+        tag: IoTag,
+    ) -> io::Result<()> {
+        self.set_invalid_range(image, offset.0, len, invalid, tag)
+            .map_err(io_err)
     }
 
-    fn invalid_ranges(&self, image: &ImageHandle, offset: HostOffset, len: u64) -> io::Result<Vec<(u64, u64)>> {
+    fn invalid_ranges(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        len: u64,
+    ) -> io::Result<Vec<(u64, u64)>> {
         Ok(self.invalid_ranges_of(image, offset.0, len))
     }
 

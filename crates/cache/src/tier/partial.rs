@@ -22,7 +22,11 @@ fn line_masks(off: u64, len: u64) -> Vec<(u64, u16)> {
         let line_end = ((line + 1) * LINE_BLOCKS).min(end);
         let lo = (b % LINE_BLOCKS) as u32;
         let n = (line_end - b) as u32;
-        let mask = if n >= 16 { u16::MAX } else { (((1u32 << n) - 1) << lo) as u16 };
+        let mask = if n >= 16 {
+            u16::MAX
+        } else {
+            (((1u32 << n) - 1) << lo) as u16
+        };
         out.push((line, mask));
         b = line_end;
     }
@@ -31,7 +35,14 @@ fn line_masks(off: u64, len: u64) -> Vec<(u64, u16)> {
 
 impl FlashCache {
     /// Sets or clears the not-yet-valid bits of whole blocks in a range.
-    pub(crate) fn set_invalid_range(&self, image: &ImageHandle, off: u64, len: u64, invalid: bool, tag: IoTag) -> Result<()> {
+    pub(crate) fn set_invalid_range(
+        &self,
+        image: &ImageHandle,
+        off: u64,
+        len: u64,
+        invalid: bool,
+        tag: IoTag,
+    ) -> Result<()> {
         let id = self.image_id(image, tag.disk)?;
         let mut st = self.lock();
         for (line, mask) in line_masks(off, len) {
@@ -87,7 +98,12 @@ impl FlashCache {
     }
 
     /// Not yet valid ranges inside `[off, off+len)`.
-    pub(crate) fn invalid_ranges_of(&self, image: &ImageHandle, off: u64, len: u64) -> Vec<(u64, u64)> {
+    pub(crate) fn invalid_ranges_of(
+        &self,
+        image: &ImageHandle,
+        off: u64,
+        len: u64,
+    ) -> Vec<(u64, u64)> {
         let st = self.lock();
         let Some(&id) = st.by_name.get(&*image.name) else {
             return Vec::new();
@@ -165,6 +181,9 @@ mod tests {
     fn masks_split_by_line() {
         assert_eq!(line_masks(0, LINE), vec![(0, u16::MAX)]);
         assert_eq!(line_masks(BLOCK, 2 * BLOCK), vec![(0, 0b110)]);
-        assert_eq!(line_masks(LINE - BLOCK, 2 * BLOCK), vec![(0, 1 << 15), (1, 1)]);
+        assert_eq!(
+            line_masks(LINE - BLOCK, 2 * BLOCK),
+            vec![(0, 1 << 15), (1, 1)]
+        );
     }
 }

@@ -125,6 +125,23 @@ impl FlashCache {
             .collect()
     }
 
+    /// Images with partially valid clusters (each the top of a chain whose
+    /// backing files must fill them).
+    pub fn partial_images(&self) -> Vec<String> {
+        let st = self.lock();
+        let mut ids: Vec<u16> = st
+            .index
+            .lines()
+            .filter(|l| l.partial != 0)
+            .map(|l| crate::index::key_image(l.key))
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_iter()
+            .filter_map(|id| st.images.get(id as usize).map(|r| r.name.clone()))
+            .collect()
+    }
+
     /// Full recovery: opens each image with dirty blocks through `open`
     /// (by the name the cache recorded), checks it is the recorded file,
     /// writes every dirty block back and syncs. Returns the images written.
@@ -136,6 +153,17 @@ impl FlashCache {
             .map(|(n, _)| n)
             .collect();
         for name in &names {
+            let known = {
+                let st = self.lock();
+                st.by_name
+                    .get(name)
+                    .and_then(|&id| st.images.get(id as usize))
+                    .is_some_and(|r| r.backend.is_some())
+            };
+            if known {
+                // Opened already (and checked) by whoever filled it.
+                continue;
+            }
             let backend = open(name)?;
             let mut st = self.lock();
             let id = st
@@ -372,7 +400,8 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
             st.by_name.insert(name, id);
         }
         Entry::Partial { key, mask, guest } => {
-            st.index.set_partial(key, (guest != u64::MAX).then_some(guest), mask);
+            st.index
+                .set_partial(key, (guest != u64::MAX).then_some(guest), mask);
         }
     }
     Ok(())

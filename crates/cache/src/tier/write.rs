@@ -91,7 +91,13 @@ fn block_guests(off: u64, segments: &[WriteSegment<'_>], first_block: u64, n: u6
             let mid = b * BLOCK + BLOCK / 2;
             spans
                 .iter()
-                .min_by_key(|&&(s, e, _)| if mid < s { s - mid } else { mid.saturating_sub(e - 1) })
+                .min_by_key(|&&(s, e, _)| {
+                    if mid < s {
+                        s - mid
+                    } else {
+                        mid.saturating_sub(e - 1)
+                    }
+                })
                 .map_or(u64::MAX, |&(_, _, g)| g)
         })
         .collect()
@@ -132,7 +138,8 @@ impl FlashCache {
         let bypass = (policy.cow == CowMode::CowAware && filler_only)
             || policy.admission == Admission::SequentialBypass && {
                 let mut st = self.lock();
-                st.runs.entry(tag.disk.0).or_default().observe(off, len) >= policy.sequential_threshold
+                st.runs.entry(tag.disk.0).or_default().observe(off, len)
+                    >= policy.sequential_threshold
             };
         match policy.mode {
             WriteMode::WriteBack if !bypass => {
@@ -298,7 +305,15 @@ impl FlashCache {
 
     /// Maps freshly written blocks dirty and journals them; `guests`
     /// holds the guest cluster each block serves.
-    fn record_dirty(&self, st: &mut State, id: u16, first: u64, runs: &[(Cbn, u32)], crcs: &[u32], guests: &[u64]) {
+    fn record_dirty(
+        &self,
+        st: &mut State,
+        id: u16,
+        first: u64,
+        runs: &[(Cbn, u32)],
+        crcs: &[u32],
+        guests: &[u64],
+    ) {
         let blocks: u64 = runs.iter().map(|r| u64::from(r.1)).sum();
         self.clear_invalid_blocks(st, id, first * BLOCK, blocks * BLOCK);
         let mut i = 0usize;
@@ -397,7 +412,11 @@ impl FlashCache {
             st.note_write(id, off, off + len);
             self.clear_invalid_blocks(&mut st, id, off, len);
             (first..=last)
-                .filter(|&b| cached.iter().any(|&(s, e)| b * BLOCK >= s && (b + 1) * BLOCK <= e))
+                .filter(|&b| {
+                    cached
+                        .iter()
+                        .any(|&(s, e)| b * BLOCK >= s && (b + 1) * BLOCK <= e)
+                })
                 .collect()
         };
         for b in dirty_edges {

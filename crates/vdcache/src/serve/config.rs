@@ -55,6 +55,8 @@ pub struct CacheSection {
     pub admission: Option<String>,
     pub replacement: Option<String>,
     pub region_size: Option<String>,
+    /// stacked | cow-aware (the default)
+    pub cow: Option<String>,
     pub keep_dirty: Option<bool>,
     pub high_watermark: Option<f64>,
     pub low_watermark: Option<f64>,
@@ -73,6 +75,8 @@ pub struct ExportConfig {
     /// Per-disk cache mode, admission and metadata cache settings.
     pub cache_mode: Option<String>,
     pub admission: Option<String>,
+    /// stacked | cow-aware; overrides [cache] cow for this export.
+    pub cow: Option<String>,
     pub l2_cache_size: Option<String>,
     pub refcount_cache_size: Option<String>,
     pub meta_slice_size: Option<String>,

@@ -17,8 +17,12 @@ use std::thread::JoinHandle;
 #[serde(tag = "cmd", rename_all = "kebab-case")]
 pub enum Request {
     Stats,
-    /// Write every dirty block back to the images.
-    Flush,
+    /// Write every dirty block back to the images (and fill partially
+    /// valid clusters first when `fill`).
+    Flush {
+        #[serde(default)]
+        fill: bool,
+    },
 }
 
 /// What the server answers.
@@ -180,7 +184,7 @@ mod tests {
         fn handle(&self, req: &Request) -> Result<serde_json::Value> {
             match req {
                 Request::Stats => Ok(serde_json::json!({"reads": 7})),
-                Request::Flush => bail!("nothing to flush"),
+                Request::Flush { .. } => bail!("nothing to flush"),
             }
         }
     }
@@ -191,7 +195,9 @@ mod tests {
         let path = dir.path().join("ctl.sock");
         let _server = ControlServer::start(&path, Arc::new(Echo)).unwrap();
         assert_eq!(request(&path, &Request::Stats).unwrap()["reads"], 7);
-        let err = request(&path, &Request::Flush).unwrap_err().to_string();
+        let err = request(&path, &Request::Flush { fill: false })
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("nothing to flush"), "{err}");
         assert!(ControlServer::start(&path, Arc::new(Echo)).is_err());
     }

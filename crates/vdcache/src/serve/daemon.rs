@@ -8,9 +8,10 @@ use anyhow::{Context, Result, bail};
 use std::path::Path;
 use std::sync::Arc;
 use vdcache_backend::{FileBackend, FileOptions, LockMode};
-use vdcache_cache::{CacheConfig, DiskPolicy, FlashCache};
+use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache};
 use vdcache_image::{
-    DiskId, HostIo, ImageFormat, MetaCacheConfig, OpenOptions, VirtualDisk, open_chain,
+    DiskId, HostIo, ImageFormat, LocalFiles, MetaCacheConfig, OpenOptions, StoreOpener,
+    VirtualDisk, open_chain,
 };
 
 /// One served disk.
@@ -43,6 +44,9 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     }
     if let Some(a) = &c.admission {
         cfg.default_policy.admission = a.parse().context("[cache] admission")?;
+    }
+    if let Some(c) = &c.cow {
+        cfg.default_policy.cow = c.parse().context("[cache] cow")?;
     }
     if let Some(h) = c.high_watermark {
         cfg.high_watermark = h;
@@ -89,8 +93,13 @@ pub fn open_cache(c: &CacheSection, cfg: CacheConfig) -> Result<Arc<FlashCache>>
     Ok(cache)
 }
 
-fn meta_cache(e: &ExportConfig) -> Result<MetaCacheConfig> {
+/// Metadata cache of an export: whole tables for the stacked baseline;
+/// sectors (COWCache's fine-grained metadata) when the cache is cow-aware.
+fn meta_cache(e: &ExportConfig, cow: Option<CowMode>) -> Result<MetaCacheConfig> {
     let mut m = MetaCacheConfig::default();
+    if cow == Some(CowMode::CowAware) {
+        m.slice_bytes = Some(512);
+    }
     if let Some(s) = &e.l2_cache_size {
         m.l2_bytes = parse_size(s)?;
     }
@@ -115,6 +124,11 @@ fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
             .parse()
             .with_context(|| format!("export '{}': admission", e.name))?;
     }
+    if let Some(c) = &e.cow {
+        p.cow = c
+            .parse()
+            .with_context(|| format!("export '{}': cow", e.name))?;
+    }
     Ok(p)
 }
 
@@ -131,12 +145,13 @@ impl Daemon {
         let mut disks = Vec::new();
         for (i, e) in cfg.exports.iter().enumerate() {
             let id = DiskId(i as u32 + 1);
-            let io: Option<Arc<dyn HostIo>> = match (&cache, e.no_cache) {
+            let (io, cow): (Option<Arc<dyn HostIo>>, Option<CowMode>) = match (&cache, e.no_cache) {
                 (Some(c), false) => {
-                    c.set_policy(id, disk_policy(e, c.config().default_policy)?);
-                    Some(c.clone())
+                    let policy = disk_policy(e, c.config().default_policy)?;
+                    c.set_policy(id, policy);
+                    (Some(c.clone()), Some(policy.cow))
                 }
-                _ => None,
+                _ => (None, None),
             };
             let format = match e.format.as_deref() {
                 Some(f) => Some(
@@ -150,7 +165,7 @@ impl Daemon {
                 &OpenOptions {
                     read_only: e.read_only,
                     format,
-                    cache: meta_cache(e)?,
+                    cache: meta_cache(e, cow)?,
                     disk: id,
                     io,
                     ..OpenOptions::default()
@@ -175,6 +190,12 @@ impl Daemon {
     pub fn stop(&self) -> Result<()> {
         let mut first_error = None;
         for d in &self.disks {
+            if !self.keep_dirty
+                && let Err(e) = d.disk.fill_partial(usize::MAX)
+            {
+                tracing::error!("filling export '{}': {e}", d.config.name);
+                first_error.get_or_insert(anyhow::anyhow!("export '{}': {e}", d.config.name));
+            }
             if let Err(e) = d.disk.close() {
                 tracing::error!("closing export '{}': {e}", d.config.name);
                 first_error.get_or_insert(anyhow::anyhow!("export '{}': {e}", d.config.name));
@@ -190,42 +211,61 @@ impl Daemon {
     }
 }
 
-/// Full recovery of a cache device: writes every dirty block back to its
-/// image, then repairs leaked clusters so each image is standalone and
-/// `qemu-img check` clean. Returns the images written.
-pub fn recover_full(cache_path: &Path) -> Result<Vec<String>> {
+fn open_device(path: &Path) -> Result<vdcache_backend::BackendRef> {
     let device = FileBackend::open(
-        cache_path,
+        path,
         FileOptions {
             read_only: false,
             lock: Some(LockMode::Write),
             create: false,
         },
     )
-    .with_context(|| format!("cannot open cache {}", cache_path.display()))?;
+    .with_context(|| format!("cannot open cache {}", path.display()))?;
+    Ok(Arc::new(device))
+}
+
+/// Full recovery of a cache device: fills partially valid clusters from
+/// their backing chains, writes every dirty block back to its image, then
+/// repairs leaked clusters so each image is standalone and `qemu-img
+/// check` clean. A device recorded for another host is then formatted for
+/// this one (what it still caches may be stale where the images move).
+/// Returns the images written.
+pub fn recover_full(cache_path: &Path) -> Result<Vec<String>> {
     let cfg = CacheConfig {
         force_foreign: true,
         ..CacheConfig::default()
     };
-    let cache = FlashCache::open(Arc::new(device), cfg)
+    let cache = FlashCache::open(open_device(cache_path)?, cfg.clone())
         .with_context(|| format!("cache {}", cache_path.display()))?;
-    let open = |name: &str| -> vdcache_cache::Result<vdcache_backend::BackendRef> {
-        let b = FileBackend::open(
-            Path::new(name),
-            FileOptions {
-                read_only: false,
-                lock: Some(LockMode::Write),
-                create: false,
+    let foreign = cache.superblock().host != vdcache_cache::layout::host_identity();
+    for name in cache.partial_images() {
+        let disk = open_chain(
+            &name,
+            &OpenOptions {
+                io: Some(cache.clone()),
+                ..OpenOptions::default()
             },
         )
-        .map_err(|e| vdcache_cache::CacheError::Config(e.to_string()))?;
-        Ok(Arc::new(b))
+        .with_context(|| format!("opening {name} to fill its partially valid clusters"))?;
+        let report = disk.fill_partial(usize::MAX)?;
+        tracing::info!(
+            "{name}: filled {} bytes of partially valid clusters",
+            report.filled_bytes
+        );
+        disk.close()?;
+    }
+    let open = |name: &str| -> vdcache_cache::Result<vdcache_backend::BackendRef> {
+        Ok(LocalFiles.open(name, true, Some(LockMode::Write))?)
     };
     let written = cache.recover_full(&open)?;
     cache.shutdown(false)?;
     drop(cache);
     for name in &written {
         repair_leaks(name)?;
+    }
+    if foreign {
+        FlashCache::format(open_device(cache_path)?, CacheConfig::default())?.shutdown(false)?;
+        tracing::info!("{} now belongs to this host", cache_path.display());
     }
     Ok(written)
 }

@@ -24,8 +24,11 @@ impl Handler for Control {
     fn handle(&self, req: &Request) -> Result<serde_json::Value> {
         match req {
             Request::Stats => Ok(stats_json(&self.daemon, &self.server)),
-            Request::Flush => {
+            Request::Flush { fill } => {
                 for d in &self.daemon.disks {
+                    if *fill {
+                        d.disk.fill_partial(usize::MAX)?;
+                    }
                     d.disk.flush()?;
                 }
                 if let Some(c) = &self.daemon.cache {
@@ -155,7 +158,9 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
             .map(|p| format!(", control {}", p.display()))
             .unwrap_or_default()
     );
+    let filler = Filler::start(daemon.clone(), server.clone());
     let signal = signals.forever().next();
+    filler.stop();
     eprintln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
     server.shutdown();
     daemon.stop()?;
@@ -164,6 +169,57 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
     }
     eprintln!("vdcache: stopped cleanly");
     Ok(())
+}
+
+/// Fills partially valid clusters while the server is idle (no request in
+/// the last interval), a few at a time, so a busy guest never waits on it.
+struct Filler {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+const FILL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+const FILL_BATCH: usize = 16;
+
+impl Filler {
+    fn start(daemon: Arc<Daemon>, server: Arc<Server>) -> Filler {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("vdcache-filler".into())
+            .spawn(move || {
+                let requests = |srv: &Server| {
+                    srv.stats()
+                        .exports
+                        .iter()
+                        .map(|e| e.io.requests)
+                        .sum::<u64>()
+                };
+                let mut last = requests(&server);
+                while !s.load(std::sync::atomic::Ordering::SeqCst) {
+                    std::thread::sleep(FILL_INTERVAL);
+                    let now = requests(&server);
+                    if now != last {
+                        last = now;
+                        continue;
+                    }
+                    for d in &daemon.disks {
+                        if let Err(e) = d.disk.fill_partial(FILL_BATCH) {
+                            tracing::warn!("background fill of '{}': {e}", d.config.name);
+                        }
+                    }
+                }
+            })
+            .ok();
+        Filler { stop, thread }
+    }
+
+    fn stop(mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// The control socket: configured, or next to the NBD socket.

@@ -1,0 +1,339 @@
+//! Issue 4, done-when 2, with the real server and real clients: `vdcache
+//! serve` with a writeback flash cache is killed with SIGKILL while qemu-io
+//! writes and flushes; restarted on the same cache (fast recovery) it
+//! serves every flushed write; killed again, `vdcache recover --full`
+//! leaves an image that `qemu-img check` finds clean and `qemu-img
+//! compare` finds equal to the reference. Also: --keep-dirty stops and
+//! restarts, a cache device recorded for another host is refused until
+//! recovered, and `vdcache stats --json` reports the cache counters (read
+//! hits, no backend syncs for guest flushes in writeback mode).
+
+mod common;
+mod serving;
+
+use common::{Scratch, assert_same_bytes, exec, ok};
+use serving::{
+    CrashWorkload, Streamed, qcow2, qemu_io, serve, serve_refused, stats, try_serve, uri,
+};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::Path;
+
+const M: u64 = 1 << 20;
+
+fn cache_args<'a>(cache: &'a str, img: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec![
+        "--cache",
+        cache,
+        "--cache-size",
+        "256M",
+        "--cache-mode",
+        "writeback",
+    ];
+    v.extend_from_slice(extra);
+    v.push(img);
+    v
+}
+
+/// Reads the whole disk through the server.
+fn read_all(s: &Scratch, u: &str, name: &str) -> Vec<u8> {
+    let p = s.path(name);
+    ok(s.qemu_img()
+        .args(["convert", "-f", "raw", "-O", "raw", u])
+        .arg(&p));
+    std::fs::read(&p).expect("read converted disk")
+}
+
+fn total(st: &serde_json::Value, key: &str) -> u64 {
+    st["cache"]["total"][key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("stats --json has no cache.total.{key}: {st:#}"))
+}
+
+fn check_clean(s: &Scratch, img: &Path) {
+    let chk = exec(s.qemu_img().arg("check").arg(img));
+    assert!(
+        chk.success() && chk.stdout.contains("No errors"),
+        "qemu-img check must find the image clean\n{}",
+        chk.report()
+    );
+}
+
+/// One crash round in its own files `{tag}.*`: a writeback cache of
+/// `cache_size`, SIGKILL after `kill_at` of 40 flushes, fast recovery,
+/// more writes and flushes, SIGKILL again, full recovery.
+/// `quiet_backend`: the cache is larger than the disk, so re-reads hit and
+/// nothing is written back before the full recovery (guest flushes must
+/// cost no backend sync).
+fn crash_round(
+    s: &Scratch,
+    tag: &str,
+    cache_size: &str,
+    seed: u64,
+    kill_at: usize,
+    quiet_backend: bool,
+) {
+    let size = 32 * M;
+    let img = s.path(&format!("{tag}.qcow2"));
+    qcow2(s, &img, size, None);
+    let cache = s.path(&format!("{tag}.cache"));
+    let (c, i) = (cache.to_str().expect("utf-8"), img.to_str().expect("utf-8"));
+    let mut args = cache_args(c, i, &[]);
+    args[3] = cache_size;
+    let sock = s.path(&format!("{tag}.sock"));
+    let u = uri(&sock, "");
+    let server = serve(s, &sock, &args);
+
+    // 40 groups of 6 writes, each group flushed; SIGKILL once qemu-io has
+    // reported the `kill_at`-th flush, while it keeps writing.
+    let w = CrashWorkload::generate(seed, size, 40, 6);
+    let mut cmd = s.qemu_io();
+    cmd.args(["-f", "raw"]);
+    for c in w.commands() {
+        cmd.arg("-c").arg(c);
+    }
+    cmd.arg(&u);
+    let mut qio = Streamed::spawn(cmd);
+    let marker = w.marker();
+    assert!(
+        qio.wait_for(kill_at, |l| l.trim() == marker),
+        "qemu-io ended before flush {kill_at}:\n{}",
+        qio.seen.join("\n")
+    );
+    server.kill9();
+    let (_, lines) = qio.finish();
+    let flushed = w.confirmed_flushes(&lines);
+    assert!(flushed >= kill_at, "{flushed} flushes confirmed");
+    eprintln!("{tag}: killed after {flushed} of 40 flushes confirmed");
+
+    // Fast recovery: restart on the same cache; every flushed write reads
+    // back, unflushed ones read old or new.
+    let server = serve(s, &sock, &args);
+    let zeros = vec![0u8; size as usize];
+    let recovered = read_all(s, &u, &format!("{tag}.recovered.raw"));
+    w.check(
+        "the disk served after kill -9 and a restart on the same cache",
+        &zeros,
+        flushed,
+        &recovered,
+    );
+    // Read again: with a cache larger than the disk, now from flash.
+    let before = stats(s, &sock);
+    let again = read_all(s, &u, &format!("{tag}.again.raw"));
+    assert_same_bytes("a second read of the recovered disk", &recovered, &again);
+    let st = stats(s, &sock);
+    if quiet_backend {
+        assert!(
+            total(&st, "read_hit_blocks") > total(&before, "read_hit_blocks"),
+            "re-reading the disk must hit the cache: {st:#}"
+        );
+    }
+
+    // The VM goes on: overwrite some of what it wrote before the crash,
+    // flushing as it goes. Guest flushes cost no backend sync in writeback.
+    let syncs = total(&st, "backend_syncs");
+    let flushes = total(&st, "guest_flushes");
+    let mut model = recovered.clone();
+    let mut cmds = Vec::new();
+    for (n, (off, len, _)) in w.unflushed(0).into_iter().step_by(3).enumerate() {
+        let byte = (n % 200 + 30) as u8;
+        model[off as usize..(off + len) as usize].fill(byte);
+        cmds.push(format!("write -P {byte} {off} {len}"));
+        if n % 8 == 7 {
+            cmds.push("flush".into());
+        }
+    }
+    cmds.push("flush".into());
+    qemu_io(s, "raw", &u, &cmds);
+    let st = stats(s, &sock);
+    assert!(
+        total(&st, "guest_flushes") > flushes,
+        "guest flushes are counted: {st:#}"
+    );
+    if quiet_backend {
+        assert_eq!(
+            total(&st, "backend_syncs"),
+            syncs,
+            "a guest flush in writeback mode must not sync the backend: {st:#}"
+        );
+        assert!(
+            st["cache"]["dirty_bytes"].as_u64().unwrap_or(0) > 0,
+            "{st:#}"
+        );
+    }
+
+    // Crash again, after the flush; full recovery writes everything back.
+    server.kill9();
+    let rec = ok(s
+        .vdcache()
+        .args(["recover", "--full", "--cache"])
+        .arg(&cache));
+    // (Under pressure, background write-back may in principle have
+    // drained everything already.)
+    assert!(
+        rec.stdout.contains("written back") && rec.stdout.contains(i)
+            || !quiet_backend && rec.stdout.contains("no dirty data"),
+        "{}",
+        rec.report()
+    );
+    check_clean(s, &img);
+    ok(s.vdcache().arg("check").arg(&img));
+    let refp = s.path(&format!("{tag}.reference.raw"));
+    std::fs::write(&refp, &model).expect("write reference");
+    let cmp = ok(s
+        .qemu_img()
+        .args(["compare", "-f", "qcow2", "-F", "raw"])
+        .arg(&img)
+        .arg(&refp));
+    assert!(
+        cmp.stdout.contains("Images are identical"),
+        "{}",
+        cmp.report()
+    );
+}
+
+#[test]
+fn kill9_in_writeback_then_fast_and_full_recovery() {
+    let s = Scratch::new();
+    crash_round(&s, "big", "256M", 0xcac4e, 15, true);
+    s.finish();
+}
+
+/// A cache small enough that write-back (high watermark) and region
+/// reclaim run during the workload, so the kill can land in them.
+#[test]
+fn kill9_under_cache_pressure_then_fast_and_full_recovery() {
+    let s = Scratch::new();
+    crash_round(&s, "small", "16M", 0x5a11, 25, false);
+    s.finish();
+}
+
+#[test]
+fn keep_dirty_stop_then_restart_and_write_back() {
+    let s = Scratch::new();
+    let img = s.path("kd.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let cache = s.path("kd.cache");
+    let (c, i) = (cache.to_str().expect("utf-8"), img.to_str().expect("utf-8"));
+    let sock = s.path("kd.sock");
+    let u = uri(&sock, "");
+
+    let server = serve(&s, &sock, &cache_args(c, i, &["--keep-dirty"]));
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x5a 1M 2M".into(), "flush".into()],
+    );
+    let st = stats(&s, &sock);
+    assert_eq!(total(&st, "backend_syncs"), 0, "{st:#}");
+    let log = server.stop_clean();
+    assert!(log.contains("stopped cleanly"), "{log}");
+    // The image is closed clean even though its newest data is in flash.
+    check_clean(&s, &img);
+
+    // Restart (this time writing back on stop): the data is still dirty
+    // in flash and reads back from there.
+    let server = serve(&s, &sock, &cache_args(c, i, &[]));
+    let st = stats(&s, &sock);
+    assert!(
+        st["cache"]["dirty_bytes"].as_u64().unwrap_or(0) >= 2 * M,
+        "--keep-dirty must leave the dirty data in flash: {st:#}"
+    );
+    qemu_io(&s, "raw", &u, &["read -P 0x5a 1M 2M".into()]);
+    let st = stats(&s, &sock);
+    assert!(total(&st, "read_hit_blocks") > 0, "{st:#}");
+    server.stop_clean();
+    check_clean(&s, &img);
+    qemu_io(
+        &s,
+        "qcow2",
+        i,
+        &["read -P 0x5a 1M 2M".into(), "read -P 0 3M 13M".into()],
+    );
+    s.finish();
+}
+
+#[test]
+fn cache_from_another_host_is_refused_until_recovered() {
+    let s = Scratch::new();
+    let img = s.path("fh.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let cache = s.path("fh.cache");
+    let (c, i) = (cache.to_str().expect("utf-8"), img.to_str().expect("utf-8"));
+    let sock = s.path("fh.sock");
+    let args = cache_args(c, i, &[]);
+    let server = serve(&s, &sock, &args);
+    qemu_io(
+        &s,
+        "raw",
+        &uri(&sock, ""),
+        &["write -P 0x6b 0 3M".into(), "flush".into()],
+    );
+    server.kill9();
+    let image_before = std::fs::read(&img).expect("read image");
+
+    // Pretend the cache was formatted on another host: rewrite the host
+    // recorded in its superblock (with a valid checksum).
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&cache)
+        .expect("open cache");
+    let mut sb = vec![0u8; 4096];
+    f.read_exact(&mut sb).expect("read superblock");
+    let mut parsed = vdcache_cache::layout::Superblock::decode(&sb).expect("decode superblock");
+    parsed.host = "some-other-hypervisor".into();
+    let enc = parsed.encode();
+    assert_eq!(enc.len(), 4096);
+    f.seek(SeekFrom::Start(0)).expect("seek");
+    f.write_all(&enc).expect("write superblock");
+    f.sync_all().expect("sync");
+    drop(f);
+
+    let log = serve_refused(&s, &sock, &args);
+    assert!(
+        log.contains("some-other-hypervisor") && log.contains("recover --full"),
+        "serving a foreign cache must be refused, naming the owner and the way out:\n{log}"
+    );
+    assert_same_bytes(
+        "the image after a refused serve",
+        &image_before,
+        &std::fs::read(&img).expect("read image"),
+    );
+
+    let rec = ok(s
+        .vdcache()
+        .args(["recover", "--full", "--cache"])
+        .arg(&cache));
+    assert!(rec.stdout.contains("written back"), "{}", rec.report());
+    check_clean(&s, &img);
+    qemu_io(&s, "qcow2", i, &["read -P 0x6b 0 3M".into()]);
+
+    // Recovered: the cache holds no dirty data of the other host any more
+    // and this host may use it. (Collected, so both findings are reported.)
+    let mut problems = Vec::new();
+    match try_serve(&s, &sock, &args) {
+        Ok(server) => {
+            qemu_io(&s, "raw", &uri(&sock, ""), &["read -P 0x6b 0 3M".into()]);
+            server.stop_clean();
+            check_clean(&s, &img);
+        }
+        Err(log) => problems.push(format!(
+            "after `vdcache recover --full --cache {c}` succeeded, serve still refuses \
+             the cache:\n{log}"
+        )),
+    }
+    // The refusal's advice must name options that exist.
+    if log.contains("--force-foreign") {
+        let help = ok(s.vdcache().args(["serve", "--help"])).stdout;
+        if !help.contains("--force-foreign") {
+            problems.push(
+                "the refusal suggests `--force-foreign`, but `vdcache serve` has no such \
+                 option (not in `vdcache serve --help`)"
+                    .into(),
+            );
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n\n"));
+    s.finish();
+}
