@@ -108,6 +108,18 @@ impl CowMode {
             CowMode::CowAware => "cow-aware",
         }
     }
+
+    /// The COW layer's metadata cache that goes with this mode: whole
+    /// tables for the stacked baseline; 512-byte sectors when cow-aware,
+    /// so that an 8-byte L2 change costs one sector record in the journal
+    /// and not a whole table (COWCache section 3.2).
+    pub fn meta_cache(self) -> vdcache_image::MetaCacheConfig {
+        let mut m = vdcache_image::MetaCacheConfig::default();
+        if self == CowMode::CowAware {
+            m.slice_bytes = Some(512);
+        }
+        m
+    }
 }
 
 /// Per-disk policy.
@@ -151,6 +163,9 @@ pub struct CacheConfig {
     /// high watermark) instead of a background thread: deterministic, for
     /// trace replay and crash sweeps.
     pub inline_writeback: bool,
+    /// Journal entries are written to the metadata zone once this many
+    /// bytes are pending (or a second after the oldest, or at a flush).
+    pub journal_buffer_bytes: usize,
     /// Open a cache device recorded for another host (its dirty data is
     /// only ever written back, never served).
     pub force_foreign: bool,
@@ -172,6 +187,7 @@ impl Default for CacheConfig {
             reserve_regions: 2,
             relocate_hot: true,
             inline_writeback: false,
+            journal_buffer_bytes: 64 << 10,
             force_foreign: false,
             host: None,
             test_index_before_data: false,

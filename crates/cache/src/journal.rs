@@ -49,7 +49,26 @@ pub enum Entry {
     /// The partially valid (dcow) bitmap of a line, and the guest cluster
     /// it was allocated for (`u64::MAX`: unchanged).
     Partial { key: u64, mask: u16, guest: u64 },
+    /// A dirty 512-byte sector of qcow2 metadata of image `image` at byte
+    /// `offset`, held by the cache (not yet on the backend).
+    MetaSector {
+        image: u16,
+        offset: u64,
+        data: Box<[u8]>,
+    },
+    /// `sectors` dirty metadata sectors from `offset` hold zeros (a new
+    /// table).
+    MetaZero {
+        image: u16,
+        offset: u64,
+        sectors: u32,
+    },
+    /// The sector reached the backend, or newer bytes replaced it.
+    MetaClean { image: u16, offset: u64 },
 }
+
+/// Bytes of qcow2 metadata one [`Entry::MetaSector`] carries.
+pub const META_SECTOR: usize = 512;
 
 fn put64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -148,6 +167,34 @@ impl Entry {
                 put16(out, *mask);
                 put64(out, *guest);
             }
+            Entry::MetaSector {
+                image,
+                offset,
+                data,
+            } => {
+                out.push(6);
+                put16(out, *image);
+                put64(out, *offset);
+                let mut sector = [0u8; META_SECTOR];
+                let n = data.len().min(META_SECTOR);
+                sector[..n].copy_from_slice(&data[..n]);
+                out.extend_from_slice(&sector);
+            }
+            Entry::MetaClean { image, offset } => {
+                out.push(7);
+                put16(out, *image);
+                put64(out, *offset);
+            }
+            Entry::MetaZero {
+                image,
+                offset,
+                sectors,
+            } => {
+                out.push(8);
+                put16(out, *image);
+                put64(out, *offset);
+                put32(out, *sectors);
+            }
         }
     }
 
@@ -188,6 +235,20 @@ impl Entry {
                 key: r.u64()?,
                 mask: r.u16()?,
                 guest: r.u64()?,
+            },
+            6 => Entry::MetaSector {
+                image: r.u16()?,
+                offset: r.u64()?,
+                data: r.take(META_SECTOR)?.into(),
+            },
+            7 => Entry::MetaClean {
+                image: r.u16()?,
+                offset: r.u64()?,
+            },
+            8 => Entry::MetaZero {
+                image: r.u16()?,
+                offset: r.u64()?,
+                sectors: r.u32()?,
             },
             t => {
                 return Err(CacheError::Corrupt(format!(

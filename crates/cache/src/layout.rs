@@ -21,13 +21,15 @@ pub const DEFAULT_REGION: u64 = 2 << 20;
 pub const MIN_DEVICE: u64 = 16 << 20;
 
 const MAGIC: &[u8; 8] = b"VDCACHE1";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const SUPERBLOCK_BYTES: u64 = BLOCK;
 /// Room reserved in a checkpoint for the image registry.
 pub const REGISTRY_BYTES: u64 = 1 << 20;
 /// Checkpoint bytes per data block in the worst case (one line per block:
 /// key, guest line, three bitmaps, one block number).
 const CHECKPOINT_BYTES_PER_BLOCK: u64 = 32;
+/// Checkpoint bytes per dirty metadata sector (image, offset, 512 bytes).
+const CHECKPOINT_BYTES_PER_SECTOR: u64 = 528;
 
 /// Where everything lives on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,7 +61,12 @@ impl Layout {
         let round = |v: u64| v.div_ceil(BLOCK) * BLOCK;
         let journal_bytes = round((device_bytes / 128).clamp(4 << 20, 256 << 20));
         let estimate_blocks = device_bytes / BLOCK;
-        let slot = round(BLOCK + REGISTRY_BYTES + estimate_blocks * CHECKPOINT_BYTES_PER_BLOCK);
+        let slot = round(
+            BLOCK
+                + REGISTRY_BYTES
+                + estimate_blocks * CHECKPOINT_BYTES_PER_BLOCK
+                + meta_store_sectors(device_bytes) * CHECKPOINT_BYTES_PER_SECTOR,
+        );
         let checkpoint_offset = SUPERBLOCK_BYTES;
         let journal_offset = checkpoint_offset + 2 * slot;
         let data_offset =
@@ -92,6 +99,13 @@ impl Layout {
         })
     }
 
+    /// Dirty 512-byte metadata sectors the cache may hold (cow-aware
+    /// write-back) before it must write them back: a checkpoint has room
+    /// for all of them.
+    pub fn meta_store_sectors(&self) -> u64 {
+        meta_store_sectors(self.device_bytes)
+    }
+
     pub fn blocks_per_region(&self) -> u32 {
         (self.region_bytes / BLOCK) as u32
     }
@@ -116,6 +130,11 @@ impl Layout {
     pub fn slot_offset(&self, slot: usize) -> u64 {
         self.checkpoint_offset + slot as u64 * self.checkpoint_slot_bytes
     }
+}
+
+/// 1/512 of the device, between 256 KiB and 32 MiB of sectors.
+fn meta_store_sectors(device_bytes: u64) -> u64 {
+    (device_bytes / 512).clamp(256 << 10, 32 << 20) / 512
 }
 
 /// The superblock: identity and layout of a cache device.

@@ -21,5 +21,5 @@ mod tier;
 pub use config::{Admission, CacheConfig, CowMode, DiskPolicy, WriteMode};
 pub use error::{CacheError, Result};
 pub use region::Replacement;
-pub use stats::DiskStats;
+pub use stats::{DeviceStats, DiskStats};
 pub use tier::{CacheReport, FlashCache, ImageReport};

@@ -22,6 +22,11 @@ pub struct DiskCounters {
     pub all_miss_blocks: AtomicU64,
     pub flash_bytes_written: AtomicU64,
     pub flash_bytes_read: AtomicU64,
+    /// Metadata (L2, refcount) bytes written to flash: whole blocks, or
+    /// sector records of the journal (cow-aware write-back).
+    pub meta_flash_bytes_written: AtomicU64,
+    /// Metadata bytes read from flash.
+    pub meta_flash_bytes_read: AtomicU64,
     pub backend_bytes_read: AtomicU64,
     pub backend_bytes_written: AtomicU64,
     pub backend_syncs: AtomicU64,
@@ -41,6 +46,8 @@ pub struct DiskStats {
     pub all_miss_blocks: u64,
     pub flash_bytes_written: u64,
     pub flash_bytes_read: u64,
+    pub meta_flash_bytes_written: u64,
+    pub meta_flash_bytes_read: u64,
     pub backend_bytes_read: u64,
     pub backend_bytes_written: u64,
     pub backend_syncs: u64,
@@ -69,6 +76,8 @@ impl DiskStats {
         self.all_miss_blocks += o.all_miss_blocks;
         self.flash_bytes_written += o.flash_bytes_written;
         self.flash_bytes_read += o.flash_bytes_read;
+        self.meta_flash_bytes_written += o.meta_flash_bytes_written;
+        self.meta_flash_bytes_read += o.meta_flash_bytes_read;
         self.backend_bytes_read += o.backend_bytes_read;
         self.backend_bytes_written += o.backend_bytes_written;
         self.backend_syncs += o.backend_syncs;
@@ -91,6 +100,8 @@ impl DiskCounters {
             all_miss_blocks: l(&self.all_miss_blocks),
             flash_bytes_written: l(&self.flash_bytes_written),
             flash_bytes_read: l(&self.flash_bytes_read),
+            meta_flash_bytes_written: l(&self.meta_flash_bytes_written),
+            meta_flash_bytes_read: l(&self.meta_flash_bytes_read),
             backend_bytes_read: l(&self.backend_bytes_read),
             backend_bytes_written: l(&self.backend_bytes_written),
             backend_syncs: l(&self.backend_syncs),
@@ -128,5 +139,108 @@ impl Stats {
             .iter()
             .map(|(d, c)| (*d, c.snapshot()))
             .collect()
+    }
+}
+
+/// What the cache tier itself did to its device, by zone: the figures
+/// behind flash bytes per guest byte and the SSD's wear.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceStats {
+    /// Bytes written into the data zone (cached blocks, relocations).
+    pub data_bytes_written: u64,
+    /// Bytes written to the superblock, checkpoint slots and journal ring.
+    pub meta_bytes_written: u64,
+    pub bytes_read: u64,
+    /// Durable writes of the device (flushes).
+    pub syncs: u64,
+    /// Bytes discarded (reclaimed regions).
+    pub bytes_discarded: u64,
+}
+
+/// The cache device with counters around it. Every I/O the tier issues
+/// after opening goes through one of these.
+#[derive(Debug)]
+pub struct CountedDevice {
+    inner: vdcache_backend::BackendRef,
+    data_offset: u64,
+    data_written: AtomicU64,
+    meta_written: AtomicU64,
+    read: AtomicU64,
+    syncs: AtomicU64,
+    discarded: AtomicU64,
+}
+
+impl CountedDevice {
+    /// Counts writes below `data_offset` as metadata-zone writes.
+    pub fn new(inner: vdcache_backend::BackendRef, data_offset: u64) -> CountedDevice {
+        CountedDevice {
+            inner,
+            data_offset,
+            data_written: AtomicU64::new(0),
+            meta_written: AtomicU64::new(0),
+            read: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
+            discarded: AtomicU64::new(0),
+        }
+    }
+
+    pub fn snapshot(&self) -> DeviceStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DeviceStats {
+            data_bytes_written: l(&self.data_written),
+            meta_bytes_written: l(&self.meta_written),
+            bytes_read: l(&self.read),
+            syncs: l(&self.syncs),
+            bytes_discarded: l(&self.discarded),
+        }
+    }
+
+    fn count_write(&self, offset: u64, len: u64) {
+        let meta = self.data_offset.saturating_sub(offset).min(len);
+        bump(&self.meta_written, meta);
+        bump(&self.data_written, len - meta);
+    }
+}
+
+impl vdcache_backend::Backend for CountedDevice {
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        bump(&self.read, buf.len() as u64);
+        self.inner.read_at(buf, offset)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.count_write(offset, buf.len() as u64);
+        self.inner.write_at(buf, offset)
+    }
+
+    fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> std::io::Result<()> {
+        self.count_write(offset, bufs.iter().map(|b| b.len() as u64).sum());
+        self.inner.write_vectored_at(bufs, offset)
+    }
+
+    fn flush(&self) -> std::io::Result<()> {
+        bump(&self.syncs, 1);
+        self.inner.flush()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        bump(&self.discarded, len);
+        self.inner.discard(offset, len)
+    }
+
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.inner.set_len(len)
+    }
+
+    fn can_grow(&self) -> bool {
+        self.inner.can_grow()
+    }
+
+    fn name(&self) -> &str {
+        self.inner.name()
     }
 }

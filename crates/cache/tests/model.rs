@@ -11,8 +11,8 @@ use vdcache_cache::{
     Admission, CacheConfig, CowMode, DiskPolicy, FlashCache, Replacement, WriteMode,
 };
 use vdcache_image::{
-    CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain,
-    qcow2_image_bytes,
+    CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, MetaCacheConfig, OpenOptions,
+    VirtualDisk, open_chain, qcow2_image_bytes,
 };
 
 const SIZE: u64 = 24 << 20;
@@ -108,10 +108,24 @@ impl Rig {
                 io: Some(io),
                 disk: DiskId(1),
                 format: Some(ImageFormat::Qcow2),
+                cache: self.meta_cache(),
                 ..OpenOptions::default()
             },
         )
         .expect("open")
+    }
+
+    /// As serve does: cow-aware caches get sector-sized metadata slices
+    /// (here few, so dirty sectors are evicted into the cache often).
+    fn meta_cache(&self) -> MetaCacheConfig {
+        match self.policy.cow {
+            CowMode::Stacked => MetaCacheConfig::default(),
+            CowMode::CowAware => MetaCacheConfig {
+                l2_bytes: 8 << 10,
+                refcount_bytes: 4 << 10,
+                slice_bytes: Some(512),
+            },
+        }
     }
 }
 

@@ -2,8 +2,9 @@
 //! cache device, all recorded. The workload runs through the cache (with
 //! some guest reopens also restarting the cache, keeping its dirty data).
 //! Recovery after a crash is the cache's fast recovery, whose reads must
-//! equal, byte for byte, the images after full recovery (every dirty block
-//! written back); the harness then checks those standalone images.
+//! equal, byte for byte, the images after full recovery (partially valid
+//! clusters filled, every dirty block written back, none left partial);
+//! the harness then checks those standalone images.
 //!
 //! This module only wires the cache into the harness; it must not relax
 //! any check.
@@ -55,9 +56,10 @@ impl CrashTarget for CacheTarget {
     fn label(&self) -> String {
         let p = self.config.default_policy;
         format!(
-            "{} through a {} KiB cache ({}, {}, {}{})",
+            "{} through a {} KiB cache ({}, {}, {}, {}{})",
             self.images.label(),
             self.device_bytes >> 10,
+            p.cow.name(),
             p.mode.name(),
             p.admission.name(),
             self.config.replacement.name(),
@@ -124,10 +126,23 @@ impl CrashTarget for CacheTarget {
         )?;
         let mut seen = vec![0u8; fast.size() as usize];
         fast.read(0, &mut seen)?;
+        // Full recovery: partially valid clusters filled from the backing
+        // chain, every dirty block and metadata sector back to the images.
+        let filled = fast.fill_partial(usize::MAX)?;
+        if filled.remaining > 0 {
+            return Err(format!(
+                "{} partially valid clusters remain after filling",
+                filled.remaining
+            )
+            .into());
+        }
         fast.close()?;
         drop(fast);
-        // Full recovery: every dirty block back to the images.
         cache.drain()?;
+        let partial = cache.partial_images();
+        if !partial.is_empty() {
+            return Err(format!("partially valid clusters remain in {partial:?}").into());
+        }
         cache.shutdown(false)?;
         drop(cache);
         let standalone = open_chain(Qcow2Target::TOP, &self.options(files, None))?;

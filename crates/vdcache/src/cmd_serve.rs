@@ -192,6 +192,15 @@ fn print_stats(d: &serde_json::Value) {
             n(&t["backend_bytes_written"]),
             n(&t["backend_syncs"])
         );
+        let dev = &c["device"];
+        println!(
+            "device: data zone written {} metadata zone written {} read {} syncs {} discarded {}",
+            n(&dev["data_bytes_written"]),
+            n(&dev["meta_bytes_written"]),
+            n(&dev["bytes_read"]),
+            n(&dev["syncs"]),
+            n(&dev["bytes_discarded"])
+        );
         if let Some(disks) = c["disks"].as_array() {
             for pair in disks {
                 let (id, s) = (&pair[0], &pair[1]);

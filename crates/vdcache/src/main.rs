@@ -10,6 +10,7 @@ mod cmd_create;
 mod cmd_demo;
 mod cmd_info;
 mod cmd_io;
+mod cmd_plot;
 mod cmd_serve;
 mod meta_args;
 mod serve;
@@ -56,6 +57,8 @@ enum Command {
     Recover(cmd_serve::RecoverArgs),
     /// Benchmarks (not tests): measure the engine next to QEMU's tools.
     Bench(cmd_bench::Args),
+    /// Draw a chart described in JSON (what the bench scripts write) as SVG and PNG.
+    Plot(cmd_plot::Args),
 }
 
 fn main() -> ExitCode {
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
         Command::Flush(a) => cmd_serve::flush(a),
         Command::Recover(a) => cmd_serve::recover(a),
         Command::Bench(a) => cmd_bench::run(a),
+        Command::Plot(a) => cmd_plot::run(a),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -12,7 +12,7 @@ use vdcache_image::{FlushKind, ImageHandle};
 impl FlashCache {
     /// Syncs images holding write-through data: journal records of their
     /// clean copies must never outlive the data on the backend.
-    fn sync_backends(&self, st: &mut State) -> Result<()> {
+    pub(crate) fn sync_backends(&self, st: &mut State) -> Result<()> {
         for id in std::mem::take(&mut st.unsynced) {
             let Some(rec) = st.images.get(id as usize) else {
                 continue;
@@ -134,6 +134,22 @@ fn encode_checkpoint(st: &State) -> Vec<u8> {
             }
         }
     }
+    put(&mut out, &(st.meta.dirty_len() as u64).to_le_bytes());
+    for (image, offset, data) in st.meta.dirty_sectors() {
+        match data {
+            Some(data) => crate::journal::Entry::MetaSector {
+                image,
+                offset,
+                data: data.into(),
+            },
+            None => crate::journal::Entry::MetaZero {
+                image,
+                offset,
+                sectors: 1,
+            },
+        }
+        .encode(&mut out);
+    }
     out
 }
 
@@ -146,10 +162,15 @@ pub(crate) struct SavedLine {
     pub cbn: Vec<(usize, u32)>,
 }
 
-/// Decodes a checkpoint payload into image entries and lines.
-pub(crate) fn decode_checkpoint(
-    payload: &[u8],
-) -> Result<(Vec<crate::journal::Entry>, Vec<SavedLine>)> {
+/// A decoded checkpoint: image entries, lines, metadata sector entries.
+type Checkpoint = (
+    Vec<crate::journal::Entry>,
+    Vec<SavedLine>,
+    Vec<crate::journal::Entry>,
+);
+
+/// Decodes a checkpoint payload.
+pub(crate) fn decode_checkpoint(payload: &[u8]) -> Result<Checkpoint> {
     let mut r = Reader::new(payload);
     let images = r.u32()?;
     let mut entries = Vec::with_capacity((images as usize).min(65536));
@@ -178,5 +199,19 @@ pub(crate) fn decode_checkpoint(
             cbn,
         });
     }
-    Ok((entries, lines))
+    let count = r.u64()?;
+    let mut sectors = Vec::with_capacity((count as usize).min(payload.len() / 512 + 1));
+    for _ in 0..count {
+        let e = crate::journal::Entry::decode(&mut r)?;
+        if !matches!(
+            e,
+            crate::journal::Entry::MetaSector { .. } | crate::journal::Entry::MetaZero { .. }
+        ) {
+            return Err(CacheError::Corrupt(
+                "checkpoint holds a non-sector entry among metadata sectors".into(),
+            ));
+        }
+        sectors.push(e);
+    }
+    Ok((entries, lines, sectors))
 }

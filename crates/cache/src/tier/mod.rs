@@ -9,6 +9,7 @@
 //! always yields a prefix of what was acknowledged, never garbage.
 
 mod commit;
+mod metastore;
 mod partial;
 mod ranges;
 mod read;
@@ -24,7 +25,7 @@ use crate::index::Index;
 use crate::journal::{Entry, ImageIdentity, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
-use crate::stats::{DiskStats, Stats};
+use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -84,6 +85,10 @@ pub(crate) struct State {
     pub drain_requests: u64,
     /// Write-back thread is between collecting and completing a batch.
     pub writeback_busy: bool,
+    /// Dirty metadata sectors (cow-aware write-back).
+    pub meta: metastore::MetaStore,
+    /// When the journal buffer was last written out.
+    pub journal_written: std::time::Instant,
 }
 
 impl State {
@@ -133,7 +138,12 @@ pub struct CacheReport {
     pub index_memory_bytes: u64,
     /// Index memory as a fraction of the cached bytes.
     pub index_memory_ratio: f64,
+    /// Dirty metadata sectors held (cow-aware write-back), and their memory.
+    pub meta_sectors: u64,
+    pub meta_sector_memory_bytes: u64,
     pub replacement: &'static str,
+    /// What the tier wrote to and read from its device since it opened.
+    pub device: DeviceStats,
     pub total: DiskStats,
     pub disks: Vec<(u32, DiskStats)>,
     pub images: Vec<ImageReport>,
@@ -150,6 +160,8 @@ pub struct ImageReport {
 /// A flash cache on one device, shared by every disk of a server.
 pub struct FlashCache {
     device: BackendRef,
+    /// The same device, for its counters.
+    counted: Arc<CountedDevice>,
     sb: Superblock,
     layout: Layout,
     config: CacheConfig,
@@ -253,6 +265,8 @@ impl FlashCache {
             uncommitted_dirty: false,
             drain_requests: 0,
             writeback_busy: false,
+            meta: metastore::MetaStore::default(),
+            journal_written: std::time::Instant::now(),
         }
     }
 
@@ -262,9 +276,11 @@ impl FlashCache {
         config: CacheConfig,
         state: State,
     ) -> Arc<FlashCache> {
+        let counted = Arc::new(CountedDevice::new(device, sb.layout.data_offset));
         let cache = Arc::new(FlashCache {
             layout: sb.layout,
-            device,
+            device: counted.clone(),
+            counted,
             sb,
             config,
             state: Mutex::new(state),
@@ -405,6 +421,8 @@ impl FlashCache {
             })
             .collect();
         let dirty = st.index.dirty_blocks() * BLOCK;
+        let meta_sectors = st.meta.dirty_len() as u64;
+        let meta_sector_memory_bytes = st.meta.memory_bytes();
         drop(st);
         let mut disks = self.stats.all();
         let mut total = DiskStats::default();
@@ -428,7 +446,10 @@ impl FlashCache {
             } else {
                 memory as f64 / cached as f64
             },
+            meta_sectors,
+            meta_sector_memory_bytes,
             replacement: self.config.replacement.name(),
+            device: self.counted.snapshot(),
             total,
             disks,
             images,

@@ -3,6 +3,7 @@
 //! blocks, and admitted into the promotion stream when the admission
 //! policy says so and no write overtook the read.
 
+use super::metastore::overlay;
 use super::{FlashCache, State};
 use crate::config::{Admission, DiskPolicy};
 use crate::error::{CacheError, Result};
@@ -59,11 +60,14 @@ impl FlashCache {
             bump(&counters.guest_reads, 1);
             bump(&counters.guest_read_bytes, buf.len() as u64);
         }
+        if self.read_from_sectors(id, off, buf) {
+            return Ok(());
+        }
         let first = off / BLOCK;
         let last = (off + buf.len() as u64 - 1) / BLOCK;
         let mut hits: Vec<(u64, Cbn)> = Vec::new();
         let mut misses: Vec<u64> = Vec::new();
-        let (read_seq, policy) = {
+        let (read_seq, policy, sectors) = {
             let mut st = self.lock();
             for b in first..=last {
                 let key = line_key(id, b / LINE_BLOCKS);
@@ -80,9 +84,14 @@ impl FlashCache {
                     }
                 }
             }
+            let policy = st.policy(tag.disk, self.config.default_policy);
+            if !misses.is_empty() {
+                self.widen_to_table(&st, id, policy, tag, &mut misses);
+            }
             (
                 st.write_seq,
-                st.policy(tag.disk, self.config.default_policy),
+                policy,
+                self.meta_snapshot(&st, id, off, buf.len() as u64),
             )
         };
         let hit_blocks = hits.len() as u64;
@@ -101,16 +110,51 @@ impl FlashCache {
             }
         }
         bump(&counters.flash_bytes_read, hit_blocks * BLOCK);
+        if matches!(tag.class, IoClass::Metadata(_)) {
+            bump(&counters.meta_flash_bytes_read, hit_blocks * BLOCK);
+        }
         flash?;
-        if misses.is_empty() {
-            return Ok(());
-        }
-        let fetched = self.read_misses(image, &misses, off, buf, &counters)?;
-        if policy.cow == crate::config::CowMode::CowAware && tag.class == IoClass::CowFill {
+        if !misses.is_empty() {
+            let fetched = self.read_misses(image, &misses, off, buf, &counters)?;
             // Copy-on-write filler has no locality of its own.
-            return Ok(());
+            let cow_aware = policy.cow == crate::config::CowMode::CowAware;
+            if !(cow_aware && tag.class == IoClass::CowFill) {
+                self.promote(id, tag, policy, read_seq, fetched)?;
+            }
         }
-        self.promote(id, tag, policy, read_seq, fetched)
+        overlay(&sectors, off, buf);
+        Ok(())
+    }
+
+    /// A cow-aware metadata miss fetches the rest of its table too (the
+    /// blocks flash lacks), so the table is read from the backend once and
+    /// cached in flash; the COW layer keeps only the sector it wanted.
+    fn widen_to_table(
+        &self,
+        st: &State,
+        id: u16,
+        policy: DiskPolicy,
+        tag: IoTag,
+        misses: &mut Vec<u64>,
+    ) {
+        let Some((start, len)) = tag.unit else {
+            return;
+        };
+        if policy.cow != crate::config::CowMode::CowAware
+            || !matches!(tag.class, IoClass::Metadata(_))
+        {
+            return;
+        }
+        for b in start / BLOCK..(start + u64::from(len)).div_ceil(BLOCK) {
+            let key = line_key(id, b / LINE_BLOCKS);
+            if st.index.block(key, (b % LINE_BLOCKS) as usize).is_none()
+                && !st.meta.covers(id, b * BLOCK, (b + 1) * BLOCK)
+            {
+                misses.push(b);
+            }
+        }
+        misses.sort_unstable();
+        misses.dedup();
     }
 
     fn read_hits(&self, hits: &[(u64, Cbn)], off: u64, buf: &mut [u8]) -> Result<()> {
@@ -204,7 +248,10 @@ impl FlashCache {
             let n = data.len() as u64 / BLOCK;
             let runs = {
                 let mut st = self.lock();
-                if !self.admits_read(&mut st, policy, tag, first, n) {
+                let table = tag.unit.is_some()
+                    && policy.cow == crate::config::CowMode::CowAware
+                    && matches!(tag.class, IoClass::Metadata(_));
+                if !table && !self.admits_read(&mut st, policy, tag, first, n) {
                     continue;
                 }
                 self.allocate(&mut st, Stream::Promote, n as u32)?
@@ -222,6 +269,9 @@ impl FlashCache {
                 done += u64::from(k);
             }
             bump(&counters.flash_bytes_written, done * BLOCK);
+            if matches!(tag.class, IoClass::Metadata(_)) {
+                bump(&counters.meta_flash_bytes_written, done * BLOCK);
+            }
             let mut st = self.lock();
             if let Some(e) = failed {
                 self.give_back(&mut st, &runs);
@@ -254,6 +304,7 @@ impl FlashCache {
                     });
                 }
             }
+            self.journal_buffer_check(&mut st)?;
         }
         Ok(())
     }

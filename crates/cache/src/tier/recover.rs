@@ -47,7 +47,8 @@ impl FlashCache {
                 .write_at(&zero, layout.slot_offset(slot))
                 .map_err(CacheError::device("write checkpoint"))?;
         }
-        let empty_index = [0u8; 12];
+        // No images (u32), no lines (u64), no metadata sectors (u64).
+        let empty_index = [0u8; 20];
         let mark = CheckpointMark {
             generation: 1,
             journal_seq: 1,
@@ -116,6 +117,11 @@ impl FlashCache {
         for l in st.index.lines() {
             if let Some(d) = dirty.get_mut(crate::index::key_image(l.key) as usize) {
                 *d += u64::from(l.dirty.count_ones()) * BLOCK;
+            }
+        }
+        for (img, _, _) in st.meta.dirty_sectors() {
+            if let Some(d) = dirty.get_mut(img as usize) {
+                *d += super::metastore::SECTOR;
             }
         }
         st.images
@@ -194,7 +200,7 @@ fn recover_state(
 ) -> Result<(State, RecoveryReport)> {
     let layout = sb.layout;
     let (mark, payload) = journal::read_checkpoint(device, &layout, &sb.uuid)?;
-    let (images, lines) = decode_checkpoint(&payload)?;
+    let (images, lines, sectors) = decode_checkpoint(&payload)?;
     let journal = JournalWriter::new(
         &layout,
         &sb.uuid,
@@ -220,6 +226,9 @@ fn recover_state(
             st.index.set_partial(l.key, Some(l.guest), l.partial);
         }
     }
+    for e in sectors {
+        apply(&mut st, &layout, e)?;
+    }
     let report = replay(device, sb, config, &mut st, mark)?;
     st.regions.finish_recovery();
     let ends: Vec<(u16, u64)> = st
@@ -232,12 +241,29 @@ fn recover_state(
             (crate::index::key_image(l.key), end)
         })
         .collect();
-    for (id, end) in ends {
+    let meta_ends: Vec<(u16, u64)> = st.meta.image_ends().into_iter().collect();
+    for (id, end) in ends.into_iter().chain(meta_ends) {
         if let Some(rec) = st.images.get_mut(id as usize) {
             rec.end = rec.end.max(end);
         }
     }
     Ok((st, report))
+}
+
+/// A run of metadata sectors a record names must be plausible.
+fn check_sectors(st: &State, image: u16, offset: u64, sectors: u32) -> Result<()> {
+    let sector = super::metastore::SECTOR;
+    if usize::from(image) >= st.images.len()
+        || !offset.is_multiple_of(sector)
+        || sectors == 0
+        || sectors > 1 << 16
+        || offset.checked_add(u64::from(sectors) * sector).is_none()
+    {
+        return Err(CacheError::Corrupt(format!(
+            "implausible metadata sector record: image {image}, offset {offset}, {sectors} sectors"
+        )));
+    }
+    Ok(())
 }
 
 fn check_cbn(layout: &Layout, cbn: u32) -> Result<()> {
@@ -402,6 +428,25 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
         Entry::Partial { key, mask, guest } => {
             st.index
                 .set_partial(key, (guest != u64::MAX).then_some(guest), mask);
+        }
+        Entry::MetaSector {
+            image,
+            offset,
+            data,
+        } => {
+            check_sectors(st, image, offset, 1)?;
+            st.meta.insert(image, offset, &data);
+        }
+        Entry::MetaZero {
+            image,
+            offset,
+            sectors,
+        } => {
+            check_sectors(st, image, offset, sectors)?;
+            st.meta.insert_zeros(image, offset, u64::from(sectors));
+        }
+        Entry::MetaClean { image, offset } => {
+            st.meta.remove(image, offset);
         }
     }
     Ok(())

@@ -5,6 +5,7 @@
 //! A block that is dirty in flash is never bypassed by a partial write,
 //! since the backend does not hold its current content.
 
+use super::metastore::{keeps_sectors, overlay};
 use super::read::copy_overlap;
 use super::{FlashCache, State};
 use crate::config::{Admission, CowMode, WriteMode};
@@ -143,6 +144,11 @@ impl FlashCache {
             };
         match policy.mode {
             WriteMode::WriteBack if !bypass => {
+                if keeps_sectors(policy, off, len, segments)
+                    && self.write_sectors(id, off, segments, tag)?
+                {
+                    return Ok(());
+                }
                 if self.write_back(image, id, off, len, segments, tag)? {
                     return Ok(());
                 }
@@ -173,14 +179,14 @@ impl FlashCache {
         out: &mut [u8],
     ) -> Result<()> {
         let key = line_key(id, block / LINE_BLOCKS);
-        let cached = {
+        let (cached, sectors) = {
             let mut st = self.lock();
             let c = st.index.block(key, (block % LINE_BLOCKS) as usize);
             if let Some(cbn) = c {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);
             }
-            c
+            (c, self.meta_snapshot(&st, id, block * BLOCK, BLOCK))
         };
         let result = match cached {
             Some(cbn) => self
@@ -197,6 +203,7 @@ impl FlashCache {
             let r = st.regions.region_of(cbn);
             st.regions.unpin(r);
         }
+        overlay(&sectors, block * BLOCK, out);
         result
     }
 
@@ -284,13 +291,18 @@ impl FlashCache {
             }
             done = end;
         }
-        bump(&self.stats.disk(tag.disk).flash_bytes_written, n * BLOCK);
+        let counters = self.stats.disk(tag.disk);
+        bump(&counters.flash_bytes_written, n * BLOCK);
+        if matches!(tag.class, IoClass::Metadata(_)) {
+            bump(&counters.meta_flash_bytes_written, n * BLOCK);
+        }
         let mut st = self.lock();
         if !self.config.test_index_before_data {
             self.record_dirty(&mut st, id, first, &runs, &crcs, &guests);
         }
         self.settle(&mut st, &runs);
         st.note_write(id, off, off + len);
+        self.journal_buffer_check(&mut st)?;
         let dirty = st.index.dirty_blocks() as f64 / self.layout.data_blocks() as f64;
         if dirty > self.config.high_watermark {
             if self.config.inline_writeback {
@@ -315,7 +327,8 @@ impl FlashCache {
         guests: &[u64],
     ) {
         let blocks: u64 = runs.iter().map(|r| u64::from(r.1)).sum();
-        self.clear_invalid_blocks(st, id, first * BLOCK, blocks * BLOCK);
+        // The blocks absorbed the sectors (edges were read through them).
+        self.supersede_sectors(st, id, first * BLOCK, blocks * BLOCK, None);
         let mut i = 0usize;
         for &(cbn0, k) in runs {
             for j in 0..k {
@@ -345,6 +358,10 @@ impl FlashCache {
                 i += 1;
             }
         }
+        // Only now are the blocks valid: in the journal the new bitmap must
+        // follow the records of the data, or a log cut between them would
+        // leave blocks marked valid that hold nothing.
+        self.clear_invalid_blocks(st, id, first * BLOCK, blocks * BLOCK);
     }
 
     /// Write-through and write-around: the backend takes the write; flash
@@ -384,6 +401,7 @@ impl FlashCache {
         // stale clean copy must never be served instead.
         {
             let mut st = self.lock();
+            self.supersede_sectors(&mut st, id, off, len, Some(segments));
             self.commit_before_bypass(&mut st)?;
             let mut dropped = false;
             for b in first..=last {
@@ -542,6 +560,11 @@ impl FlashCache {
                 );
             }
             st.note_write(id, off, off + len);
+            // Sectors of discarded metadata must not come back over what
+            // the space holds next.
+            if self.supersede_sectors(&mut st, id, off, len, None) {
+                self.commit_before_bypass(&mut st)?;
+            }
         }
         // Advisory: a store that cannot discard keeps its bytes.
         let _ = image.backend.discard(off, len);

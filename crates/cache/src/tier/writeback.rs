@@ -67,8 +67,17 @@ fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
             if cache.stop.load(Ordering::SeqCst) {
                 return;
             }
-            match cache.writeback_round(&mut cursor) {
-                Ok(more) => !more,
+            let round = cache
+                .writeback_round(&mut cursor)
+                .and_then(|data| Ok(cache.meta_writeback_round(false)? || data));
+            match round {
+                Ok(true) => false,
+                Ok(false) => {
+                    if let Err(e) = cache.journal_age_check() {
+                        tracing::error!("writing the journal failed: {e}");
+                    }
+                    true
+                }
                 Err(e) => {
                     tracing::error!("write-back failed: {e}");
                     cache.progress.notify_all();
@@ -84,10 +93,12 @@ fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
 
 impl FlashCache {
     /// Inline write-back: called by a writer after it crossed the high
-    /// watermark, when there is no background thread.
+    /// watermark, when there is no background thread, and by a drain when
+    /// the thread has stopped.
     pub(crate) fn writeback_inline(&self) -> Result<()> {
         let mut cursor = 0;
         while self.writeback_round(&mut cursor)? {}
+        while self.meta_writeback_round(false)? {}
         Ok(())
     }
 
@@ -170,6 +181,7 @@ impl FlashCache {
                 st.dirty_lines.remove(&key);
             }
         }
+        self.journal_buffer_check(&mut st)?;
         self.progress.notify_all();
         Ok(true)
     }
@@ -180,15 +192,11 @@ impl FlashCache {
         let mut st = self.lock();
         st.drain_requests += 1;
         self.wake.notify();
-        while st.index.dirty_blocks() > 0 {
+        while st.index.dirty_blocks() > 0 || st.meta.has_dirty() {
             if self.thread.lock().map(|t| t.is_none()).unwrap_or(true) {
                 // No write-back thread (stopped): do it here.
                 drop(st);
-                let mut cursor = 0;
-                let mut result = Ok(true);
-                while matches!(result, Ok(true)) {
-                    result = self.writeback_round(&mut cursor);
-                }
+                let result = self.writeback_inline();
                 st = self.lock();
                 if let Err(e) = result {
                     st.drain_requests -= 1;
@@ -201,8 +209,12 @@ impl FlashCache {
                 .wait_timeout(st, Duration::from_secs(5))
                 .unwrap_or_else(|p| p.into_inner());
             st = guard;
-            if timeout.timed_out() && st.index.dirty_blocks() > 0 {
-                tracing::info!(dirty_blocks = st.index.dirty_blocks(), "still writing back");
+            if timeout.timed_out() && (st.index.dirty_blocks() > 0 || st.meta.has_dirty()) {
+                tracing::info!(
+                    dirty_blocks = st.index.dirty_blocks(),
+                    dirty_sectors = st.meta.dirty_len(),
+                    "still writing back"
+                );
             }
         }
         st.drain_requests -= 1;

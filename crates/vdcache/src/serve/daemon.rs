@@ -96,10 +96,7 @@ pub fn open_cache(c: &CacheSection, cfg: CacheConfig) -> Result<Arc<FlashCache>>
 /// Metadata cache of an export: whole tables for the stacked baseline;
 /// sectors (COWCache's fine-grained metadata) when the cache is cow-aware.
 fn meta_cache(e: &ExportConfig, cow: Option<CowMode>) -> Result<MetaCacheConfig> {
-    let mut m = MetaCacheConfig::default();
-    if cow == Some(CowMode::CowAware) {
-        m.slice_bytes = Some(512);
-    }
+    let mut m = cow.map_or_else(MetaCacheConfig::default, CowMode::meta_cache);
     if let Some(s) = &e.l2_cache_size {
         m.l2_bytes = parse_size(s)?;
     }
