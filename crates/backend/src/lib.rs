@@ -10,11 +10,13 @@ mod lock;
 mod mem;
 mod nbd;
 pub mod recording;
+mod sparse;
 
 pub use file::{FileBackend, FileOptions};
 pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
 pub use nbd::{NbdBackend, is_nbd_uri};
+pub use sparse::{HoleFill, SparseStore};
 
 use std::fmt::Debug;
 use std::io;

@@ -159,6 +159,10 @@ impl Regions {
                 let start = r * self.blocks_per_region + reg.next;
                 reg.next += n;
                 reg.live += n;
+                // Appending is an access: a region filled long after it
+                // opened is not the least recently used.
+                self.tick += 1;
+                reg.last_access = self.tick;
                 if reg.next == self.blocks_per_region {
                     reg.state = State::Full;
                     self.open[s] = None;
@@ -223,6 +227,14 @@ impl Regions {
 
     pub fn free_regions(&self) -> usize {
         self.free.len()
+    }
+
+    /// Full regions whose blocks were all superseded or dropped.
+    pub fn empty_full_regions(&self) -> usize {
+        self.regions
+            .iter()
+            .filter(|r| r.state == State::Full && r.live == 0)
+            .count()
     }
 
     pub fn live_blocks(&self, region: u32) -> u32 {

@@ -17,6 +17,9 @@ pub struct DiskCounters {
     pub read_hit_blocks: AtomicU64,
     /// 4 KiB blocks of guest reads that missed.
     pub read_miss_blocks: AtomicU64,
+    /// 4 KiB blocks of guest writes that found the block in flash.
+    pub write_hit_blocks: AtomicU64,
+    pub write_miss_blocks: AtomicU64,
     /// 4 KiB blocks of any class read that hit (metadata, filler too).
     pub all_hit_blocks: AtomicU64,
     pub all_miss_blocks: AtomicU64,
@@ -42,6 +45,8 @@ pub struct DiskStats {
     pub guest_write_bytes: u64,
     pub read_hit_blocks: u64,
     pub read_miss_blocks: u64,
+    pub write_hit_blocks: u64,
+    pub write_miss_blocks: u64,
     pub all_hit_blocks: u64,
     pub all_miss_blocks: u64,
     pub flash_bytes_written: u64,
@@ -57,12 +62,12 @@ pub struct DiskStats {
 
 impl DiskStats {
     pub fn read_hit_ratio(&self) -> f64 {
-        let total = self.read_hit_blocks + self.read_miss_blocks;
-        if total == 0 {
-            0.0
-        } else {
-            self.read_hit_blocks as f64 / total as f64
-        }
+        ratio(self.read_hit_blocks, self.read_miss_blocks)
+    }
+
+    /// Share of guest-written 4 KiB blocks that were already in flash.
+    pub fn write_hit_ratio(&self) -> f64 {
+        ratio(self.write_hit_blocks, self.write_miss_blocks)
     }
 
     pub fn add(&mut self, o: &DiskStats) {
@@ -72,6 +77,8 @@ impl DiskStats {
         self.guest_write_bytes += o.guest_write_bytes;
         self.read_hit_blocks += o.read_hit_blocks;
         self.read_miss_blocks += o.read_miss_blocks;
+        self.write_hit_blocks += o.write_hit_blocks;
+        self.write_miss_blocks += o.write_miss_blocks;
         self.all_hit_blocks += o.all_hit_blocks;
         self.all_miss_blocks += o.all_miss_blocks;
         self.flash_bytes_written += o.flash_bytes_written;
@@ -86,6 +93,15 @@ impl DiskStats {
     }
 }
 
+fn ratio(hits: u64, misses: u64) -> f64 {
+    let total = hits + misses;
+    if total == 0 {
+        0.0
+    } else {
+        hits as f64 / total as f64
+    }
+}
+
 impl DiskCounters {
     pub fn snapshot(&self) -> DiskStats {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -96,6 +112,8 @@ impl DiskCounters {
             guest_write_bytes: l(&self.guest_write_bytes),
             read_hit_blocks: l(&self.read_hit_blocks),
             read_miss_blocks: l(&self.read_miss_blocks),
+            write_hit_blocks: l(&self.write_hit_blocks),
+            write_miss_blocks: l(&self.write_miss_blocks),
             all_hit_blocks: l(&self.all_hit_blocks),
             all_miss_blocks: l(&self.all_miss_blocks),
             flash_bytes_written: l(&self.flash_bytes_written),

@@ -537,8 +537,10 @@ impl VirtualDisk {
         let _guard = self.locks.lock(first, end, Mode::Exclusive);
         match &self.layers[0] {
             Layer::Raw(r) => {
+                // Through the I/O interface, so a cache drops its copies.
                 // Advisory: a store that cannot punch holes keeps the bytes.
-                let _ = r.handle.backend.discard(offset, len);
+                let tag = self.tag(IoClass::GuestData, offset);
+                let _ = self.io.discard(&r.handle, HostOffset(offset), len, tag);
                 Ok(())
             }
             Layer::Qcow2(img) => self.discard_qcow2(img, offset, len),

@@ -2,10 +2,21 @@
 //!
 //! Where `vdcache-eval` owns the pure tools (trace formats, FTL and cost
 //! models, reports), this crate wires them to the real COW layer and flash
-//! tier: [`FtlDevice`] watches a cache device's write and discard stream
-//! through the page-mapped FTL model. It must not re-implement any engine
-//! or cache behaviour: every figure it reports comes from the real code.
+//! tier: [`scan`] sizes the disks and the working set, [`rig`] builds the
+//! disks and the cache over in-memory stores, [`replay`] drives a trace
+//! through them, [`sweep`] repeats that over cache sizes and policies, and
+//! [`FtlDevice`] watches the cache device's writes and discards through the
+//! page-mapped FTL model. It must not re-implement any engine or cache
+//! behaviour: every figure it reports comes from the real code.
 
+mod files;
 mod ftl_device;
+pub mod meter;
+pub mod replay;
+pub mod rig;
+pub mod scan;
+pub mod sweep;
 
 pub use ftl_device::FtlDevice;
+pub use replay::{CacheSize, Progress, ReplayError, ReplayOptions, ReplayReport, replay_file};
+pub use rig::{DiskLayout, RigConfig};

@@ -304,6 +304,9 @@ impl FlashCache {
                     });
                 }
             }
+            // Only now that the blocks are mapped: before, their regions
+            // would look empty to the eviction.
+            self.keep_reserve(&mut st)?;
             self.journal_buffer_check(&mut st)?;
         }
         Ok(())

@@ -21,8 +21,8 @@ pub(crate) type Target = (u16, vdcache_backend::BackendRef, vdcache_image::DiskI
 const RELOCATE_LIMIT: u32 = 4;
 
 impl FlashCache {
-    /// Allocates up to `n` blocks in `stream`, reclaiming regions when none
-    /// is free. Returns the runs obtained (fewer blocks than asked when no
+    /// Allocates up to `n` blocks in `stream`, reclaiming regions only when
+    /// none is free (the reserve is refilled by [`Self::keep_reserve`]). Returns the runs obtained (fewer blocks than asked when no
     /// region can be reclaimed, e.g. all are in use by in-flight I/O).
     /// The runs' regions stay pinned until [`Self::settle`] or
     /// [`Self::give_back`]: blocks allocated but not yet mapped must not be
@@ -36,11 +36,6 @@ impl FlashCache {
         let mut out = Vec::new();
         let mut left = n;
         while left > 0 {
-            if st.regions.free_regions() < self.config.reserve_regions {
-                // Keep a reserve; when nothing is reclaimable the open
-                // region's remaining space is still used below.
-                self.evict_one(st)?;
-            }
             match st.regions.allocate(stream, left) {
                 Some((c, k)) => {
                     let r = st.regions.region_of(c);
@@ -56,6 +51,26 @@ impl FlashCache {
             }
         }
         Ok(out)
+    }
+
+    /// Tops the free regions up to the reserve once a request's blocks are
+    /// mapped. Evicting after the request, not before, lets an overwrite
+    /// reclaim the region its own old copy emptied instead of a live one:
+    /// the cache then holds exactly as many live blocks as an LRU of the
+    /// same capacity would (see the replay crate's LRU test).
+    pub(crate) fn keep_reserve(&self, st: &mut State) -> Result<()> {
+        // Regions left empty by overwrites count as free: reclaiming them
+        // costs no live block.
+        let reserve = self.config.reserve_regions;
+        // Counting empty regions scans them all: only when free runs short.
+        while st.regions.free_regions() < reserve
+            && st.regions.free_regions() + st.regions.empty_full_regions() < reserve
+        {
+            if !self.evict_one(st)? {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// Returns allocated blocks unused (the data was not written).

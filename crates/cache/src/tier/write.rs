@@ -104,6 +104,29 @@ fn block_guests(off: u64, segments: &[WriteSegment<'_>], first_block: u64, n: u6
         .collect()
 }
 
+/// The parts of `segments` (starting at byte `off`) inside `[start, end)`.
+fn sub_segments<'a>(
+    off: u64,
+    segments: &[WriteSegment<'a>],
+    start: u64,
+    end: u64,
+) -> Vec<WriteSegment<'a>> {
+    let mut out = Vec::new();
+    let mut at = off;
+    for s in segments {
+        let s_end = at + s.data.len() as u64;
+        let (a, b) = (start.max(at), end.min(s_end));
+        if a < b {
+            out.push(WriteSegment {
+                data: &s.data[(a - at) as usize..(b - at) as usize],
+                tag: s.tag,
+            });
+        }
+        at = s_end;
+    }
+    out
+}
+
 fn total_len(segments: &[WriteSegment<'_>]) -> u64 {
     segments.iter().map(|s| s.data.len() as u64).sum()
 }
@@ -133,6 +156,7 @@ impl FlashCache {
         if guest_bytes > 0 {
             bump(&counters.guest_writes, 1);
             bump(&counters.guest_write_bytes, guest_bytes);
+            self.count_write_hits(id, off, segments, &counters);
         }
         let policy = self.lock().policy(tag.disk, self.config.default_policy);
         let filler_only = segments.iter().all(|s| s.tag.class == IoClass::CowFill);
@@ -149,7 +173,7 @@ impl FlashCache {
                 {
                     return Ok(());
                 }
-                if self.write_back(image, id, off, len, segments, tag)? {
+                if self.write_back_chunked(image, id, off, segments, tag)? {
                     return Ok(());
                 }
                 // No room in flash: fall back to writing through.
@@ -167,6 +191,38 @@ impl FlashCache {
                 self.write_through(image, id, off, len, segments, tag, keep)
             }
         }
+    }
+
+    /// Counts the guest's blocks of a write that flash already held.
+    fn count_write_hits(
+        &self,
+        id: u16,
+        off: u64,
+        segments: &[WriteSegment<'_>],
+        counters: &crate::stats::DiskCounters,
+    ) {
+        let mut blocks: Vec<u64> = Vec::new();
+        let mut at = off;
+        for s in segments {
+            let end = at + s.data.len() as u64;
+            if s.tag.class == IoClass::GuestData && end > at {
+                blocks.extend(at / BLOCK..end.div_ceil(BLOCK));
+            }
+            at = end;
+        }
+        blocks.dedup();
+        let st = self.lock();
+        let hits = blocks
+            .iter()
+            .filter(|&&b| {
+                st.index
+                    .block(line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize)
+                    .is_some()
+            })
+            .count() as u64;
+        drop(st);
+        bump(&counters.write_hit_blocks, hits);
+        bump(&counters.write_miss_blocks, blocks.len() as u64 - hits);
     }
 
     /// The current content of one block: from flash when cached, else from
@@ -240,6 +296,36 @@ impl FlashCache {
         Ok((head, tail))
     }
 
+    /// Write-back in pieces of at most the free-region reserve: each piece
+    /// frees the old copies it supersedes before the next needs room, so a
+    /// large overwrite of cached blocks evicts nothing it does not replace.
+    /// Returns false (nothing done) when flash has no room for the first
+    /// piece; a later piece without room is written through.
+    fn write_back_chunked(
+        &self,
+        image: &ImageHandle,
+        id: u16,
+        off: u64,
+        segments: &[WriteSegment<'_>],
+        tag: IoTag,
+    ) -> Result<bool> {
+        let piece = (self.config.reserve_regions.max(1) as u64) * self.layout.region_bytes;
+        let end = off + total_len(segments);
+        let mut at = off;
+        while at < end {
+            let next = ((at / piece + 1) * piece).min(end);
+            let part = sub_segments(off, segments, at, next);
+            if !self.write_back(image, id, at, next - at, &part, tag)? {
+                if at == off {
+                    return Ok(false);
+                }
+                self.write_through(image, id, at, next - at, &part, tag, Keep::Nothing)?;
+            }
+            at = next;
+        }
+        Ok(true)
+    }
+
     /// Write-back: whole blocks appended to the write stream, recorded
     /// dirty. Returns false (nothing done) when flash has no room.
     fn write_back(
@@ -302,6 +388,7 @@ impl FlashCache {
         }
         self.settle(&mut st, &runs);
         st.note_write(id, off, off + len);
+        self.keep_reserve(&mut st)?;
         self.journal_buffer_check(&mut st)?;
         let dirty = st.index.dirty_blocks() as f64 / self.layout.data_blocks() as f64;
         if dirty > self.config.high_watermark {
@@ -532,7 +619,7 @@ impl FlashCache {
                 crc,
             });
         }
-        Ok(())
+        self.keep_reserve(&mut st)
     }
 
     /// Drops cached blocks wholly inside the range and passes the discard on.
