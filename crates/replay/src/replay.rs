@@ -16,7 +16,7 @@ use vdcache_eval::{Format, Op, TraceError, TraceRecord, open_trace};
 
 #[derive(Debug, Error)]
 pub enum ReplayError {
-    #[error("trace: {0}")]
+    #[error(transparent)]
     Trace(#[from] TraceError),
     #[error(transparent)]
     Rig(#[from] RigError),
@@ -79,6 +79,8 @@ pub struct ReplayReport {
     pub cache_mode: &'static str,
     pub cow: &'static str,
     pub cache_bytes: u64,
+    /// The size asked for, as percent of the working set (when so given).
+    pub cache_percent_of_working_set: Option<f64>,
     pub region_bytes: u64,
     /// 4 KiB blocks the cache holds when full.
     pub cache_capacity_blocks: u64,
@@ -188,7 +190,10 @@ pub fn replay_scanned(
         total: scan.records,
     });
     run.close_interval(&rig, run.last_time_ns);
-    let report = run.report(&rig, path, format_name, scan, started);
+    let mut report = run.report(&rig, path, format_name, scan, started);
+    if let CacheSize::PercentOfWorkingSet(p) = opts.cache_size {
+        report.cache_percent_of_working_set = Some(p);
+    }
     rig.close()?;
     Ok(report)
 }
@@ -313,6 +318,7 @@ impl Run {
             cache_mode: cfg.policy.mode.name(),
             cow: cfg.policy.cow.name(),
             cache_bytes: cfg.cache_bytes,
+            cache_percent_of_working_set: None,
             region_bytes: cfg.region_bytes,
             cache_capacity_blocks: rig.cache.as_ref().map_or(0, |c| c.capacity_blocks),
             disks: scan.disks.len(),

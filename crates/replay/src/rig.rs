@@ -88,11 +88,11 @@ impl Default for RigConfig {
 
 #[derive(Debug, Error)]
 pub enum RigError {
-    #[error("cache: {0}")]
+    #[error(transparent)]
     Cache(#[from] CacheError),
-    #[error("image: {0}")]
+    #[error(transparent)]
     Image(#[from] ImageError),
-    #[error("flash model: {0}")]
+    #[error(transparent)]
     Ftl(#[from] FtlError),
     #[error("{0}")]
     Config(String),
@@ -294,13 +294,16 @@ fn build_cache(config: &RigConfig, meter: &Arc<Meter>) -> Result<CacheRig, RigEr
         false,
         HoleFill::Zeros,
     ));
+    // Greedy garbage collection needs a few spare erase blocks, which a
+    // small device's share of over-provisioning may not give.
+    let min_spare = (4 * config.region_bytes) as f64 / device_bytes as f64;
     let ftl = FtlDevice::new(
         store,
         FtlConfig::new(
             device_bytes,
             BLOCK as u32,
             config.region_bytes,
-            config.over_provisioning,
+            config.over_provisioning.max(min_spare),
         ),
     )?;
     let device = MeteredStore::new(ftl.clone(), meter);

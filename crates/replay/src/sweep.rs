@@ -1,1 +1,187 @@
-//! placeholder
+//! A sweep: one trace replayed at several cache sizes (percent of the
+//! working set) under several replacement policies, scanned once; the
+//! results as a Markdown table, JSON, and plots (hit ratio against cache
+//! size, as DASH Fig. 4; flash writes and backend traffic per policy, as
+//! COWCache Fig. 15). It must not alter a single replay's figures.
+
+use crate::replay::{
+    CacheSize, Progress, ReplayError, ReplayOptions, ReplayReport, replay_scanned,
+};
+use crate::scan::scan_trace;
+use std::path::{Path, PathBuf};
+use vdcache_cache::Replacement;
+use vdcache_eval::Format;
+use vdcache_eval::report::{
+    ReportError, fmt_f64, grouped_bar_plot, line_plot, markdown_table, write_json, write_text,
+};
+
+/// What to sweep.
+#[derive(Debug, Clone)]
+pub struct SweepOptions {
+    /// Everything but the cache size and the policy.
+    pub base: ReplayOptions,
+    pub percents: Vec<f64>,
+    pub policies: Vec<Replacement>,
+}
+
+/// The default sizes: 10% to 100% of the working set.
+pub const DEFAULT_PERCENTS: [f64; 6] = [10.0, 25.0, 40.0, 55.0, 70.0, 100.0];
+
+/// Where a step of a sweep is, for progress.
+#[derive(Debug, Clone, Copy)]
+pub struct SweepProgress {
+    pub run: usize,
+    pub runs: usize,
+    pub inner: Progress,
+}
+
+/// Replays `path` once per (policy, size).
+pub fn sweep(
+    path: &Path,
+    format: Option<Format>,
+    opts: &SweepOptions,
+    progress: &mut dyn FnMut(SweepProgress),
+) -> Result<Vec<ReplayReport>, ReplayError> {
+    let scan = scan_trace(path, format)?;
+    let runs = opts.policies.len() * opts.percents.len();
+    let mut out = Vec::with_capacity(runs);
+    for &policy in &opts.policies {
+        for &pct in &opts.percents {
+            let mut one = opts.base.clone();
+            one.rig.replacement = policy;
+            one.cache_size = CacheSize::PercentOfWorkingSet(pct);
+            let run = out.len();
+            let report = replay_scanned(path, format, &scan, &one, &mut |inner| {
+                progress(SweepProgress { run, runs, inner })
+            })?;
+            out.push(report);
+        }
+    }
+    Ok(out)
+}
+
+fn mib(b: u64) -> String {
+    fmt_f64(b as f64 / f64::from(1 << 20), 1)
+}
+
+/// The sweep as a Markdown table.
+pub fn sweep_table(reports: &[ReplayReport]) -> String {
+    let headers = [
+        "policy",
+        "cache % WSS",
+        "cache MiB",
+        "read hit",
+        "write hit",
+        "flash written MiB",
+        "backend read MiB",
+        "backend written MiB",
+        "mean latency us",
+        "p99 latency us",
+        "FTL WA",
+    ];
+    let rows: Vec<Vec<String>> = reports
+        .iter()
+        .map(|r| {
+            vec![
+                r.policy.to_string(),
+                r.cache_percent_of_working_set
+                    .map_or_else(|| "-".into(), |p| fmt_f64(p, 0)),
+                mib(r.cache_bytes),
+                fmt_f64(r.read_hit_ratio, 4),
+                fmt_f64(r.write_hit_ratio, 4),
+                mib(r.flash_bytes_written),
+                mib(r.backend_bytes_read),
+                mib(r.backend_bytes_written),
+                fmt_f64(r.latency.mean_ns / 1000.0, 1),
+                fmt_f64(r.latency.p99_ns as f64 / 1000.0, 1),
+                r.ftl_write_amplification
+                    .map_or_else(|| "-".into(), |w| fmt_f64(w, 3)),
+            ]
+        })
+        .collect();
+    markdown_table(&headers, &rows)
+}
+
+/// Writes `sweep.md`, `sweep.json`, `hit_ratio.{svg,png}` and
+/// `traffic.{svg,png}` into `dir`; returns the files written.
+pub fn write_sweep(dir: &Path, reports: &[ReplayReport]) -> Result<Vec<PathBuf>, ReportError> {
+    std::fs::create_dir_all(dir).map_err(|e| ReportError::Io {
+        path: dir.display().to_string(),
+        source: e,
+    })?;
+    let mut written = Vec::new();
+    let md = dir.join("sweep.md");
+    write_text(&md, &sweep_table(reports))?;
+    written.push(md);
+    let json = dir.join("sweep.json");
+    write_json(&json, reports)?;
+    written.push(json);
+
+    let mut policies: Vec<&str> = reports.iter().map(|r| r.policy).collect();
+    policies.dedup();
+    let hit_series: Vec<(String, Vec<(f64, f64)>)> = policies
+        .iter()
+        .map(|&p| {
+            let pts = reports
+                .iter()
+                .filter(|r| r.policy == p)
+                .filter_map(|r| Some((r.cache_percent_of_working_set?, r.read_hit_ratio)))
+                .collect();
+            (p.to_string(), pts)
+        })
+        .collect();
+    // Traffic at the largest size swept below the whole working set, where
+    // policies differ most; the full-size point if that is all there is.
+    let size = reports
+        .iter()
+        .filter_map(|r| r.cache_percent_of_working_set)
+        .filter(|&p| p < 100.0)
+        .fold(None, |m: Option<f64>, p| Some(m.map_or(p, |m| m.max(p))))
+        .or_else(|| reports.first().and_then(|r| r.cache_percent_of_working_set));
+    let at_size: Vec<&ReplayReport> = policies
+        .iter()
+        .filter_map(|&p| {
+            reports
+                .iter()
+                .find(|r| r.policy == p && r.cache_percent_of_working_set == size)
+        })
+        .collect();
+    let gib = |b: u64| b as f64 / f64::from(1 << 30);
+    let categories: Vec<String> = at_size.iter().map(|r| r.policy.to_string()).collect();
+    let traffic = vec![
+        (
+            "flash written".to_string(),
+            at_size.iter().map(|r| gib(r.flash_bytes_written)).collect(),
+        ),
+        (
+            "backend read".to_string(),
+            at_size.iter().map(|r| gib(r.backend_bytes_read)).collect(),
+        ),
+        (
+            "backend written".to_string(),
+            at_size
+                .iter()
+                .map(|r| gib(r.backend_bytes_written))
+                .collect(),
+        ),
+    ];
+    for ext in ["svg", "png"] {
+        let p = dir.join(format!("hit_ratio.{ext}"));
+        line_plot(
+            "Read hit ratio against cache size",
+            "cache size (% of working set)",
+            "read hit ratio (4 KiB blocks)",
+            &hit_series,
+            &p,
+        )?;
+        written.push(p);
+        let p = dir.join(format!("traffic.{ext}"));
+        let title = format!(
+            "Flash and backend traffic per policy (cache {}% of working set)",
+            size.map_or_else(|| "-".into(), |s| fmt_f64(s, 0))
+        );
+        grouped_bar_plot(&title, "policy", "GiB", &categories, &traffic, &p)?;
+        written.push(p);
+    }
+    Ok(written)
+}

@@ -11,6 +11,7 @@ mod cmd_demo;
 mod cmd_info;
 mod cmd_io;
 mod cmd_plot;
+mod cmd_replay;
 mod cmd_serve;
 mod meta_args;
 mod serve;
@@ -59,6 +60,10 @@ enum Command {
     Bench(cmd_bench::Args),
     /// Draw a chart described in JSON (what the bench scripts write) as SVG and PNG.
     Plot(cmd_plot::Args),
+    /// Replay a block trace (MSR, FIU, blkparse, fio) through the real engine and cache.
+    Replay(Box<cmd_replay::Args>),
+    /// Write a synthetic block trace of a workload class (boot storm, OLTP, file server).
+    TraceGen(cmd_replay::GenArgs),
 }
 
 fn main() -> ExitCode {
@@ -86,6 +91,8 @@ fn main() -> ExitCode {
         Command::Recover(a) => cmd_serve::recover(a),
         Command::Bench(a) => cmd_bench::run(a),
         Command::Plot(a) => cmd_plot::run(a),
+        Command::Replay(a) => cmd_replay::run(*a),
+        Command::TraceGen(a) => cmd_replay::generate(a),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -1,0 +1,446 @@
+//! `vdcache replay`: drive a block trace through the real COW layer and
+//! flash cache in-process, and `vdcache trace-gen`: write a synthetic
+//! trace of a workload class. Argument parsing, progress and printing only;
+//! the replay itself lives in vdcache-replay.
+
+use crate::size::parse_size;
+use anyhow::{Context, Result, bail};
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use vdcache_cache::{Admission, CowMode, DiskPolicy, Replacement, WriteMode};
+use vdcache_eval::Format;
+use vdcache_eval::cost::DeviceProfile;
+use vdcache_eval::trace::WriterOptions;
+use vdcache_eval::workload::{WorkloadClass, WorkloadSpec, write_workload};
+use vdcache_replay::sweep::{DEFAULT_PERCENTS, SweepOptions, sweep, sweep_table, write_sweep};
+use vdcache_replay::{CacheSize, DiskLayout, ReplayOptions, ReplayReport, RigConfig, replay_file};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Trace file (.gz and .zst are read directly).
+    trace: PathBuf,
+    /// Trace format: msr, fiu, blkparse, fio (default: detected).
+    #[arg(long)]
+    format: Option<String>,
+    /// raw: each trace disk is a plain block device; qcow2: a delta over a
+    /// full base image.
+    #[arg(long, default_value = "raw")]
+    layout: String,
+    /// Cached data capacity (default 10% of the working set).
+    #[arg(long, value_name = "SIZE", conflicts_with = "cache_size_pct_of_wss")]
+    cache_size: Option<String>,
+    /// Cached data capacity as percent of the trace's working set.
+    #[arg(long, value_name = "P")]
+    cache_size_pct_of_wss: Option<f64>,
+    /// Region (erase block) size of the cache.
+    #[arg(long, default_value = "2M", value_name = "SIZE")]
+    region_size: String,
+    /// Replacement policy: lru, clock, arc.
+    #[arg(long, default_value = "lru")]
+    policy: String,
+    /// Admission: all, hot, sequential-bypass.
+    #[arg(long, default_value = "all")]
+    admission: String,
+    /// writeback, writethrough, writearound.
+    #[arg(long, default_value = "writeback")]
+    cache_mode: String,
+    /// stacked or cow-aware (qcow2 layout).
+    #[arg(long, default_value = "cow-aware")]
+    cow: String,
+    /// qcow2 layout: take an external snapshot (a new delta) every
+    /// DURATION of trace time (e.g. 1d, 6h, 30m, 90s).
+    #[arg(long, value_name = "DURATION")]
+    snapshot_every: Option<String>,
+    /// Cost model of the cache device: nvme, sata-ssd, hdd, network.
+    #[arg(long, default_value = "nvme")]
+    flash_profile: String,
+    /// Cost model of the image storage: network, hdd, sata-ssd, nvme.
+    #[arg(long, default_value = "network")]
+    backend_profile: String,
+    /// Memory for L2 slices of each qcow2 disk (default 4M).
+    #[arg(long, value_name = "SIZE")]
+    l2_cache_size: Option<String>,
+    /// Print one JSON object (an array with --sweep).
+    #[arg(long)]
+    json: bool,
+    /// Replay at several cache sizes and policies; write table, JSON and plots.
+    #[arg(long)]
+    sweep: bool,
+    /// --sweep: cache sizes in percent of the working set.
+    #[arg(long, value_delimiter = ',', value_name = "P,P,...")]
+    sweep_sizes: Option<Vec<f64>>,
+    /// --sweep: policies.
+    #[arg(long, value_delimiter = ',', default_value = "lru,clock,arc")]
+    sweep_policies: Vec<String>,
+    /// --sweep: output directory.
+    #[arg(long, default_value = "results/replay")]
+    out: PathBuf,
+}
+
+/// Parses "90s", "30m", "6h", "1d", "500ms" (a bare number is seconds).
+fn parse_duration_ns(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .with_context(|| format!("invalid duration '{s}' (e.g. 1d, 6h, 30m, 90s)"))?;
+    let scale = match unit {
+        "ms" => 1e6,
+        "" | "s" => 1e9,
+        "m" | "min" => 60e9,
+        "h" => 3600e9,
+        "d" => 86400e9,
+        _ => bail!("invalid duration '{s}': unknown unit '{unit}' (ms, s, m, h, d)"),
+    };
+    let ns = value * scale;
+    if !(1.0..1.8e19).contains(&ns) {
+        bail!("duration '{s}' is out of range");
+    }
+    Ok(ns as u64)
+}
+
+fn options(a: &Args) -> Result<(Option<Format>, ReplayOptions)> {
+    let format = a
+        .format
+        .as_deref()
+        .map(str::parse::<Format>)
+        .transpose()
+        .map_err(anyhow::Error::msg)
+        .context("--format")?;
+    let policy = DiskPolicy {
+        mode: a.cache_mode.parse::<WriteMode>().context("--cache-mode")?,
+        admission: a.admission.parse::<Admission>().context("--admission")?,
+        cow: a.cow.parse::<CowMode>().context("--cow")?,
+        ..DiskPolicy::default()
+    };
+    let rig = RigConfig {
+        layout: a
+            .layout
+            .parse::<DiskLayout>()
+            .map_err(anyhow::Error::msg)
+            .context("--layout")?,
+        region_bytes: parse_size(&a.region_size).context("--region-size")?,
+        replacement: a
+            .policy
+            .parse::<Replacement>()
+            .map_err(anyhow::Error::msg)
+            .context("--policy")?,
+        policy,
+        l2_cache_bytes: a
+            .l2_cache_size
+            .as_deref()
+            .map(parse_size)
+            .transpose()
+            .context("--l2-cache-size")?,
+        flash: a
+            .flash_profile
+            .parse::<DeviceProfile>()
+            .map_err(anyhow::Error::msg)
+            .context("--flash-profile")?,
+        backend: a
+            .backend_profile
+            .parse::<DeviceProfile>()
+            .map_err(anyhow::Error::msg)
+            .context("--backend-profile")?,
+        ..RigConfig::default()
+    };
+    let cache_size = match (&a.cache_size, a.cache_size_pct_of_wss) {
+        (Some(s), _) => CacheSize::Bytes(parse_size(s).context("--cache-size")?),
+        (None, Some(p)) if p > 0.0 && p.is_finite() => CacheSize::PercentOfWorkingSet(p),
+        (None, Some(p)) => bail!("--cache-size-pct-of-wss {p}: must be a positive number"),
+        (None, None) => CacheSize::PercentOfWorkingSet(10.0),
+    };
+    let snapshot_every_ns = a
+        .snapshot_every
+        .as_deref()
+        .map(parse_duration_ns)
+        .transpose()
+        .context("--snapshot-every")?;
+    if snapshot_every_ns.is_some() && rig.layout != DiskLayout::Qcow2 {
+        bail!("--snapshot-every needs --layout qcow2 (a raw disk has no snapshots)");
+    }
+    Ok((
+        format,
+        ReplayOptions {
+            rig,
+            cache_size,
+            snapshot_every_ns,
+        },
+    ))
+}
+
+/// A progress bar on a terminal; nothing when stderr is piped.
+fn progress_bar(label: &str) -> Option<indicatif::ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(0);
+    let style = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:40}] {pos}/{len} records, {per_sec}, ETA {eta}",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar.set_message(label.to_string());
+    Some(bar)
+}
+
+pub fn run(a: Args) -> Result<u8> {
+    let (format, opts) = options(&a)?;
+    if a.sweep {
+        return run_sweep(&a, format, opts);
+    }
+    let bar = progress_bar("replay");
+    let report = replay_file(&a.trace, format, &opts, &mut |p| {
+        if let Some(b) = &bar {
+            b.set_length(p.total);
+            b.set_position(p.done);
+        }
+    })
+    .with_context(|| format!("replay {}", a.trace.display()))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_human(&report);
+    }
+    Ok(0)
+}
+
+fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8> {
+    let policies = a
+        .sweep_policies
+        .iter()
+        .map(|p| p.parse::<Replacement>().map_err(anyhow::Error::msg))
+        .collect::<Result<Vec<_>>>()
+        .context("--sweep-policies")?;
+    let percents = a
+        .sweep_sizes
+        .clone()
+        .unwrap_or_else(|| DEFAULT_PERCENTS.to_vec());
+    if let Some(bad) = percents.iter().find(|p| !(**p > 0.0 && p.is_finite())) {
+        bail!("--sweep-sizes: {bad} is not a positive percentage");
+    }
+    let opts = SweepOptions {
+        base,
+        percents,
+        policies,
+    };
+    let bar = progress_bar("sweep");
+    let reports = sweep(&a.trace, format, &opts, &mut |p| {
+        if let Some(b) = &bar {
+            b.set_message(format!("run {}/{}", p.run + 1, p.runs));
+            b.set_length(p.inner.total);
+            b.set_position(p.inner.done);
+        }
+    })
+    .with_context(|| format!("sweep {}", a.trace.display()))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let files = write_sweep(&a.out, &reports)
+        .with_context(|| format!("writing results to {}", a.out.display()))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&reports)?);
+    } else {
+        print!("{}", sweep_table(&reports));
+        for f in files {
+            println!("wrote {}", f.display());
+        }
+    }
+    Ok(0)
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / f64::from(1 << 20))
+}
+
+fn print_human(r: &ReplayReport) {
+    let guest = r.read_bytes + r.write_bytes;
+    let per_guest = |b: u64| {
+        if guest == 0 {
+            0.0
+        } else {
+            b as f64 / guest as f64
+        }
+    };
+    println!(
+        "trace {} ({}, {} records, {} disks, working set {})",
+        r.trace,
+        r.format,
+        r.records,
+        r.disks,
+        mib(r.working_set_bytes)
+    );
+    println!(
+        "cache {} ({} blocks), regions {}, {} / {} / {} / {}, layout {}",
+        mib(r.cache_bytes),
+        r.cache_capacity_blocks,
+        mib(r.region_bytes),
+        r.policy,
+        r.admission,
+        r.cache_mode,
+        r.cow,
+        r.layout.name()
+    );
+    println!(
+        "requests        {} reads ({}), {} writes ({}), {} discards, {} flushes",
+        r.reads,
+        mib(r.read_bytes),
+        r.writes,
+        mib(r.write_bytes),
+        r.discards,
+        r.flushes
+    );
+    println!("read hit ratio  {:.4}", r.read_hit_ratio);
+    println!("write hit ratio {:.4}", r.write_hit_ratio);
+    println!(
+        "flash written   {} ({:.3} per guest byte; data {}, metadata {})",
+        mib(r.flash_bytes_written),
+        per_guest(r.flash_bytes_written),
+        mib(r.flash_data_bytes_written),
+        mib(r.flash_meta_bytes_written)
+    );
+    println!(
+        "backend         read {} ({:.3}/guest byte), written {} ({:.3}/guest byte), {} syncs",
+        mib(r.backend_bytes_read),
+        per_guest(r.backend_bytes_read),
+        mib(r.backend_bytes_written),
+        per_guest(r.backend_bytes_written),
+        r.backend_syncs
+    );
+    if let Some(m) = r.meta_hit_ratio {
+        println!("L2 hit ratio    {m:.4}");
+    }
+    println!(
+        "latency         mean {:.1} us, p99 {:.1} us (model: flash {}, backend {})",
+        r.latency.mean_ns / 1000.0,
+        r.latency.p99_ns as f64 / 1000.0,
+        r.flash_profile,
+        r.backend_profile
+    );
+    println!(
+        "index memory    {} bytes ({:.3}% of cached bytes)",
+        r.index_memory_bytes,
+        r.index_memory_ratio * 100.0
+    );
+    if let Some(wa) = r.ftl_write_amplification {
+        println!(
+            "flash wear      {} erases, write amplification {wa:.3}",
+            r.ftl_erases
+        );
+    }
+    if r.dirty_bytes_at_end > 0 {
+        println!(
+            "left dirty      {} in flash at the end",
+            mib(r.dirty_bytes_at_end)
+        );
+    }
+    println!("elapsed         {:.1} s", r.elapsed_seconds);
+}
+
+#[derive(clap::Args, Debug)]
+pub struct GenArgs {
+    /// Output file; .gz or .zst compresses.
+    out: PathBuf,
+    /// Workload class: boot-storm, oltp, file-server.
+    #[arg(long, default_value = "oltp")]
+    class: String,
+    /// Output format: msr, fiu, blkparse, fio.
+    #[arg(long, default_value = "msr")]
+    format: String,
+    /// Records to write.
+    #[arg(long, default_value_t = 1_000_000)]
+    requests: u64,
+    /// Working set per disk.
+    #[arg(long, value_name = "SIZE")]
+    working_set: Option<String>,
+    /// Fraction of data requests that are reads.
+    #[arg(long)]
+    read_ratio: Option<f64>,
+    /// Zipf exponent of popularity (0 = uniform).
+    #[arg(long)]
+    zipf: Option<f64>,
+    /// Fraction of blocks with duplicate content (FIU).
+    #[arg(long)]
+    dup_ratio: Option<f64>,
+    /// Disks (boot storm: cloned VMs).
+    #[arg(long)]
+    disks: Option<u32>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+pub fn generate(a: GenArgs) -> Result<u8> {
+    let class: WorkloadClass = a.class.parse().map_err(anyhow::Error::msg)?;
+    let format: Format = a.format.parse().map_err(anyhow::Error::msg)?;
+    let mut spec = WorkloadSpec::new(class);
+    spec.requests = a.requests;
+    spec.seed = a.seed;
+    if let Some(w) = &a.working_set {
+        spec.working_set_bytes = parse_size(w).context("--working-set")?;
+    }
+    if let Some(r) = a.read_ratio {
+        spec.read_ratio = r;
+    }
+    if let Some(z) = a.zipf {
+        spec.zipf_theta = z;
+    }
+    if let Some(d) = a.dup_ratio {
+        spec.dup_ratio = d;
+    }
+    if let Some(d) = a.disks {
+        spec.disks = d;
+    }
+    spec.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let file =
+        File::create(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+    let name = a.out.display().to_string();
+    let out: Box<dyn Write> = if name.ends_with(".gz") {
+        Box::new(flate2::write::GzEncoder::new(
+            BufWriter::new(file),
+            flate2::Compression::fast(),
+        ))
+    } else if name.ends_with(".zst") {
+        Box::new(zstd::stream::write::Encoder::new(BufWriter::new(file), 3)?.auto_finish())
+    } else {
+        Box::new(BufWriter::new(file))
+    };
+    let summary = write_workload(
+        &spec,
+        format,
+        &WriterOptions::default(),
+        BufWriter::new(out),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!(
+        "wrote {} records to {} ({} the format cannot express were skipped)",
+        summary.written,
+        a.out.display(),
+        summary.skipped
+    );
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_duration_ns;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration_ns("90s").ok(), Some(90_000_000_000));
+        assert_eq!(parse_duration_ns("1d").ok(), Some(86_400_000_000_000));
+        assert_eq!(parse_duration_ns("1.5h").ok(), Some(5_400_000_000_000));
+        assert_eq!(parse_duration_ns("250ms").ok(), Some(250_000_000));
+        for bad in ["", "x", "5y", "-1s", "0s"] {
+            assert!(parse_duration_ns(bad).is_err(), "{bad} accepted");
+        }
+    }
+}

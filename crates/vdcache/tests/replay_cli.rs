@@ -1,0 +1,224 @@
+//! `vdcache trace-gen` and `vdcache replay` end to end: generated traces in
+//! every format replay to the same figures, `--json` carries the documented
+//! keys with consistent values, a sweep writes its table, JSON and plots,
+//! and bad input is refused with a message naming what is wrong.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn vdcache(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vdcache"))
+        .args(args)
+        .output()
+        .expect("run vdcache")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = vdcache(args);
+    assert!(
+        out.status.success(),
+        "vdcache {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Piped: no progress bar.
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("ETA"));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn err(args: &[&str]) -> String {
+    let out = vdcache(args);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "vdcache {args:?} did not fail cleanly"
+    );
+    let e = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!e.contains("panicked"), "vdcache {args:?} panicked: {e}");
+    e
+}
+
+fn generate(dir: &Path, name: &str, format: &str) -> String {
+    let path = dir.join(name).display().to_string();
+    ok(&[
+        "trace-gen",
+        "--class",
+        "oltp",
+        "--format",
+        format,
+        "--requests",
+        "20000",
+        "--working-set",
+        "32M",
+        "--seed",
+        "3",
+        &path,
+    ]);
+    path
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).expect("JSON output")
+}
+
+#[test]
+fn json_report_has_the_documented_keys_and_consistent_counts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = generate(dir.path(), "t.csv.zst", "msr");
+    let r = json(&ok(&[
+        "replay",
+        &trace,
+        "--json",
+        "--cache-size-pct-of-wss",
+        "30",
+        "--layout",
+        "qcow2",
+    ]));
+    for key in [
+        "read_hit_ratio",
+        "write_hit_ratio",
+        "flash_bytes_written",
+        "backend_bytes_read",
+        "backend_bytes_written",
+        "meta_hit_ratio",
+        "latency",
+        "index_memory_bytes",
+        "ftl_write_amplification",
+    ] {
+        assert!(r.get(key).is_some(), "no {key} in {r}");
+    }
+    let num = |k: &str| {
+        r[k].as_f64()
+            .unwrap_or_else(|| panic!("{k} is not a number"))
+    };
+    let hits = num("read_hit_blocks");
+    let misses = num("read_miss_blocks");
+    assert!(hits > 0.0 && misses > 0.0, "{r}");
+    assert_eq!(num("read_hit_ratio"), hits / (hits + misses));
+    assert!(num("flash_bytes_written") > 0.0);
+    assert!(num("backend_bytes_read") > 0.0);
+    assert_eq!(r["layout"], "qcow2");
+    assert_eq!(
+        num("records"),
+        num("reads") + num("writes") + num("flushes") + num("discards")
+    );
+}
+
+#[test]
+fn every_format_replays_to_the_same_hits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut seen = Vec::new();
+    for (name, format) in [
+        ("t.csv", "msr"),
+        ("t.fiu.gz", "fiu"),
+        ("t.blk", "blkparse"),
+        ("t.iolog", "fio"),
+    ] {
+        let trace = generate(dir.path(), name, format);
+        let r = json(&ok(&["replay", &trace, "--json", "--cache-size", "8M"]));
+        seen.push((
+            format,
+            r["read_hit_blocks"].clone(),
+            r["read_miss_blocks"].clone(),
+        ));
+    }
+    let first = (&seen[0].1, &seen[0].2);
+    let n = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    for s in &seen {
+        if s.0 == "fiu" {
+            // FIU has one line per 4 KiB block: a request's blocks arrive
+            // one by one, which may reorder recency inside a request.
+            assert_eq!(n(&s.1) + n(&s.2), n(first.0) + n(first.1), "{seen:?}");
+            assert!(
+                (n(&s.1) - n(first.0)).abs() <= n(first.0) / 100.0,
+                "{seen:?}"
+            );
+        } else {
+            assert_eq!((&s.1, &s.2), first, "{} differs from msr: {seen:?}", s.0);
+        }
+    }
+}
+
+#[test]
+fn sweep_writes_table_json_and_plots() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = generate(dir.path(), "t.csv", "msr");
+    let out = dir.path().join("sweep");
+    let text = ok(&[
+        "replay",
+        &trace,
+        "--sweep",
+        "--sweep-sizes",
+        "20,60",
+        "--sweep-policies",
+        "lru,arc",
+        "--out",
+        &out.display().to_string(),
+    ]);
+    assert!(text.contains("| lru"), "{text}");
+    for f in [
+        "sweep.md",
+        "sweep.json",
+        "hit_ratio.svg",
+        "hit_ratio.png",
+        "traffic.svg",
+        "traffic.png",
+    ] {
+        let len = std::fs::metadata(out.join(f)).map(|m| m.len()).unwrap_or(0);
+        assert!(len > 100, "{f} missing or empty");
+    }
+    let rows = json(&std::fs::read_to_string(out.join("sweep.json")).expect("json"));
+    let rows = rows.as_array().expect("array");
+    assert_eq!(rows.len(), 4);
+    // A bigger LRU cache never hits less (LRU is a stack algorithm).
+    let lru: Vec<f64> = rows
+        .iter()
+        .filter(|r| r["policy"] == "lru")
+        .filter_map(|r| r["read_hit_ratio"].as_f64())
+        .collect();
+    assert!(lru.len() == 2 && lru[1] >= lru[0], "{lru:?}");
+}
+
+#[test]
+fn bad_input_is_refused_with_a_clear_message() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("bad.csv");
+    std::fs::write(
+        &bad,
+        "128166372003061629,hm,0,Read,8192,4096,100\n128166372003061630,hm,0,Jump,0,4096,1\n",
+    )
+    .expect("write");
+    let bad = bad.display().to_string();
+    let e = err(&["replay", &bad, "--format", "msr"]);
+    assert!(e.contains("line 2"), "{e}");
+    let trace = generate(dir.path(), "t.csv", "msr");
+    assert!(err(&["replay", &trace, "--policy", "fifo"]).contains("fifo"));
+    assert!(err(&["replay", &trace, "--cache-size", "12q"]).contains("--cache-size"));
+    assert!(err(&["replay", &trace, "--snapshot-every", "1h"]).contains("qcow2"));
+    assert!(err(&["replay", &trace, "--region-size", "1000"]).contains("region"));
+    assert!(err(&["replay", "/nonexistent/trace.csv"]).contains("/nonexistent/trace.csv"));
+    assert!(err(&["trace-gen", "--class", "nosuch", "x.csv"]).contains("nosuch"));
+}
+
+#[test]
+fn snapshots_start_new_deltas_and_report_intervals() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = generate(dir.path(), "t.csv", "msr");
+    let r = json(&ok(&[
+        "replay",
+        &trace,
+        "--json",
+        "--layout",
+        "qcow2",
+        "--snapshot-every",
+        "500ms",
+        "--cache-size",
+        "8M",
+    ]));
+    let intervals = r["intervals"].as_array().expect("intervals");
+    assert!(intervals.len() >= 2, "{intervals:?}");
+    let total: f64 = intervals
+        .iter()
+        .filter_map(|i| i["requests"].as_f64())
+        .sum();
+    assert_eq!(Some(total), r["records"].as_f64());
+}
