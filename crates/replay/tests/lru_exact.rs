@@ -13,6 +13,9 @@ use vdcache_eval::workload::{WorkloadClass, WorkloadSpec, write_workload};
 use vdcache_eval::{Format, Op, open_trace};
 use vdcache_replay::{CacheSize, DiskLayout, ReplayOptions, RigConfig, replay_file};
 
+/// A block: (trace disk, 4 KiB block number).
+type Key = (u32, u64);
+
 /// A textbook LRU: a map from block to its last-use stamp, and the stamps
 /// in order. Using a block makes it most recent, inserting it first when
 /// absent, evicting the least recent block when the cache is full. A read
@@ -60,7 +63,7 @@ fn textbook_lru(trace: &Path, capacity: usize) -> (u64, u64) {
         let blocks: Vec<(u32, u64)> = rec.blocks(CONTENT_BLOCK).map(|b| (rec.disk, b)).collect();
         match rec.op {
             Op::Read => {
-                let (hit, miss): (Vec<(u32, u64)>, Vec<(u32, u64)>) =
+                let (hit, miss): (Vec<Key>, Vec<Key>) =
                     blocks.iter().partition(|&k| lru.stamp_of.contains_key(k));
                 hits += hit.len() as u64;
                 misses += miss.len() as u64;
