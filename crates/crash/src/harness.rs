@@ -469,3 +469,32 @@ pub fn sweep(
     }
     Ok(reports)
 }
+
+/// A test's state budget: `release` in optimised builds, a fifth in debug
+/// builds (which run the same code several times slower).
+pub fn test_budget(release: usize) -> usize {
+    if cfg!(debug_assertions) {
+        release / 5
+    } else {
+        release
+    }
+}
+
+/// Sweeps `target` with [`test_budget`]`(states)` and panics listing every
+/// violation found; returns the number of states explored. For tests.
+pub fn sweep_clean(target: &dyn CrashTarget, base: &RunConfig, states: usize) -> usize {
+    let reports = match sweep(target, base, test_budget(states)) {
+        Ok(r) => r,
+        Err(e) => panic!("crash harness failed: {e}"),
+    };
+    for r in &reports {
+        eprintln!("{}", r.summary());
+    }
+    let bad: Vec<&Report> = reports.iter().filter(|r| !r.is_clean()).collect();
+    assert!(
+        bad.is_empty(),
+        "crash violations:\n{}",
+        bad.iter().map(|r| r.to_string()).collect::<String>()
+    );
+    reports.iter().map(|r| r.states).sum()
+}

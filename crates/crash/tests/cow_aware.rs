@@ -9,8 +9,8 @@
 //! read.
 
 use vdcache_cache::{Admission, CacheConfig, CowMode, DiskPolicy, Replacement, WriteMode};
-use vdcache_crash::harness::sweep;
-use vdcache_crash::{Backing, CacheTarget, Qcow2Target, Report, RunConfig, WorkloadConfig};
+use vdcache_crash::harness::{sweep_clean, test_budget as budget};
+use vdcache_crash::{Backing, CacheTarget, Qcow2Target, RunConfig, WorkloadConfig};
 use vdcache_image::{CreateOptions, MetaCacheConfig};
 
 const MIB: u64 = 1 << 20;
@@ -69,27 +69,9 @@ fn run_config(seed: u64) -> RunConfig {
     }
 }
 
-fn budget(release: usize) -> usize {
-    if cfg!(debug_assertions) {
-        release / 5
-    } else {
-        release
-    }
-}
-
 /// Sweeps and asserts zero violations; returns the number of states.
 fn clean(t: &CacheTarget, seed: u64, states: usize) -> usize {
-    let reports = sweep(t, &run_config(seed), budget(states)).expect("harness");
-    for r in &reports {
-        eprintln!("{}", r.summary());
-    }
-    let bad: Vec<&Report> = reports.iter().filter(|r| !r.is_clean()).collect();
-    assert!(
-        bad.is_empty(),
-        "crash violations:\n{}",
-        bad.iter().map(|r| r.to_string()).collect::<String>()
-    );
-    reports.iter().map(|r| r.states).sum()
+    sweep_clean(t, &run_config(seed), states)
 }
 
 #[test]
