@@ -77,7 +77,9 @@ class Bench:
         try:
             if before:
                 before(contender)
-            iops, p99, guest, writes, reads = fio(contender.uri(), *fio_args, cwd=self.work)
+            rw, bs, depth, size, runtime, extra = fio_args
+            iops, p99, guest, writes, reads = fio(contender.uri(), rw, bs, depth, size, runtime,
+                                                  self.work, extra)
             stats = contender.stats()
         finally:
             contender.stop()

@@ -103,8 +103,11 @@ impl Locked<'_> {
         for c in start..start + n {
             self.add_refcount(c, 1)?;
         }
-        if start <= self.m.free_hint {
-            self.m.free_hint = start + n;
+        // The search starts at the hint, so for one cluster everything
+        // between the hint and `start` is in use: the next search may skip
+        // it (without this, each allocation rescans every cluster in use).
+        if start <= self.m.free_hint || n == 1 {
+            self.m.free_hint = self.m.free_hint.max(start + n);
         }
         Ok(start)
     }
