@@ -23,6 +23,9 @@ pub struct FileOptions {
 pub struct FileBackend {
     file: File,
     name: String,
+    /// A regular file grows on writes past its end; a block device does
+    /// not. Fixed at open: asking the kernel costs a statx per allocation.
+    growable: bool,
 }
 
 impl FileBackend {
@@ -41,7 +44,15 @@ impl FileBackend {
         if let Some(mode) = opts.lock {
             lock::acquire(&file, mode, &name)?;
         }
-        Ok(FileBackend { file, name })
+        let growable = file
+            .metadata()
+            .map(|m| m.file_type().is_file())
+            .unwrap_or(false);
+        Ok(FileBackend {
+            file,
+            name,
+            growable,
+        })
     }
 }
 
@@ -115,10 +126,7 @@ impl Backend for FileBackend {
     }
 
     fn can_grow(&self) -> bool {
-        self.file
-            .metadata()
-            .map(|m| m.file_type().is_file())
-            .unwrap_or(false)
+        self.growable
     }
 
     fn name(&self) -> &str {
