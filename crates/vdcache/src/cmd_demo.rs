@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use vdcache_backend::{FileBackend, FileOptions, LockMode};
-use vdcache_cache::{CacheConfig, FlashCache};
+use vdcache_cache::{CacheConfig, CowMode, FlashCache};
 use vdcache_image::{
     CreateOptions, DiskId, HostIo, ImageFormat, Layer, OpenOptions, VirtualDisk, create_qcow2,
     open_chain,
@@ -66,6 +66,8 @@ fn open_disk(delta: &Path, cache: Option<&Arc<FlashCache>>) -> Result<VirtualDis
         &OpenOptions {
             io,
             disk: DiskId(1),
+            // The cache's default mode is cow-aware: sector-sized metadata.
+            cache: CowMode::CowAware.meta_cache(),
             ..OpenOptions::default()
         },
     )?)
@@ -147,9 +149,17 @@ pub fn run(a: Args) -> Result<u8> {
     let cache = open_cache(&cache_file, false)?;
     let disk = open_disk(&delta, Some(&cache))?;
     verify(&disk, "after fast recovery")?;
+    println!(
+        "5. clean stop: partially valid clusters filled from the base, every dirty block written back, images standalone"
+    );
+    // As `vdcache serve` does on a clean stop: decoupled copy-on-write left
+    // the rest of each written cluster in the base only.
+    let fill = disk.fill_partial(usize::MAX)?;
+    if fill.remaining > 0 {
+        bail!("{} partially valid ranges were not filled", fill.remaining);
+    }
     disk.close()?;
     drop(disk);
-    println!("5. clean stop: every dirty block written back, images standalone");
     cache.shutdown(false)?;
     drop(cache);
     verify(&open_disk(&delta, None)?, "images without the cache")?;
