@@ -10,6 +10,9 @@ for tool in qemu-img:qemu-utils qemu-io:qemu-utils qemu-nbd:qemu-utils \
             nbdkit:nbdkit nbdinfo:libnbd-bin nbdcopy:libnbd-bin fio:fio; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
+# OpenSSL (TLS-PSK) is linked from the system.
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+pkg-config --exists openssl 2>/dev/null || missing+=(libssl-dev)
 if [ ${#missing[@]} -gt 0 ]; then
   pkgs=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
   echo "installing: $pkgs"

@@ -326,15 +326,29 @@ impl NbdClient {
             }
         };
         let tls = if uri.tls {
-            Some(match (&opts.tls, &uri.tls_certificates) {
-                (Some(t), _) => t.clone(),
-                (None, Some(dir)) => TlsClientConfig::from_x509_dir(dir)?,
-                (None, None) => {
-                    return Err(ClientError::Tls(
-                        "nbds URI without credentials (tls-certificates=DIR)".into(),
+            Some(
+                match (&opts.tls, &uri.tls_certificates, &uri.tls_psk_file) {
+                    (Some(t), _, _) => t.clone(),
+                    (None, Some(dir), None) => TlsClientConfig::from_x509_dir(dir)?,
+                    (None, None, Some(keys)) => {
+                        let user = uri.user.as_deref().ok_or_else(|| {
+                            ClientError::Tls("tls-psk-file needs a user: nbds://USER@...".into())
+                        })?;
+                        TlsClientConfig::from_psk_file(keys, user)?
+                    }
+                    (None, Some(_), Some(_)) => {
+                        return Err(ClientError::Tls(
+                            "give tls-certificates or tls-psk-file, not both".into(),
+                        ));
+                    }
+                    (None, None, None) => {
+                        return Err(ClientError::Tls(
+                        "nbds URI without credentials (tls-certificates=DIR or tls-psk-file=FILE)"
+                            .into(),
                     ));
-                }
-            })
+                    }
+                },
+            )
         } else {
             None
         };
@@ -387,7 +401,7 @@ impl NbdClient {
             let mut sock = r
                 .into_plain_socket()
                 .ok_or_else(|| ClientError::Tls("already TLS".into()))?;
-            let conn = tls.connection(server_name)?;
+            let conn = tls.session(server_name)?;
             let conn =
                 tls_handshake(conn, &mut sock).map_err(|e| ClientError::Tls(e.to_string()))?;
             (r, w) = split_tls(sock, conn)?;

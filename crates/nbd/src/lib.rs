@@ -5,15 +5,13 @@
 //!
 //! Both speak the fixed newstyle handshake with structured replies and
 //! `base:allocation` block status, over Unix sockets, TCP, and TLS (X.509
-//! certificates, rustls). Threads only: the server runs one thread per
+//! certificates with rustls, or pre-shared keys). Threads only: the server runs one thread per
 //! connection that reads requests plus up to a few workers that execute them;
 //! the client runs one reader thread that hands replies to waiting callers.
 //!
-//! TLS-PSK (the `username:hexkey` files of qemu and nbdkit) is not
-//! available: rustls does not implement external pre-shared keys (TLS 1.3
-//! `psk_ke`/`psk_dhe_ke` with imported keys, or the TLS 1.2 PSK suites).
-//! Supporting it would need an OpenSSL or GnuTLS binding behind the same
-//! transport interface.
+//! TLS-PSK (the `username:hexkey` files of qemu and nbdkit) runs on
+//! OpenSSL, because rustls does not implement external pre-shared keys;
+//! both engines sit behind one socket-free session type.
 //!
 //! Owns: the wire protocol. Must not: know what the export stores (that is
 //! the COW engine's business) or install signal handlers.
@@ -21,8 +19,10 @@
 pub mod client;
 pub mod export;
 pub mod proto;
+pub mod psk;
 pub mod server;
 pub mod tls;
+mod tls_session;
 mod transport;
 pub mod uri;
 

@@ -1,11 +1,13 @@
-//! TLS credentials for the server and the client (X.509, PEM files, rustls
-//! with the ring provider).
+//! TLS credentials for the server and the client: X.509 certificates (PEM
+//! files, rustls with the ring provider) and pre-shared keys (the
+//! `username:hexkey` files of qemu and nbdkit, OpenSSL, because rustls has
+//! no external PSK).
 //!
-//! Owns: loading certificates and keys, building rustls configurations, the
-//! directory layout qemu and nbdkit use (`ca-cert.pem`, `server-cert.pem`,
-//! `server-key.pem`, `client-cert.pem`, `client-key.pem`).
-//! Must not: touch sockets. PSK is not offered: rustls has no external-PSK
-//! support (see the crate documentation).
+//! Owns: loading certificates and keys, building the engines'
+//! configurations, the directory layout qemu and nbdkit use (`ca-cert.pem`,
+//! `server-cert.pem`, `server-key.pem`, `client-cert.pem`,
+//! `client-key.pem`, `keys.psk`).
+//! Must not: touch sockets.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,6 +17,9 @@ use rustls::server::WebPkiClientVerifier;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use thiserror::Error;
+
+use crate::psk::PskKeys;
+use crate::tls_session::{MemPipe, TlsSession};
 
 /// Failure to load TLS credentials.
 #[derive(Debug, Error)]
@@ -29,6 +34,18 @@ pub enum TlsConfigError {
     Verifier(String),
     #[error("invalid TLS server name {0:?}")]
     ServerName(String),
+    #[error("{path} line {line}: {reason}")]
+    PskFile {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    #[error("no pre-shared key in {0}")]
+    NoPsk(PathBuf),
+    #[error("no pre-shared key for user {user:?} in {path}")]
+    NoPskUser { path: PathBuf, user: String },
+    #[error("OpenSSL: {0}")]
+    OpenSsl(#[from] openssl::error::ErrorStack),
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -70,7 +87,13 @@ fn load_roots(path: &Path) -> Result<RootCertStore, TlsConfigError> {
 /// Server-side TLS credentials. A server given these runs in FORCEDTLS mode.
 #[derive(Clone)]
 pub struct TlsServerConfig {
-    pub(crate) config: Arc<rustls::ServerConfig>,
+    creds: ServerCreds,
+}
+
+#[derive(Clone)]
+enum ServerCreds {
+    X509(Arc<rustls::ServerConfig>),
+    Psk(openssl::ssl::SslContext),
 }
 
 impl std::fmt::Debug for TlsServerConfig {
@@ -103,9 +126,7 @@ impl TlsServerConfig {
                     .with_single_cert(certs, key)?
             }
         };
-        Ok(TlsServerConfig {
-            config: Arc::new(config),
-        })
+        Ok(Self::from_rustls(Arc::new(config)))
     }
 
     /// The qemu/nbdkit directory layout: `server-cert.pem`, `server-key.pem`,
@@ -121,14 +142,56 @@ impl TlsServerConfig {
 
     /// Wraps a ready rustls configuration.
     pub fn from_rustls(config: Arc<rustls::ServerConfig>) -> Self {
-        TlsServerConfig { config }
+        TlsServerConfig {
+            creds: ServerCreds::X509(config),
+        }
     }
+
+    /// Pre-shared keys from a `username:hexkey` file (qemu's `keys.psk`,
+    /// nbdkit's `--tls-psk`): a client must prove it holds the key of the
+    /// user it names.
+    pub fn from_psk_file(path: &Path) -> Result<Self, TlsConfigError> {
+        let keys = PskKeys::load(path)?;
+        Ok(TlsServerConfig {
+            creds: ServerCreds::Psk(crate::psk::server_context(keys)?),
+        })
+    }
+
+    pub(crate) fn session(&self) -> Result<TlsSession, TlsConfigError> {
+        Ok(match &self.creds {
+            ServerCreds::X509(config) => {
+                let conn = rustls::ServerConnection::new(config.clone())?;
+                TlsSession::Rustls(Box::new(conn.into()))
+            }
+            ServerCreds::Psk(ctx) => openssl_session(ctx, false)?,
+        })
+    }
+}
+
+fn openssl_session(
+    ctx: &openssl::ssl::SslContext,
+    connect: bool,
+) -> Result<TlsSession, TlsConfigError> {
+    let mut ssl = openssl::ssl::Ssl::new(ctx)?;
+    if connect {
+        ssl.set_connect_state();
+    } else {
+        ssl.set_accept_state();
+    }
+    let stream = openssl::ssl::SslStream::new(ssl, MemPipe::default())?;
+    Ok(TlsSession::OpenSsl(Box::new(stream)))
 }
 
 /// Client-side TLS credentials.
 #[derive(Clone)]
 pub struct TlsClientConfig {
-    pub(crate) config: Arc<rustls::ClientConfig>,
+    creds: ClientCreds,
+}
+
+#[derive(Clone)]
+enum ClientCreds {
+    X509(Arc<rustls::ClientConfig>),
+    Psk(openssl::ssl::SslContext),
 }
 
 impl std::fmt::Debug for TlsClientConfig {
@@ -153,9 +216,7 @@ impl TlsClientConfig {
                 builder.with_client_auth_cert(load_certs(cert)?, load_key(key)?)?
             }
         };
-        Ok(TlsClientConfig {
-            config: Arc::new(config),
-        })
+        Ok(Self::from_rustls(Arc::new(config)))
     }
 
     /// The qemu/libnbd directory layout: `ca-cert.pem`, and when both exist,
@@ -169,18 +230,33 @@ impl TlsClientConfig {
 
     /// Wraps a ready rustls configuration.
     pub fn from_rustls(config: Arc<rustls::ClientConfig>) -> Self {
-        TlsClientConfig { config }
+        TlsClientConfig {
+            creds: ClientCreds::X509(config),
+        }
     }
 
-    pub(crate) fn connection(
-        &self,
-        server_name: &str,
-    ) -> Result<rustls::Connection, TlsConfigError> {
-        let name = ServerName::try_from(server_name.to_string())
-            .map_err(|_| TlsConfigError::ServerName(server_name.to_string()))?;
-        Ok(rustls::Connection::Client(rustls::ClientConnection::new(
-            self.config.clone(),
-            name,
-        )?))
+    /// The key of `user` from a `username:hexkey` file (libnbd's
+    /// `tls-psk-file`, qemu's `keys.psk`).
+    pub fn from_psk_file(path: &Path, user: &str) -> Result<Self, TlsConfigError> {
+        let keys = PskKeys::load(path)?;
+        let key = keys.get(user).ok_or_else(|| TlsConfigError::NoPskUser {
+            path: path.to_path_buf(),
+            user: user.to_string(),
+        })?;
+        Ok(TlsClientConfig {
+            creds: ClientCreds::Psk(crate::psk::client_context(user, key)?),
+        })
+    }
+
+    pub(crate) fn session(&self, server_name: &str) -> Result<TlsSession, TlsConfigError> {
+        Ok(match &self.creds {
+            ClientCreds::X509(config) => {
+                let name = ServerName::try_from(server_name.to_string())
+                    .map_err(|_| TlsConfigError::ServerName(server_name.to_string()))?;
+                let conn = rustls::ClientConnection::new(config.clone(), name)?;
+                TlsSession::Rustls(Box::new(conn.into()))
+            }
+            ClientCreds::Psk(ctx) => openssl_session(ctx, true)?,
+        })
     }
 }

@@ -1,5 +1,5 @@
 //! Byte transport under the NBD protocol: Unix or TCP sockets, optionally
-//! upgraded to TLS (rustls) in place after `NBD_OPT_STARTTLS`.
+//! upgraded to TLS in place after `NBD_OPT_STARTTLS`.
 //!
 //! Owns: splitting one connection into a reading half (used by one thread)
 //! and a writing half (used under the caller's lock), TLS record handling
@@ -13,6 +13,8 @@ use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+use crate::tls_session::TlsSession;
 
 /// A connected stream socket.
 #[derive(Debug)]
@@ -105,11 +107,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// TLS state shared by the two halves of a connection.
 ///
-/// Locking: `state` (the rustls state machine plus encrypted bytes waiting to
+/// Locking: `state` (the TLS state machine plus encrypted bytes waiting to
 /// be sent) is only held for in-memory work, never across a socket call.
 /// `send` (the socket's writing clone) is held while sending; only whoever
 /// holds it takes bytes out of `pending`, so bytes reach the socket in the
-/// order rustls produced them. The reading half only ever `try_lock`s `send`:
+/// order the TLS engine produced them. The reading half only ever `try_lock`s `send`:
 /// if a writer holds it, the writer sends the reader's bytes too before
 /// releasing (or, in a narrow race, with its next write).
 pub(crate) struct TlsShared {
@@ -120,18 +122,15 @@ pub(crate) struct TlsShared {
 }
 
 struct TlsState {
-    conn: rustls::Connection,
+    session: TlsSession,
     pending: Vec<u8>,
 }
 
 impl TlsShared {
     /// Drains encrypted output into `pending` (in memory, cannot block).
     fn collect(st: &mut TlsState) -> io::Result<()> {
-        while st.conn.wants_write() {
-            let TlsState { conn, pending } = st;
-            conn.write_tls(pending)?;
-        }
-        Ok(())
+        let TlsState { session, pending } = st;
+        session.take_output(pending)
     }
 
     /// With `send` held: sends everything pending until nothing is left.
@@ -151,35 +150,54 @@ impl TlsShared {
     }
 }
 
-/// Runs a TLS handshake to completion on a blocking socket.
-pub(crate) fn tls_handshake(
-    mut conn: rustls::Connection,
-    sock: &mut Socket,
-) -> io::Result<rustls::Connection> {
-    while conn.is_handshaking() {
-        match conn.complete_io(sock) {
-            Ok((0, 0)) if conn.is_handshaking() => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "peer closed during TLS handshake",
-                ));
-            }
-            Ok(_) => {}
-            Err(e) => {
-                // Let the peer see our alert, if any.
-                while conn.wants_write() {
-                    if conn.write_tls(sock).is_err() {
-                        break;
-                    }
-                }
-                return Err(e);
+/// Runs a TLS handshake to completion on a blocking socket. Bytes the
+/// peer sent right behind its last handshake message stay in the session.
+pub(crate) fn tls_handshake(mut session: TlsSession, sock: &mut Socket) -> io::Result<TlsSession> {
+    let mut out = Vec::new();
+    let mut raw = vec![0u8; 16 * 1024];
+    let mut fed = session.feed(&[]).map(drop);
+    loop {
+        session.take_output(&mut out)?;
+        if !out.is_empty() {
+            // On failure the alert goes out before the error is returned.
+            let sent = sock.write_all(&out);
+            out.clear();
+            if fed.is_ok() {
+                sent?;
             }
         }
+        fed?;
+        if !session.is_handshaking() {
+            return Ok(session);
+        }
+        let n = loop {
+            match sock.read(&mut raw) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                r => break r?,
+            }
+        };
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "peer closed during TLS handshake",
+            ));
+        }
+        fed = feed_all(&mut session, &raw[..n]);
     }
-    while conn.wants_write() {
-        conn.write_tls(sock)?;
+}
+
+fn feed_all(session: &mut TlsSession, mut raw: &[u8]) -> io::Result<()> {
+    while !raw.is_empty() {
+        let n = session.feed(raw)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "TLS engine took no bytes during the handshake",
+            ));
+        }
+        raw = &raw[n..];
     }
-    Ok(conn)
+    Ok(())
 }
 
 /// The reading half of a connection.
@@ -206,15 +224,12 @@ pub(crate) fn split_plain(sock: Socket) -> io::Result<(ConnReader, ConnWriter)> 
 }
 
 /// Splits a socket whose TLS handshake is complete into halves.
-pub(crate) fn split_tls(
-    sock: Socket,
-    conn: rustls::Connection,
-) -> io::Result<(ConnReader, ConnWriter)> {
+pub(crate) fn split_tls(sock: Socket, session: TlsSession) -> io::Result<(ConnReader, ConnWriter)> {
     let w = sock.try_clone()?;
     let ctl = sock.try_clone()?;
     let shared = Arc::new(TlsShared {
         state: Mutex::new(TlsState {
-            conn,
+            session,
             pending: Vec::new(),
         }),
         send: Mutex::new(w),
@@ -283,9 +298,9 @@ impl ConnWriter {
                     while !rest.is_empty() {
                         {
                             let mut st = lock(&shared.state);
-                            let n = st.conn.writer().write(rest)?;
+                            let n = st.session.write_plain(rest)?;
                             TlsShared::collect(&mut st)?;
-                            if n == 0 && !st.conn.wants_write() && st.pending.is_empty() {
+                            if n == 0 && st.pending.is_empty() {
                                 return Err(io::ErrorKind::WriteZero.into());
                             }
                             rest = &rest[n..];
@@ -312,7 +327,7 @@ impl ConnWriter {
                 let mut sock = lock(&shared.send);
                 {
                     let mut st = lock(&shared.state);
-                    st.conn.send_close_notify();
+                    st.session.close_notify();
                     let _ = TlsShared::collect(&mut st);
                 }
                 let _ = shared.drain(&mut sock);
@@ -350,33 +365,31 @@ impl TlsReader {
             return Ok(0);
         }
         loop {
-            let mut have_output = false;
+            let have_output;
             // Some(..): done; None: fed raw bytes, look again; or need more raw bytes.
             let (result, need_raw) = {
                 let mut st = lock(&self.shared.state);
-                match st.conn.reader().read(out) {
+                let step = match st.session.read_plain(out) {
                     Ok(n) => (Some(Ok(n)), false),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         if self.pos < self.end {
-                            let mut slice = &self.raw[self.pos..self.end];
-                            let n = st.conn.read_tls(&mut slice)?;
-                            self.pos += n;
-                            let processed = st.conn.process_new_packets();
-                            TlsShared::collect(&mut st)?;
-                            have_output = !st.pending.is_empty();
-                            match processed {
-                                Ok(_) => (None, false),
-                                Err(e) => (
-                                    Some(Err(io::Error::new(io::ErrorKind::InvalidData, e))),
-                                    false,
-                                ),
+                            match st.session.feed(&self.raw[self.pos..self.end]) {
+                                Ok(n) => {
+                                    self.pos += n;
+                                    (None, false)
+                                }
+                                Err(e) => (Some(Err(e)), false),
                             }
                         } else {
                             (None, true)
                         }
                     }
                     Err(e) => (Some(Err(e)), false),
-                }
+                };
+                // Reading can produce output too (alerts, key update replies).
+                TlsShared::collect(&mut st)?;
+                have_output = !st.pending.is_empty();
+                step
             };
             if have_output {
                 // Never wait for the sender: if it is busy it will send these too.

@@ -1,6 +1,7 @@
 //! NBD URIs as qemu and libnbd write them:
 //! `nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`, and the
-//! TLS forms `nbds://` / `nbds+unix://` (with `tls-certificates=DIR` and the
+//! TLS forms `nbds://` / `nbds+unix://` (with `tls-certificates=DIR`, or
+//! `tls-psk-file=FILE` and the user as `nbds://USER@HOST/`, and the
 //! non-standard `tls-hostname=NAME`).
 //!
 //! Owns: parsing and printing. Must not: connect or resolve anything.
@@ -39,6 +40,10 @@ pub struct NbdUri {
     pub tls: bool,
     /// Directory with `ca-cert.pem` (and optionally client-cert/key).
     pub tls_certificates: Option<PathBuf>,
+    /// `username:hexkey` file for TLS-PSK.
+    pub tls_psk_file: Option<PathBuf>,
+    /// The user part of the authority (`USER@`): the TLS-PSK identity.
+    pub user: Option<String>,
     /// Name to verify the server certificate against (default: the TCP
     /// host, or `localhost` for Unix sockets).
     pub tls_hostname: Option<String>,
@@ -95,10 +100,18 @@ impl NbdUri {
             Some(i) => (&before_query[..i], &before_query[i..]),
             None => (before_query, ""),
         };
+        let (user, authority) = match authority.rsplit_once('@') {
+            Some((u, a)) => (
+                Some(percent_decode(u).ok_or_else(|| err("bad percent-encoding in the user"))?),
+                a,
+            ),
+            None => (None, authority),
+        };
         let export = percent_decode(path.strip_prefix('/').unwrap_or(path))
             .ok_or_else(|| err("bad percent-encoding in the export name"))?;
         let mut socket = None;
         let mut tls_certificates = None;
+        let mut tls_psk_file = None;
         let mut tls_hostname = None;
         for pair in query
             .unwrap_or("")
@@ -110,6 +123,7 @@ impl NbdUri {
             match k {
                 "socket" => socket = Some(PathBuf::from(v)),
                 "tls-certificates" => tls_certificates = Some(PathBuf::from(v)),
+                "tls-psk-file" => tls_psk_file = Some(PathBuf::from(v)),
                 "tls-hostname" => tls_hostname = Some(v),
                 _ => {}
             }
@@ -151,6 +165,8 @@ impl NbdUri {
             export,
             tls,
             tls_certificates,
+            tls_psk_file,
+            user,
             tls_hostname,
         })
     }
@@ -167,10 +183,15 @@ impl fmt::Display for NbdUri {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = if self.tls { "nbds" } else { "nbd" };
         let export = percent_encode(&self.export, b"/");
+        let user = self
+            .user
+            .as_ref()
+            .map(|u| format!("{}@", percent_encode(u, b"")))
+            .unwrap_or_default();
         let mut query: Vec<String> = Vec::new();
         match &self.transport {
             Transport::Unix(p) => {
-                write!(f, "{s}+unix:///{export}")?;
+                write!(f, "{s}+unix://{user}/{export}")?;
                 query.push(format!(
                     "socket={}",
                     percent_encode(&p.to_string_lossy(), b"/")
@@ -178,9 +199,9 @@ impl fmt::Display for NbdUri {
             }
             Transport::Tcp { host, port } => {
                 if host.contains(':') {
-                    write!(f, "{s}://[{host}]:{port}/{export}")?;
+                    write!(f, "{s}://{user}[{host}]:{port}/{export}")?;
                 } else {
-                    write!(f, "{s}://{host}:{port}/{export}")?;
+                    write!(f, "{s}://{user}{host}:{port}/{export}")?;
                 }
             }
         }
@@ -188,6 +209,12 @@ impl fmt::Display for NbdUri {
             query.push(format!(
                 "tls-certificates={}",
                 percent_encode(&d.to_string_lossy(), b"/")
+            ));
+        }
+        if let Some(k) = &self.tls_psk_file {
+            query.push(format!(
+                "tls-psk-file={}",
+                percent_encode(&k.to_string_lossy(), b"/")
             ));
         }
         if let Some(h) = &self.tls_hostname {
@@ -235,6 +262,20 @@ mod tests {
         assert_eq!(u.tls_certificates, Some("/pki".into()));
         let again = NbdUri::parse(&u.to_string()).unwrap();
         assert_eq!(again, u);
+        let u = NbdUri::parse("nbds+unix://alice@/e?socket=/s&tls-psk-file=/k.psk").unwrap();
+        assert_eq!(u.user.as_deref(), Some("alice"));
+        assert_eq!(u.tls_psk_file, Some("/k.psk".into()));
+        assert_eq!(NbdUri::parse(&u.to_string()).unwrap(), u);
+        let u = NbdUri::parse("nbds://bob@h:1/e").unwrap();
+        assert_eq!(u.user.as_deref(), Some("bob"));
+        assert_eq!(
+            u.transport,
+            Transport::Tcp {
+                host: "h".into(),
+                port: 1
+            }
+        );
+        assert_eq!(NbdUri::parse(&u.to_string()).unwrap(), u);
     }
 
     #[test]

@@ -22,6 +22,31 @@ fn tls_server(pki: &std::path::Path) -> (TestServer, Arc<MemExport>) {
     (TestServer::start_with(b), disk)
 }
 
+/// Four threads write and read back 64 KiB blocks from `small` on, then one
+/// 3 MiB FUA write at `big` is read back; returns the big pattern.
+fn exercise(c: &NbdClient, small: u64, big: u64) -> Vec<u8> {
+    std::thread::scope(|sc| {
+        for t in 0..4u64 {
+            sc.spawn(move || {
+                for i in 0..16u64 {
+                    let off = small + (t * 16 + i) * 65536;
+                    let d = pattern(65536, off);
+                    c.write_at(off, &d, false).unwrap();
+                    let mut b = vec![0u8; 65536];
+                    c.read_at(off, &mut b).unwrap();
+                    assert!(b == d);
+                }
+            });
+        }
+    });
+    let data = pattern(3 << 20, big);
+    c.write_at(big, &data, true).unwrap();
+    let mut back = vec![0u8; 3 << 20];
+    c.read_at(big, &mut back).unwrap();
+    assert!(back == data);
+    data
+}
+
 #[test]
 fn tls_with_qemu_io_nbdinfo_and_own_client() {
     require_tool("qemu-io");
@@ -78,26 +103,7 @@ fn tls_with_qemu_io_nbdinfo_and_own_client() {
 
     // Own client over TLS, several threads.
     let c = NbdClient::connect(&uri).unwrap();
-    std::thread::scope(|sc| {
-        for t in 0..4u64 {
-            let c = &c;
-            sc.spawn(move || {
-                for i in 0..16u64 {
-                    let off = (t * 16 + i) * 65536;
-                    let d = pattern(65536, off);
-                    c.write_at(off, &d, false).unwrap();
-                    let mut b = vec![0u8; 65536];
-                    c.read_at(off, &mut b).unwrap();
-                    assert!(b == d);
-                }
-            });
-        }
-    });
-    let big = pattern(3 << 20, 11);
-    c.write_at(8 << 20, &big, true).unwrap();
-    let mut back = vec![0u8; 3 << 20];
-    c.read_at(8 << 20, &mut back).unwrap();
-    assert!(back == big);
+    exercise(&c, 0, 8 << 20);
     assert!(s.server.stats().connections.iter().any(|x| x.tls));
     drop(c);
 
@@ -147,5 +153,121 @@ fn own_client_tls_against_nbdkit() {
     assert!(matches!(
         NbdClient::connect(&k.uri()),
         Err(ClientError::TlsRequired)
+    ));
+}
+
+/// A `keys.psk` file in `dir` holding `user`'s key.
+fn write_psk(dir: &std::path::Path, user: &str, key_hex: &str) -> std::path::PathBuf {
+    let p = dir.join("keys.psk");
+    std::fs::write(&p, format!("{user}:{key_hex}\n")).unwrap();
+    p
+}
+
+const KEY: &str = "9f2c6f1e7d3a5b8c0e1f2a3b4c5d6e7f00112233445566778899aabbccddeeff";
+const OTHER_KEY: &str = "0000000000000000000000000000000000000000000000000000000000000001";
+
+#[test]
+fn tls_psk_with_qemu_io_nbdinfo_and_own_client() {
+    require_tool("qemu-io");
+    require_tool("nbdinfo");
+    let keys = tempfile::tempdir().unwrap();
+    let keyfile = write_psk(keys.path(), "alice", KEY);
+    let disk = Arc::new(MemExport::new(16 << 20));
+    let tls = TlsServerConfig::from_psk_file(&keyfile).unwrap();
+    let s = TestServer::start_with(Server::builder().export("secure", disk.clone()).tls(tls));
+
+    // qemu-io with qemu's tls-creds-psk object (GnuTLS on the client side).
+    let image = format!(
+        "driver=nbd,server.type=unix,server.path={},export=secure,tls-creds=tls0",
+        s.socket.display()
+    );
+    let out = run(Command::new("qemu-io")
+        .arg("--object")
+        .arg(format!(
+            "tls-creds-psk,id=tls0,endpoint=client,dir={},username=alice",
+            keys.path().display()
+        ))
+        .arg("--image-opts")
+        .args(["-c", "write -P 0x5a 2M 128k", "-c", "flush"])
+        .arg(&image));
+    assert!(!out.contains("failed"), "{out}");
+    assert!(
+        disk.contents()[2 << 20..(2 << 20) + (128 << 10)]
+            .iter()
+            .all(|&b| b == 0x5a)
+    );
+
+    // nbdinfo (libnbd, GnuTLS).
+    let uri = format!(
+        "nbds+unix://alice@/secure?socket={}&tls-psk-file={}",
+        s.socket.display(),
+        keyfile.display()
+    );
+    let info = run(Command::new("nbdinfo").arg(&uri));
+    assert!(info.contains("with TLS"), "{info}");
+
+    // Own client (OpenSSL), several threads, large requests.
+    let c = NbdClient::connect(&uri).unwrap();
+    let big = exercise(&c, 4 << 20, 9 << 20);
+    drop(c);
+
+    // A wrong key, an unknown user and a plain connection are all refused,
+    // and none of them disturbs the data.
+    let wrong = tempfile::tempdir().unwrap();
+    let wrong_keys = write_psk(wrong.path(), "alice", OTHER_KEY);
+    let bad = output(Command::new("nbdinfo").arg(format!(
+        "nbds+unix://alice@/secure?socket={}&tls-psk-file={}",
+        s.socket.display(),
+        wrong_keys.display()
+    )));
+    assert!(!bad.status.success(), "wrong key accepted");
+    let mallory =
+        TlsClientConfig::from_psk_file(&write_psk(wrong.path(), "mallory", KEY), "mallory")
+            .unwrap();
+    let opts = ClientOptions {
+        tls: Some(mallory),
+        ..Default::default()
+    };
+    assert!(matches!(
+        NbdClient::connect_with(&NbdUri::parse(&uri).unwrap(), &opts),
+        Err(ClientError::Tls(_))
+    ));
+    assert!(matches!(
+        NbdClient::connect(&s.uri("secure")),
+        Err(ClientError::TlsRequired)
+    ));
+    let c = NbdClient::connect(&uri).unwrap();
+    let mut b = vec![0u8; 3 << 20];
+    c.read_at(9 << 20, &mut b).unwrap();
+    assert!(b == big);
+}
+
+#[test]
+fn own_psk_client_against_nbdkit() {
+    let keys = tempfile::tempdir().unwrap();
+    let keyfile = write_psk(keys.path(), "bob", KEY);
+    let psk = format!("--tls-psk={}", keyfile.display());
+    let k = Nbdkit::start(&["--tls=require", &psk, "memory", "8M"]);
+    let uri = format!(
+        "nbds+unix://bob@/?socket={}&tls-psk-file={}",
+        k.socket.display(),
+        keyfile.display()
+    );
+    let c = NbdClient::connect(&uri).unwrap();
+    let d = pattern(5 << 20, 3);
+    c.write_at(1 << 20, &d, false).unwrap();
+    c.flush().unwrap();
+    let mut b = vec![0u8; 5 << 20];
+    c.read_at(1 << 20, &mut b).unwrap();
+    assert!(b == d);
+    // Without the user the URI cannot name a key.
+    let anonymous = format!(
+        "nbds+unix:///?socket={}&tls-psk-file={}",
+        k.socket.display(),
+        keyfile.display()
+    );
+    assert!(matches!(
+        NbdClient::connect(&anonymous),
+        Err(ClientError::Tls(_))
     ));
 }

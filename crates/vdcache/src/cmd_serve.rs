@@ -27,6 +27,10 @@ pub struct ServeArgs {
     /// ... and this private key (PEM).
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Require TLS with a pre-shared key from this `username:hexkey` file
+    /// (qemu's keys.psk, as made by `psktool -u USER -p FILE`).
+    #[arg(long, conflicts_with = "tls_cert")]
+    tls_psk: Option<PathBuf>,
     /// Worker threads per connection (requests served in parallel).
     #[arg(long)]
     workers: Option<usize>,
@@ -98,10 +102,10 @@ impl ServeArgs {
                 socket: self.socket,
                 tcp: self.tcp,
                 control: self.control,
-                tls: self.tls_cert.map(|cert| TlsConfig {
-                    cert: Some(cert),
+                tls: (self.tls_cert.is_some() || self.tls_psk.is_some()).then_some(TlsConfig {
+                    cert: self.tls_cert,
                     key: self.tls_key,
-                    psk: None,
+                    psk: self.tls_psk,
                 }),
                 workers: self.workers,
             },

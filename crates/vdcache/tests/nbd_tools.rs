@@ -529,6 +529,116 @@ fn named_exports_from_a_config_file() {
     s.finish();
 }
 
+/// TLS with a pre-shared key (qemu's `keys.psk` format): qemu-img and
+/// qemu-io through a `tls-creds-psk` object, nbdcopy through a libnbd URI;
+/// plain clients and wrong keys are refused; a malformed key file or a
+/// config naming both a certificate and a key file stops the server before
+/// it listens, with the reason.
+#[test]
+fn tls_with_a_pre_shared_key() {
+    let s = Scratch::new();
+    let img = s.path("vm.qcow2");
+    qcow2(&s, &img, 8 * M, None);
+    let keys = s.path("keys.psk");
+    std::fs::write(
+        &keys,
+        "alice:5b7d1c2e3f405162738495a6b7c8d9eaf00112233445566778899aabbccddeef\n",
+    )
+    .expect("write keys");
+    let sock = s.path("psk.sock");
+    let server = serve(
+        &s,
+        &sock,
+        &[
+            "--tls-psk",
+            keys.to_str().expect("utf-8"),
+            img.to_str().expect("utf-8"),
+        ],
+    );
+    let creds = format!(
+        "tls-creds-psk,id=tls0,endpoint=client,dir={},username=alice",
+        s.root().display()
+    );
+    let opts = format!(
+        "driver=nbd,server.type=unix,server.path={},tls-creds=tls0",
+        sock.display()
+    );
+    ok(s.qemu_io()
+        .args(["--object", &creds, "--image-opts"])
+        .args(["-c", "write -P 0x3c 1M 2M", "-c", "flush"])
+        .arg(&opts));
+    let info = ok(s
+        .qemu_img()
+        .args(["info", "--object", &creds, "--image-opts"])
+        .arg(&opts))
+    .stdout;
+    assert!(info.contains("8 MiB"), "{info}");
+    let tls_uri = format!(
+        "nbds+unix://alice@/?socket={}&tls-psk-file={}",
+        sock.display(),
+        keys.display()
+    );
+    let copy = s.path("copy.raw");
+    ok(s.cmd("nbdcopy").arg(&tls_uri).arg(&copy));
+    let data = std::fs::read(&copy).expect("read copy");
+    assert_same_bytes(
+        "1M..3M after nbdcopy",
+        &[0x3c; 2 << 20],
+        &data[M as usize..3 * M as usize],
+    );
+
+    // Without TLS, or with a wrong key, nothing is served.
+    let plain = exec(s.cmd("nbdinfo").arg(uri(&sock, "")));
+    assert!(!plain.success(), "{}", plain.report());
+    let wrong = s.path("wrong.psk");
+    std::fs::write(
+        &wrong,
+        "alice:00000000000000000000000000000000000000000000000000000000000000ff\n",
+    )
+    .expect("write keys");
+    let w = exec(s.cmd("nbdinfo").arg(format!(
+        "nbds+unix://alice@/?socket={}&tls-psk-file={}",
+        sock.display(),
+        wrong.display()
+    )));
+    assert!(!w.success(), "{}", w.report());
+    server.stop_clean();
+    ok(s.qemu_img().arg("check").arg(&img));
+
+    // Bad key files and contradictory settings are refused up front.
+    let bad = s.path("bad.psk");
+    std::fs::write(&bad, "alice:0011\nbob 0022\n").expect("write keys");
+    let why = serve_refused(
+        &s,
+        &s.path("bad.sock"),
+        &[
+            "--tls-psk",
+            bad.to_str().expect("utf-8"),
+            img.to_str().expect("utf-8"),
+        ],
+    );
+    assert!(why.contains("line 2"), "{why}");
+    let cfg = s.path("both.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nsocket = \"{}\"\n[server.tls]\ncert = \"c.pem\"\nkey = \"k.pem\"\npsk = \"{}\"\n\n\
+             [[export]]\nname = \"\"\nimage = \"{}\"\n",
+            s.path("both.sock").display(),
+            keys.display(),
+            img.display()
+        ),
+    )
+    .expect("write config");
+    let out = exec(s.vdcache().arg("serve").arg("--config").arg(&cfg));
+    assert!(
+        !out.success() && out.all().contains("not both"),
+        "{}",
+        out.report()
+    );
+    s.finish();
+}
+
 /// A seeded workload: (commands for the server, commands for the raw
 /// reference). Discards are whole clusters, which vdcache deallocates so
 /// they read as zeros; the reference gets `write -z` for them (a raw

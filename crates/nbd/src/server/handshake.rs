@@ -320,9 +320,10 @@ impl State<'_> {
         let mut sock = old
             .into_plain_socket()
             .ok_or_else(|| End::Error("TLS twice".into()))?;
-        let conn = rustls::ServerConnection::new(tls.config.clone())
+        let session = tls
+            .session()
             .map_err(|e| End::Error(format!("TLS setup: {e}")))?;
-        let conn = tls_handshake(rustls::Connection::Server(conn), &mut sock)
+        let conn = tls_handshake(session, &mut sock)
             .map_err(|e| End::Error(format!("TLS handshake failed: {e}")))?;
         let (r, w) = split_tls(sock, conn)?;
         self.r = r;

@@ -133,11 +133,11 @@ impl ServerConfig {
         if self.server.socket.is_none() && self.server.tcp.is_none() {
             bail!("[server] needs a socket or a tcp address");
         }
-        if let Some(t) = &self.server.tls
-            && t.psk.is_none()
-            && (t.cert.is_none() || t.key.is_none())
-        {
-            bail!("[server.tls] needs cert and key, or psk");
+        if let Some(t) = &self.server.tls {
+            match (&t.cert, &t.key, &t.psk) {
+                (Some(_), Some(_), None) | (None, None, Some(_)) => {}
+                _ => bail!("[server.tls] needs cert and key, or psk (not both)"),
+            }
         }
         Ok(())
     }

@@ -84,10 +84,10 @@ fn tls(cfg: &ServerConfig) -> Result<Option<TlsServerConfig>> {
     let Some(t) = &cfg.server.tls else {
         return Ok(None);
     };
-    if t.psk.is_some() {
-        anyhow::bail!(
-            "TLS with a pre-shared key is not supported (rustls has no external PSK); use cert and key"
-        );
+    if let Some(keys) = &t.psk {
+        return Ok(Some(
+            TlsServerConfig::from_psk_file(keys).context("loading TLS pre-shared keys")?,
+        ));
     }
     let (Some(cert), Some(key)) = (&t.cert, &t.key) else {
         anyhow::bail!("TLS needs a certificate and a key");
