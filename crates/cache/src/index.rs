@@ -1,14 +1,19 @@
 //! The virtual cache map (paper 000, section 4.1): one line per (image,
 //! 64 KiB of the image), holding the guest line number, the cache block
 //! numbers of the blocks present, and the present / dirty / partially
-//! valid bitmaps; plus, per cache block, the line that owns it (so a region
-//! can be emptied) and a reference count (so several addresses may share
-//! one block, for dedup and journal-aware caching).
+//! valid bitmaps; plus reference counts (so several addresses may share
+//! one block, for dedup and journal-aware caching): one bit per cache
+//! block says it is referenced, and blocks with more than one reference
+//! list the others.
 //!
 //! Lines live in a slab; a hash table of slab indices finds them by key,
-//! so each line's key is stored once. The index never does I/O.
+//! so each line's key is stored once. The way back from a block to its
+//! line (to empty a region) is the region summaries ([`crate::summary`]),
+//! recorded here when a block gets its first reference. The index never
+//! does I/O.
 
 use crate::layout::LINE_BLOCKS;
+use crate::summary::Summaries;
 use hashbrown::DefaultHashBuilder;
 use hashbrown::HashTable;
 use std::hash::BuildHasher;
@@ -27,7 +32,6 @@ impl BlockRef {
 }
 /// No block.
 pub const NO_BLOCK: Cbn = u32::MAX;
-const NO_OWNER: u32 = u32::MAX;
 
 /// Key of a line: image id (16 bits) and line number (48 bits).
 pub fn line_key(image: u16, line: u64) -> u64 {
@@ -42,8 +46,11 @@ pub fn key_line(key: u64) -> u64 {
     key & ((1 << 48) - 1)
 }
 
-/// One entry of the virtual cache map (84 bytes: packed to 4-byte
-/// alignment so that the u64 key costs no padding).
+/// One entry of the virtual cache map (24 bytes: packed to 4-byte
+/// alignment so that the u64 key costs no padding). The cache block
+/// numbers of the present blocks live in the index's block pool, in slot
+/// order, in an array just big enough for them: a line with two blocks
+/// costs two block numbers, not sixteen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C, packed(4))]
 pub struct Line {
@@ -56,8 +63,13 @@ pub struct Line {
     /// Partially valid (dcow) bitmap: blocks of a delta cluster that hold
     /// no data yet (filled from the base on read).
     pub partial: u16,
-    pub cbn: [Cbn; LINE_BLOCKS as usize],
+    /// Size class of the line's block array, [`NO_CLASS`] when it has none.
+    class: u8,
+    /// Array number within the class.
+    at: u32,
 }
+
+const NO_CLASS: u8 = u8::MAX;
 
 impl Line {
     fn empty(key: u64, guest: u64) -> Line {
@@ -67,62 +79,174 @@ impl Line {
             present: 0,
             dirty: 0,
             partial: 0,
-            cbn: [NO_BLOCK; LINE_BLOCKS as usize],
+            class: NO_CLASS,
+            at: 0,
         }
+    }
+
+    /// Position of `slot`'s block in the line's array.
+    fn rank(&self, slot: usize) -> usize {
+        (self.present & ((1u16 << slot) - 1)).count_ones() as usize
     }
 }
 
-/// Lines per slab chunk: the slab grows a chunk at a time, so at most one
-/// chunk is allocated but unused.
-const CHUNK: usize = 1024;
-
-/// Line storage that grows in fixed chunks (a `Vec` doubling would waste
-/// up to half of the largest part of the index).
-#[derive(Default)]
-struct Slab {
-    chunks: Vec<Box<[Line]>>,
-    len: usize,
+/// A line with its block numbers, as the index hands it out.
+#[derive(Debug, Clone, Copy)]
+pub struct LineRef<'a> {
+    line: &'a Line,
+    cbns: &'a [Cbn],
 }
 
-impl Slab {
-    fn push(&mut self, line: Line) -> u32 {
-        if self.len == self.chunks.len() * CHUNK {
-            self.chunks.push(vec![line; CHUNK].into_boxed_slice());
+impl std::ops::Deref for LineRef<'_> {
+    type Target = Line;
+    fn deref(&self) -> &Line {
+        self.line
+    }
+}
+
+impl LineRef<'_> {
+    /// The block of `slot`, or [`NO_BLOCK`] when the slot is not present.
+    pub fn cbn(&self, slot: usize) -> Cbn {
+        if self.line.present & (1 << slot) == 0 {
+            return NO_BLOCK;
         }
-        let i = self.len;
-        self.chunks[i / CHUNK][i % CHUNK] = line;
+        self.cbns[self.line.rank(slot)]
+    }
+
+    /// (slot, block) of every present slot, in slot order.
+    pub fn blocks(&self) -> impl Iterator<Item = (usize, Cbn)> + '_ {
+        let present = self.line.present;
+        (0..LINE_BLOCKS as usize)
+            .filter(move |s| present & (1 << s) != 0)
+            .zip(self.cbns.iter().copied())
+    }
+}
+
+/// Items per slab chunk: storage grows a chunk at a time, so at most one
+/// chunk per slab is allocated but unused.
+const CHUNK: usize = 64;
+
+/// Storage that grows in fixed chunks (a `Vec` doubling would waste up to
+/// half of the largest part of the index). Item `i` is the `width`
+/// elements starting at `i * width`.
+struct Slab<T> {
+    chunks: Vec<Box<[T]>>,
+    width: usize,
+    len: usize,
+    fill: T,
+}
+
+impl<T: Copy> Slab<T> {
+    fn new(width: usize, fill: T) -> Slab<T> {
+        Slab {
+            chunks: Vec::new(),
+            width,
+            len: 0,
+            fill,
+        }
+    }
+
+    /// Appends a new item (filled); returns its number.
+    fn grow(&mut self) -> u32 {
+        if self.len == self.chunks.len() * CHUNK {
+            self.chunks
+                .push(vec![self.fill; CHUNK * self.width].into_boxed_slice());
+        }
         self.len += 1;
-        i as u32
+        (self.len - 1) as u32
+    }
+
+    fn item(&self, i: u32) -> &[T] {
+        let i = i as usize;
+        let at = (i % CHUNK) * self.width;
+        &self.chunks[i / CHUNK][at..at + self.width]
+    }
+
+    fn item_mut(&mut self, i: u32) -> &mut [T] {
+        let i = i as usize;
+        let at = (i % CHUNK) * self.width;
+        &mut self.chunks[i / CHUNK][at..at + self.width]
     }
 
     fn bytes(&self) -> usize {
-        self.chunks.len() * CHUNK * std::mem::size_of::<Line>()
+        self.chunks.len() * CHUNK * self.width * std::mem::size_of::<T>()
     }
 }
 
-impl std::ops::Index<usize> for Slab {
-    type Output = Line;
-    fn index(&self, i: usize) -> &Line {
-        &self.chunks[i / CHUNK][i % CHUNK]
+/// Array sizes of the block pool: a line with n blocks uses the smallest
+/// class that holds n (at most a third of an array is ever unused).
+const CLASSES: [usize; 8] = [1, 2, 3, 4, 6, 8, 12, 16];
+
+fn class_for(n: usize) -> u8 {
+    CLASSES
+        .iter()
+        .position(|&c| c >= n)
+        .unwrap_or(CLASSES.len() - 1) as u8
+}
+
+/// Block number arrays of every size class, with free lists.
+struct BlockPool {
+    classes: Vec<(Slab<Cbn>, Vec<u32>)>,
+}
+
+impl BlockPool {
+    fn new() -> BlockPool {
+        BlockPool {
+            classes: CLASSES
+                .iter()
+                .map(|&w| (Slab::new(w, NO_BLOCK), Vec::new()))
+                .collect(),
+        }
+    }
+
+    fn alloc(&mut self, class: u8) -> u32 {
+        let (slab, free) = &mut self.classes[class as usize];
+        free.pop().unwrap_or_else(|| slab.grow())
+    }
+
+    fn free(&mut self, class: u8, at: u32) {
+        self.classes[class as usize].1.push(at);
+    }
+
+    fn array(&self, class: u8, at: u32) -> &[Cbn] {
+        if class == NO_CLASS {
+            return &[];
+        }
+        self.classes[class as usize].0.item(at)
+    }
+
+    fn array_mut(&mut self, class: u8, at: u32) -> &mut [Cbn] {
+        self.classes[class as usize].0.item_mut(at)
+    }
+
+    fn bytes(&self) -> usize {
+        self.classes
+            .iter()
+            .map(|(slab, free)| slab.bytes() + free.capacity() * std::mem::size_of::<u32>())
+            .sum()
     }
 }
 
-impl std::ops::IndexMut<usize> for Slab {
-    fn index_mut(&mut self, i: usize) -> &mut Line {
-        &mut self.chunks[i / CHUNK][i % CHUNK]
-    }
+/// References to a block beyond its first: the first (found through the
+/// region summary) may be gone while others remain.
+#[derive(Debug, Default)]
+struct Shared {
+    first_alive: bool,
+    others: Vec<u32>,
 }
 
-/// The map plus per-block owners and reference counts.
+/// The map plus reference counts and region summaries.
 pub struct Index {
-    lines: Slab,
+    lines: Slab<Line>,
     free_lines: Vec<u32>,
+    pool: BlockPool,
     table: HashTable<u32>,
     hasher: DefaultHashBuilder,
-    /// Per cache block: owning line index << 4 | slot, or NO_OWNER.
-    owners: Vec<u32>,
-    /// Per shared cache block: the references beyond `owners`.
-    shared: hashbrown::HashMap<Cbn, Vec<u32>>,
+    /// One bit per cache block: referenced by at least one slot.
+    referenced: Vec<u64>,
+    /// Blocks with more than one reference.
+    shared: hashbrown::HashMap<Cbn, Shared>,
+    summaries: Summaries,
     live_lines: usize,
     dirty_blocks: u64,
     present_blocks: u64,
@@ -139,14 +263,17 @@ impl std::fmt::Debug for Index {
 }
 
 impl Index {
-    pub fn new(data_blocks: u64) -> Index {
+    pub fn new(regions: u32, blocks_per_region: u32) -> Index {
+        let data_blocks = u64::from(regions) * u64::from(blocks_per_region);
         Index {
-            lines: Slab::default(),
+            lines: Slab::new(1, Line::empty(0, 0)),
             free_lines: Vec::new(),
+            pool: BlockPool::new(),
             table: HashTable::new(),
             hasher: DefaultHashBuilder::default(),
-            owners: vec![NO_OWNER; data_blocks as usize],
+            referenced: vec![0; data_blocks.div_ceil(64) as usize],
             shared: hashbrown::HashMap::new(),
+            summaries: Summaries::new(regions, blocks_per_region),
             live_lines: 0,
             dirty_blocks: 0,
             present_blocks: 0,
@@ -157,46 +284,56 @@ impl Index {
         self.hasher.hash_one(key)
     }
 
+    fn line(&self, idx: u32) -> &Line {
+        &self.lines.item(idx)[0]
+    }
+
+    fn line_mut(&mut self, idx: u32) -> &mut Line {
+        &mut self.lines.item_mut(idx)[0]
+    }
+
+    fn view(&self, idx: u32) -> LineRef<'_> {
+        let line = self.line(idx);
+        let n = line.present.count_ones() as usize;
+        LineRef {
+            line,
+            cbns: &self.pool.array(line.class, line.at)[..n],
+        }
+    }
+
     fn find(&self, key: u64) -> Option<u32> {
-        let lines = &self.lines;
         self.table
-            .find(self.hash(key), |&i| lines[i as usize].key == key)
+            .find(self.hash(key), |&i| self.line(i).key == key)
             .copied()
     }
 
-    pub fn get(&self, key: u64) -> Option<&Line> {
-        self.find(key).map(|i| &self.lines[i as usize])
+    pub fn get(&self, key: u64) -> Option<LineRef<'_>> {
+        self.find(key).map(|i| self.view(i))
     }
 
     /// The block a slot maps to, if present.
     pub fn block(&self, key: u64, slot: usize) -> Option<Cbn> {
         self.get(key)
             .filter(|l| l.present & (1 << slot) != 0)
-            .map(|l| l.cbn[slot])
+            .map(|l| l.cbn(slot))
     }
 
     fn get_or_insert(&mut self, key: u64, guest: u64) -> u32 {
         if let Some(i) = self.find(key) {
             return i;
         }
-        let line = Line::empty(key, guest);
-        let idx = match self.free_lines.pop() {
-            Some(i) => {
-                self.lines[i as usize] = line;
-                i
-            }
-            None => self.lines.push(line),
-        };
+        let idx = self.free_lines.pop().unwrap_or_else(|| self.lines.grow());
+        *self.line_mut(idx) = Line::empty(key, guest);
         let h = self.hash(key);
         let (lines, hasher) = (&self.lines, &self.hasher);
         self.table
-            .insert_unique(h, idx, |&i| hasher.hash_one(lines[i as usize].key));
+            .insert_unique(h, idx, |&i| hasher.hash_one(lines.item(i)[0].key));
         self.live_lines += 1;
         idx
     }
 
     fn drop_line_if_empty(&mut self, idx: u32) {
-        let line = self.lines[idx as usize];
+        let line = *self.line(idx);
         if line.present != 0 || line.partial != 0 {
             return;
         }
@@ -204,12 +341,74 @@ impl Index {
         let lines = &self.lines;
         if let Ok(entry) = self
             .table
-            .find_entry(h, |&i| lines[i as usize].key == line.key)
+            .find_entry(h, |&i| lines.item(i)[0].key == line.key)
         {
             entry.remove();
         }
         self.free_lines.push(idx);
         self.live_lines -= 1;
+    }
+
+    /// Moves a line's blocks into an array of `class` (or none), keeping
+    /// the first `keep` of them.
+    fn resize_blocks(&mut self, idx: u32, class: u8, keep: usize) {
+        let line = *self.line(idx);
+        if class == line.class {
+            return;
+        }
+        let at = if class == NO_CLASS {
+            0
+        } else {
+            let at = self.pool.alloc(class);
+            if line.class != NO_CLASS {
+                let old: [Cbn; LINE_BLOCKS as usize] = {
+                    let mut a = [NO_BLOCK; LINE_BLOCKS as usize];
+                    let src = self.pool.array(line.class, line.at);
+                    a[..src.len()].copy_from_slice(src);
+                    a
+                };
+                self.pool.array_mut(class, at)[..keep].copy_from_slice(&old[..keep]);
+            }
+            at
+        };
+        if line.class != NO_CLASS {
+            self.pool.free(line.class, line.at);
+        }
+        let l = self.line_mut(idx);
+        l.class = class;
+        l.at = at;
+    }
+
+    /// Inserts `cbn` for a slot that is not present yet.
+    fn insert_block(&mut self, idx: u32, slot: usize, cbn: Cbn) {
+        let line = *self.line(idx);
+        let n = line.present.count_ones() as usize;
+        if line.class == NO_CLASS || CLASSES[line.class as usize] < n + 1 {
+            self.resize_blocks(idx, class_for(n + 1), n);
+        }
+        let line = *self.line(idx);
+        let rank = line.rank(slot);
+        let arr = self.pool.array_mut(line.class, line.at);
+        arr.copy_within(rank..n, rank + 1);
+        arr[rank] = cbn;
+        self.line_mut(idx).present |= 1 << slot;
+    }
+
+    /// Removes a present slot's block, shrinking the array when a smaller
+    /// class holds the rest.
+    fn remove_block(&mut self, idx: u32, slot: usize) -> Cbn {
+        let line = *self.line(idx);
+        let n = line.present.count_ones() as usize;
+        let rank = line.rank(slot);
+        let arr = self.pool.array_mut(line.class, line.at);
+        let cbn = arr[rank];
+        arr.copy_within(rank + 1..n, rank);
+        self.line_mut(idx).present &= !(1 << slot);
+        let class = if n == 1 { NO_CLASS } else { class_for(n - 1) };
+        if class != line.class {
+            self.resize_blocks(idx, class, n - 1);
+        }
+        cbn
     }
 
     /// Maps a slot to `cbn`, returning the block it replaces and the
@@ -223,79 +422,114 @@ impl Index {
         dirty: bool,
     ) -> Option<(Cbn, BlockRef)> {
         let idx = self.get_or_insert(key, guest);
-        let line = &mut self.lines[idx as usize];
-        // A partially valid line keeps the guest cluster it was allocated
-        // for: filling it depends on that.
-        if line.partial == 0 {
-            line.guest = guest as u32;
-        }
+        let line = *self.line(idx);
         let bit = 1u16 << slot;
-        let old = (line.present & bit != 0).then_some((line.cbn[slot], BlockRef::new(idx, slot)));
-        if old.is_none() {
+        let old = if line.present & bit != 0 {
+            let l = *self.line(idx);
+            let arr = self.pool.array_mut(l.class, l.at);
+            let old = std::mem::replace(&mut arr[l.rank(slot)], cbn);
+            Some((old, BlockRef::new(idx, slot)))
+        } else {
+            self.insert_block(idx, slot, cbn);
             self.present_blocks += 1;
-        }
+            None
+        };
         if line.dirty & bit != 0 {
             self.dirty_blocks -= 1;
         }
-        line.present |= bit;
-        line.cbn[slot] = cbn;
+        let l = self.line_mut(idx);
+        // A partially valid line keeps the guest cluster it was allocated
+        // for: filling it depends on that.
+        if l.partial == 0 {
+            l.guest = guest as u32;
+        }
         if dirty {
-            line.dirty |= bit;
+            l.dirty |= bit;
             self.dirty_blocks += 1;
         } else {
-            line.dirty &= !bit;
+            l.dirty &= !bit;
         }
         self.take_reference(cbn, idx, slot);
         old
     }
 
-    fn take_reference(&mut self, cbn: Cbn, idx: u32, slot: usize) {
-        let r = BlockRef::new(idx, slot).0;
-        let owner = &mut self.owners[cbn as usize];
-        if *owner == NO_OWNER {
-            *owner = r;
+    fn is_referenced(&self, cbn: Cbn) -> bool {
+        self.referenced[cbn as usize / 64] & (1 << (cbn % 64)) != 0
+    }
+
+    fn set_referenced(&mut self, cbn: Cbn, on: bool) {
+        let word = &mut self.referenced[cbn as usize / 64];
+        if on {
+            *word |= 1 << (cbn % 64);
         } else {
-            self.shared.entry(cbn).or_default().push(r);
+            *word &= !(1 << (cbn % 64));
         }
+    }
+
+    fn take_reference(&mut self, cbn: Cbn, idx: u32, slot: usize) {
+        if !self.is_referenced(cbn) {
+            self.set_referenced(cbn, true);
+            let key = self.line(idx).key;
+            self.summaries.record(cbn, key, slot);
+            return;
+        }
+        let r = BlockRef::new(idx, slot).0;
+        let shared = self.shared.entry(cbn).or_insert_with(|| Shared {
+            first_alive: true,
+            others: Vec::new(),
+        });
+        shared.others.push(r);
     }
 
     /// Drops one reference to a block; true when the block is now free.
     pub fn release(&mut self, cbn: Cbn, r: BlockRef) -> bool {
-        let owner = &mut self.owners[cbn as usize];
-        let extras = self.shared.get_mut(&cbn);
-        match extras {
-            None => {
-                *owner = NO_OWNER;
-                true
+        let Some(shared) = self.shared.get_mut(&cbn) else {
+            self.set_referenced(cbn, false);
+            return true;
+        };
+        match shared.others.iter().position(|&x| x == r.0) {
+            Some(i) => {
+                shared.others.swap_remove(i);
             }
-            Some(list) => {
-                if *owner == r.0 {
-                    *owner = list.pop().unwrap_or(NO_OWNER);
-                } else {
-                    list.retain(|&x| x != r.0);
-                }
-                if list.is_empty() {
-                    self.shared.remove(&cbn);
-                }
-                false
+            None => shared.first_alive = false,
+        }
+        let (first, others) = (shared.first_alive, shared.others.len());
+        if others == 0 {
+            self.shared.remove(&cbn);
+            if !first {
+                self.set_referenced(cbn, false);
+                return true;
             }
         }
+        false
+    }
+
+    /// Every slot that references `cbn` beyond its first reference.
+    pub fn other_references(&self, cbn: Cbn) -> Vec<(u64, usize)> {
+        self.shared.get(&cbn).map_or_else(Vec::new, |s| {
+            s.others
+                .iter()
+                .map(|&r| (self.line(r >> 4).key, (r & 15) as usize))
+                .collect()
+        })
+    }
+
+    /// The region summaries (recorded on first reference).
+    pub fn summaries(&mut self) -> &mut Summaries {
+        &mut self.summaries
     }
 
     /// Removes a slot; returns its block, whether it was dirty, and the
     /// reference to release.
     pub fn unmap(&mut self, key: u64, slot: usize) -> Option<(Cbn, bool, BlockRef)> {
         let idx = self.find(key)?;
-        let line = &mut self.lines[idx as usize];
         let bit = 1u16 << slot;
-        if line.present & bit == 0 {
+        if self.line(idx).present & bit == 0 {
             return None;
         }
-        let dirty = line.dirty & bit != 0;
-        line.present &= !bit;
-        line.dirty &= !bit;
-        let cbn = line.cbn[slot];
-        line.cbn[slot] = NO_BLOCK;
+        let dirty = self.line(idx).dirty & bit != 0;
+        let cbn = self.remove_block(idx, slot);
+        self.line_mut(idx).dirty &= !bit;
         self.present_blocks -= 1;
         if dirty {
             self.dirty_blocks -= 1;
@@ -309,12 +543,12 @@ impl Index {
         let Some(idx) = self.find(key) else {
             return false;
         };
-        let line = &mut self.lines[idx as usize];
         let bit = 1u16 << slot;
-        if line.present & bit == 0 || line.cbn[slot] != cbn || line.dirty & bit == 0 {
+        let l = self.view(idx);
+        if l.present & bit == 0 || l.cbn(slot) != cbn || l.dirty & bit == 0 {
             return false;
         }
-        line.dirty &= !bit;
+        self.line_mut(idx).dirty &= !bit;
         self.dirty_blocks -= 1;
         true
     }
@@ -323,18 +557,12 @@ impl Index {
     /// `guest` replaces the line's guest cluster when given.
     pub fn set_partial(&mut self, key: u64, guest: Option<u64>, mask: u16) {
         let idx = self.get_or_insert(key, guest.unwrap_or(u64::MAX));
-        let line = &mut self.lines[idx as usize];
+        let line = self.line_mut(idx);
         line.partial = mask;
         if let Some(g) = guest {
             line.guest = g as u32;
         }
         self.drop_line_if_empty(idx);
-    }
-
-    /// The (key, slot) a block belongs to, if any.
-    pub fn owner(&self, cbn: Cbn) -> Option<(u64, usize)> {
-        let o = self.owners[cbn as usize];
-        (o != NO_OWNER).then(|| (self.lines[(o >> 4) as usize].key, (o & 15) as usize))
     }
 
     pub fn is_shared(&self, cbn: Cbn) -> bool {
@@ -354,47 +582,54 @@ impl Index {
     }
 
     /// Every live line (for checkpoints and scans).
-    pub fn lines(&self) -> impl Iterator<Item = &Line> {
-        let lines = &self.lines;
-        self.table.iter().map(move |&i| &lines[i as usize])
+    pub fn lines(&self) -> impl Iterator<Item = LineRef<'_>> {
+        self.table.iter().map(move |&i| self.view(i))
     }
 
-    /// Bytes of memory the index uses (lines, table, owners, shares).
+    /// Bytes of memory the index uses (lines, block arrays, table,
+    /// reference bits, shares, summaries not yet written).
     pub fn memory_bytes(&self) -> u64 {
         let lines = self.lines.bytes();
+        let blocks = self.pool.bytes();
         let table = self.table.capacity() * (std::mem::size_of::<u32>() + 1);
-        let owners = self.owners.capacity() * std::mem::size_of::<u32>();
-        let shared = self.shared.capacity() * (std::mem::size_of::<(Cbn, Vec<u32>)>() + 1)
+        let referenced = self.referenced.capacity() * 8;
+        let shared = self.shared.capacity() * (std::mem::size_of::<(Cbn, Shared)>() + 1)
             + self
                 .shared
                 .values()
-                .map(|v| v.capacity() * 4)
+                .map(|v| v.others.capacity() * 4)
                 .sum::<usize>();
         let free = self.free_lines.capacity() * std::mem::size_of::<u32>();
-        (lines + table + owners + shared + free) as u64
+        (lines + blocks + table + referenced + shared + free) as u64 + self.summaries.memory_bytes()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::summary::decode_entry;
 
     #[test]
-    fn map_unmap_and_owner_tracking() {
-        let mut ix = Index::new(64);
+    fn map_unmap_and_first_references() {
+        let mut ix = Index::new(1, 64);
         let k = line_key(3, 77);
         assert_eq!(key_image(k), 3);
         assert_eq!(key_line(k), 77);
         assert_eq!(ix.map(k, 5, 2, 10, true), None);
         assert_eq!(ix.map(k, 5, 3, 11, false), None);
         assert_eq!(ix.dirty_blocks(), 1);
-        assert_eq!(ix.owner(10), Some((k, 2)));
+        let pending = ix.summaries().pending(0).unwrap().to_vec();
+        assert_eq!(decode_entry(pending[10]), Some((k, 2)));
+        assert_eq!(decode_entry(pending[11]), Some((k, 3)));
         let (old, r) = ix.map(k, 5, 2, 12, false).unwrap();
         assert_eq!(old, 10);
         assert!(ix.release(10, r));
-        assert_eq!(ix.owner(10), None);
         assert_eq!(ix.dirty_blocks(), 0);
         assert!(!ix.mark_clean(k, 2, 12));
+        assert_eq!(
+            ix.get(k).map(|l| l.blocks().collect::<Vec<_>>()),
+            Some(vec![(2, 12), (3, 11)])
+        );
         assert_eq!(ix.unmap(k, 3).map(|u| (u.0, u.1)), Some((11, false)));
         assert_eq!(ix.unmap(k, 2).map(|u| (u.0, u.1)), Some((12, false)));
         assert!(ix.get(k).is_none());
@@ -403,28 +638,65 @@ mod tests {
 
     #[test]
     fn shared_blocks_count_references() {
-        let mut ix = Index::new(8);
-        let (a, b) = (line_key(1, 0), line_key(2, 0));
+        let mut ix = Index::new(1, 8);
+        let (a, b, c) = (line_key(1, 0), line_key(2, 0), line_key(3, 0));
         ix.map(a, 0, 0, 4, false);
         ix.map(b, 0, 0, 4, false);
         assert!(ix.is_shared(4));
+        assert_eq!(ix.other_references(4), vec![(b, 0)]);
+        // The first reference goes: the other one keeps the block.
         let (_, _, ra) = ix.unmap(a, 0).unwrap();
         assert!(!ix.release(4, ra));
-        assert_eq!(ix.owner(4), Some((b, 0)));
+        assert_eq!(ix.other_references(4), vec![(b, 0)]);
         let (_, _, rb) = ix.unmap(b, 0).unwrap();
         assert!(ix.release(4, rb));
+        // A shared block whose other reference goes first.
+        ix.map(a, 0, 1, 5, false);
+        ix.map(c, 0, 1, 5, false);
+        let (_, _, rc) = ix.unmap(c, 1).unwrap();
+        assert!(!ix.release(5, rc));
+        assert!(!ix.is_shared(5));
+        let (_, _, ra) = ix.unmap(a, 1).unwrap();
+        assert!(ix.release(5, ra));
+    }
+
+    #[test]
+    fn block_arrays_grow_and_shrink_in_slot_order() {
+        let mut ix = Index::new(1, 64);
+        let k = line_key(1, 9);
+        for (i, slot) in [7usize, 0, 15, 3, 9, 1, 12, 5, 2].into_iter().enumerate() {
+            ix.map(k, 9, slot, 40 + i as u32, false);
+        }
+        let l = ix.get(k).unwrap();
+        let slots: Vec<usize> = l.blocks().map(|(s, _)| s).collect();
+        assert_eq!(slots, vec![0, 1, 2, 3, 5, 7, 9, 12, 15]);
+        assert_eq!(l.cbn(15), 42);
+        assert_eq!(l.cbn(4), NO_BLOCK);
+        for slot in [0usize, 15, 7, 2, 9, 3] {
+            ix.unmap(k, slot).unwrap();
+        }
+        let l = ix.get(k).unwrap();
+        assert_eq!(
+            l.blocks().collect::<Vec<_>>(),
+            vec![(1, 45), (5, 47), (12, 46)]
+        );
     }
 
     #[test]
     fn memory_per_dense_line_is_small() {
-        let mut ix = Index::new(16 * 10_000);
-        for l in 0..10_000u64 {
+        let lines = 10_000u64;
+        let mut ix = Index::new((lines * 16).div_ceil(512) as u32, 512);
+        for l in 0..lines {
             for s in 0..16 {
                 ix.map(line_key(1, l), l, s, (l * 16 + s as u64) as u32, false);
             }
         }
-        let cached = 10_000u64 * 16 * 4096;
+        // Full regions have their summaries on flash, not in memory.
+        for r in ix.summaries().pending_regions() {
+            ix.summaries().take_encoded(r, 1);
+        }
+        let cached = lines * 16 * 4096;
         let ratio = ix.memory_bytes() as f64 / cached as f64;
-        assert!(ratio < 0.0025, "index memory {ratio:.5} of cached bytes");
+        assert!(ratio < 0.0018, "index memory {ratio:.5} of cached bytes");
     }
 }

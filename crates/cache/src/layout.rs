@@ -21,7 +21,8 @@ pub const DEFAULT_REGION: u64 = 2 << 20;
 pub const MIN_DEVICE: u64 = 16 << 20;
 
 const MAGIC: &[u8; 8] = b"VDCACHE1";
-const VERSION: u32 = 2;
+/// 3: regions end with a summary block (regions of 64 blocks or more).
+const VERSION: u32 = 3;
 const SUPERBLOCK_BYTES: u64 = BLOCK;
 /// Room reserved in a checkpoint for the image registry.
 pub const REGISTRY_BYTES: u64 = 1 << 20;
@@ -112,6 +113,28 @@ impl Layout {
 
     pub fn data_blocks(&self) -> u64 {
         u64::from(self.regions) * u64::from(self.blocks_per_region())
+    }
+
+    /// Blocks of a region that hold cached data (the rest, its summary).
+    pub fn data_blocks_per_region(&self) -> u32 {
+        let bpr = self.blocks_per_region();
+        bpr - crate::summary::summary_blocks(bpr)
+    }
+
+    /// Blocks the cache can hold data in.
+    pub fn cacheable_blocks(&self) -> u64 {
+        u64::from(self.regions) * u64::from(self.data_blocks_per_region())
+    }
+
+    /// True when `cbn` is a data block (not past the zone, not a summary).
+    pub fn is_data_block(&self, cbn: u32) -> bool {
+        u64::from(cbn) < self.data_blocks()
+            && cbn % self.blocks_per_region() < self.data_blocks_per_region()
+    }
+
+    /// Device offset of a region's summary.
+    pub fn summary_offset(&self, region: u32) -> u64 {
+        self.block_offset(region * self.blocks_per_region() + self.data_blocks_per_region())
     }
 
     /// Device offset of data block `cbn`.

@@ -16,6 +16,7 @@ pub mod journal;
 pub mod layout;
 pub mod region;
 pub mod stats;
+pub mod summary;
 mod tier;
 
 pub use config::{Admission, CacheConfig, CowMode, DiskPolicy, WriteMode};

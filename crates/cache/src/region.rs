@@ -74,6 +74,8 @@ struct Region {
     /// Accesses since the region was filled (ARC's recency/frequency split).
     accesses: u32,
     pins: u32,
+    /// Which filling of the region this is (tells its summaries apart).
+    epoch: u32,
 }
 
 /// Counts for statistics.
@@ -96,6 +98,9 @@ struct Ghosts {
 #[derive(Debug)]
 pub struct Regions {
     blocks_per_region: u32,
+    /// Blocks of a region that hold data (the rest hold its summary).
+    data_per_region: u32,
+    epochs: u32,
     regions: Vec<Region>,
     free: VecDeque<u32>,
     open: [Option<u32>; 2],
@@ -108,9 +113,16 @@ pub struct Regions {
 }
 
 impl Regions {
-    pub fn new(regions: u32, blocks_per_region: u32, policy: Replacement) -> Regions {
+    pub fn new(
+        regions: u32,
+        blocks_per_region: u32,
+        summary_blocks: u32,
+        policy: Replacement,
+    ) -> Regions {
         Regions {
             blocks_per_region,
+            data_per_region: blocks_per_region - summary_blocks,
+            epochs: 0,
             regions: vec![
                 Region {
                     state: State::Free,
@@ -120,6 +132,7 @@ impl Regions {
                     referenced: false,
                     accesses: 0,
                     pins: 0,
+                    epoch: 0,
                 };
                 regions as usize
             ],
@@ -154,8 +167,8 @@ impl Regions {
         let s = stream as usize;
         if let Some(r) = self.open[s] {
             let reg = &mut self.regions[r as usize];
-            if reg.next < self.blocks_per_region {
-                let n = want.min(self.blocks_per_region - reg.next);
+            if reg.next < self.data_per_region {
+                let n = want.min(self.data_per_region - reg.next);
                 let start = r * self.blocks_per_region + reg.next;
                 reg.next += n;
                 reg.live += n;
@@ -163,7 +176,7 @@ impl Regions {
                 // opened is not the least recently used.
                 self.tick += 1;
                 reg.last_access = self.tick;
-                if reg.next == self.blocks_per_region {
+                if reg.next == self.data_per_region {
                     reg.state = State::Full;
                     self.open[s] = None;
                 }
@@ -174,6 +187,7 @@ impl Regions {
         }
         let r = self.free.pop_front()?;
         self.tick += 1;
+        self.epochs += 1;
         self.regions[r as usize] = Region {
             state: State::Open(stream),
             next: 0,
@@ -182,6 +196,7 @@ impl Regions {
             referenced: false,
             accesses: 0,
             pins: 0,
+            epoch: self.epochs,
         };
         self.open[s] = Some(r);
         self.allocate(stream, want)
@@ -206,12 +221,14 @@ impl Regions {
     /// Marks a block live again (recovery rebuilds live counts).
     pub fn restore_block(&mut self, cbn: Cbn) {
         let region = self.region_of(cbn);
-        let bpr = self.blocks_per_region;
+        let dpr = self.data_per_region;
         let r = &mut self.regions[region as usize];
         if r.state == State::Free {
             self.free.retain(|&f| f != region);
+            self.epochs += 1;
             r.state = State::Full;
-            r.next = bpr;
+            r.next = dpr;
+            r.epoch = self.epochs;
         }
         r.live += 1;
     }
@@ -237,14 +254,20 @@ impl Regions {
             .count()
     }
 
-    pub fn live_blocks(&self, region: u32) -> u32 {
-        self.regions[region as usize].live
+    /// Which filling of the region this is.
+    pub fn epoch(&self, region: u32) -> u32 {
+        self.regions[region as usize].epoch
     }
 
-    /// Blocks appended to a region (the range an eviction scans).
-    pub fn used_blocks(&self, region: u32) -> std::ops::Range<Cbn> {
-        let start = region * self.blocks_per_region;
-        start..start + self.regions[region as usize].next
+    /// Full, with every allocated block mapped (nothing in flight): its
+    /// summary is final.
+    pub fn is_settled_full(&self, region: u32) -> bool {
+        let r = &self.regions[region as usize];
+        r.state == State::Full && r.pins == 0
+    }
+
+    pub fn live_blocks(&self, region: u32) -> u32 {
+        self.regions[region as usize].live
     }
 
     pub fn counts(&self) -> RegionCounts {
@@ -388,7 +411,7 @@ mod tests {
 
     #[test]
     fn appends_then_opens_new_regions_and_runs_out() {
-        let mut r = Regions::new(3, 4, Replacement::Lru);
+        let mut r = Regions::new(3, 4, 0, Replacement::Lru);
         assert_eq!(r.allocate(Stream::Write, 3), Some((0, 3)));
         assert_eq!(r.allocate(Stream::Write, 3), Some((3, 1)));
         assert_eq!(r.allocate(Stream::Promote, 2), Some((4, 2)));
@@ -408,7 +431,7 @@ mod tests {
     #[test]
     fn lru_and_clock_pick_the_cold_region() {
         for policy in [Replacement::Lru, Replacement::Clock, Replacement::Arc] {
-            let mut r = Regions::new(3, 2, policy);
+            let mut r = Regions::new(3, 2, 0, policy);
             for _ in 0..3 {
                 r.allocate(Stream::Write, 2);
             }

@@ -125,7 +125,7 @@ pub fn device_bytes_for(data_bytes: u64, region_bytes: u64) -> Result<u64, RigEr
     let mut device = want.max(vdcache_cache::layout::MIN_DEVICE);
     for _ in 0..64 {
         let l = Layout::compute(device, region_bytes)?;
-        let have = l.data_blocks() * BLOCK;
+        let have = l.cacheable_blocks() * BLOCK;
         if have >= want {
             return Ok(device);
         }
@@ -147,7 +147,7 @@ impl Rig {
             let c = build_cache(&config, &flash_meter)?;
             // The data zone is whole regions, and never below what the
             // smallest device holds: report what was really built.
-            config.cache_bytes = c.cache.layout().data_blocks() * BLOCK;
+            config.cache_bytes = c.cache.layout().cacheable_blocks() * BLOCK;
             Some(c)
         } else {
             None
@@ -318,8 +318,8 @@ fn build_cache(config: &RigConfig, meter: &Arc<Meter>) -> Result<CacheRig, RigEr
     let reserve = cache_config.reserve_regions as u64;
     let cache = FlashCache::format(device, cache_config)?;
     let layout = cache.layout();
-    let capacity_blocks =
-        (u64::from(layout.regions).saturating_sub(reserve)) * u64::from(layout.blocks_per_region());
+    let capacity_blocks = (u64::from(layout.regions).saturating_sub(reserve))
+        * u64::from(layout.data_blocks_per_region());
     Ok(CacheRig {
         cache,
         ftl,

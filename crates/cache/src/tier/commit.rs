@@ -29,6 +29,8 @@ impl FlashCache {
     pub(crate) fn commit(&self, st: &mut State) -> Result<()> {
         self.sync_backends(st)?;
         st.uncommitted_dirty = false;
+        // Summaries ride along with this commit's sync (they need none).
+        self.write_summaries(st)?;
         if st.journal.needs_checkpoint() {
             return self.checkpoint(st);
         }
@@ -128,10 +130,8 @@ fn encode_checkpoint(st: &State) -> Vec<u8> {
         put(&mut out, &l.present.to_le_bytes());
         put(&mut out, &l.dirty.to_le_bytes());
         put(&mut out, &l.partial.to_le_bytes());
-        for slot in 0..LINE_BLOCKS as usize {
-            if l.present & (1 << slot) != 0 {
-                put(&mut out, &l.cbn[slot].to_le_bytes());
-            }
+        for (_, cbn) in l.blocks() {
+            put(&mut out, &cbn.to_le_bytes());
         }
     }
     put(&mut out, &(st.meta.dirty_len() as u64).to_le_bytes());

@@ -89,6 +89,9 @@ pub(crate) struct State {
     pub meta: metastore::MetaStore,
     /// When the journal buffer was last written out.
     pub journal_written: std::time::Instant,
+    /// Regions emptied with their summary / by scanning the index.
+    pub emptied_by_summary: u64,
+    pub emptied_by_scan: u64,
 }
 
 impl State {
@@ -141,6 +144,11 @@ pub struct CacheReport {
     /// Dirty metadata sectors held (cow-aware write-back), and their memory.
     pub meta_sectors: u64,
     pub meta_sector_memory_bytes: u64,
+    /// Regions reclaimed whose blocks were found through the region's
+    /// summary, and through a scan of the index (no usable summary: small
+    /// regions, or regions filled before a crash).
+    pub regions_emptied_by_summary: u64,
+    pub regions_emptied_by_scan: u64,
     pub replacement: &'static str,
     /// What the tier wrote to and read from its device since it opened.
     pub device: DeviceStats,
@@ -245,10 +253,11 @@ impl FlashCache {
         generation: u64,
     ) -> State {
         State {
-            index: Index::new(layout.data_blocks()),
+            index: Index::new(layout.regions, layout.blocks_per_region()),
             regions: Regions::new(
                 layout.regions,
                 layout.blocks_per_region(),
+                layout.blocks_per_region() - layout.data_blocks_per_region(),
                 config.replacement,
             ),
             journal,
@@ -267,6 +276,8 @@ impl FlashCache {
             writeback_busy: false,
             meta: metastore::MetaStore::default(),
             journal_written: std::time::Instant::now(),
+            emptied_by_summary: 0,
+            emptied_by_scan: 0,
         }
     }
 
@@ -423,6 +434,7 @@ impl FlashCache {
         let dirty = st.index.dirty_blocks() * BLOCK;
         let meta_sectors = st.meta.dirty_len() as u64;
         let meta_sector_memory_bytes = st.meta.memory_bytes();
+        let emptied = (st.emptied_by_summary, st.emptied_by_scan);
         drop(st);
         let mut disks = self.stats.all();
         let mut total = DiskStats::default();
@@ -433,7 +445,7 @@ impl FlashCache {
         total.dirty_bytes = dirty;
         CacheReport {
             device_bytes: self.layout.device_bytes,
-            data_bytes: self.layout.data_blocks() * BLOCK,
+            data_bytes: self.layout.cacheable_blocks() * BLOCK,
             region_bytes: self.layout.region_bytes,
             regions_free: counts.free,
             regions_open: counts.open,
@@ -448,6 +460,8 @@ impl FlashCache {
             },
             meta_sectors,
             meta_sector_memory_bytes,
+            regions_emptied_by_summary: emptied.0,
+            regions_emptied_by_scan: emptied.1,
             replacement: self.config.replacement.name(),
             device: self.counted.snapshot(),
             total,

@@ -231,6 +231,13 @@ fn recover_state(
     }
     let report = replay(device, sb, config, &mut st, mark)?;
     st.regions.finish_recovery();
+    // Summaries of the regions recovery filled are written at the first
+    // commit; what it recorded for regions it freed is void.
+    for region in st.index.summaries().pending_regions() {
+        if !st.regions.is_settled_full(region) {
+            st.index.summaries().forget(region);
+        }
+    }
     let ends: Vec<(u16, u64)> = st
         .index
         .lines()
@@ -267,10 +274,12 @@ fn check_sectors(st: &State, image: u16, offset: u64, sectors: u32) -> Result<()
 }
 
 fn check_cbn(layout: &Layout, cbn: u32) -> Result<()> {
-    if u64::from(cbn) >= layout.data_blocks() {
+    if !layout.is_data_block(cbn) {
         return Err(CacheError::Corrupt(format!(
-            "block number {cbn} lies outside the data zone ({} blocks)",
-            layout.data_blocks()
+            "block number {cbn} is not a data block (data zone of {} blocks, {} of every {} hold data)",
+            layout.data_blocks(),
+            layout.data_blocks_per_region(),
+            layout.blocks_per_region()
         )));
     }
     Ok(())

@@ -3,6 +3,8 @@
 //! the rest are dropped; the region is reused only after the journal
 //! records that emptied it are durable, and its space is discarded.
 
+use tracing::{debug, warn};
+
 use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
 use crate::index::Cbn;
@@ -10,6 +12,7 @@ use crate::journal::Entry;
 use crate::layout::BLOCK;
 use crate::region::Stream;
 use crate::stats::bump;
+use crate::summary::decode_entry;
 
 /// A dirty block to copy to its backend: (line key, slot, block).
 pub(crate) type DirtyBlock = (u64, usize, Cbn);
@@ -106,7 +109,102 @@ impl FlashCache {
         // Discarding is advisory: a device without TRIM keeps the bytes.
         let _ = self.device.discard(off, self.layout.region_bytes);
         st.regions.reset(victim);
+        st.index.summaries().forget(victim);
         Ok(true)
+    }
+
+    /// Every (key, slot, block) referencing a block of `region`: from its
+    /// summary when that accounts for every live block, else (no summary,
+    /// a stale or torn one, an unfinished one after a crash) from a scan
+    /// of the whole index.
+    fn region_refs(&self, st: &mut State, region: u32) -> Vec<DirtyBlock> {
+        let live = st.regions.live_blocks(region);
+        if live == 0 {
+            return Vec::new();
+        }
+        if let Some(entries) = self.summary_entries(st, region) {
+            let start = region * self.layout.blocks_per_region();
+            let mut refs: Vec<DirtyBlock> = Vec::new();
+            let mut blocks = 0u32;
+            for (i, &e) in entries.iter().enumerate() {
+                let cbn = start + i as u32;
+                let before = refs.len();
+                if let Some((key, slot)) = decode_entry(e)
+                    && st.index.block(key, slot) == Some(cbn)
+                {
+                    refs.push((key, slot, cbn));
+                }
+                for (key, slot) in st.index.other_references(cbn) {
+                    if !refs[before..].contains(&(key, slot, cbn)) {
+                        refs.push((key, slot, cbn));
+                    }
+                }
+                blocks += u32::from(refs.len() > before);
+            }
+            if blocks == live {
+                st.emptied_by_summary += 1;
+                return refs;
+            }
+            debug!(
+                region,
+                blocks, live, "region summary incomplete; scanning the index"
+            );
+        }
+        st.emptied_by_scan += 1;
+        st.index
+            .lines()
+            .flat_map(|l| {
+                let key = l.key;
+                l.blocks()
+                    .filter(|&(_, cbn)| self.layout.region_of(cbn) == region)
+                    .map(move |(slot, cbn)| (key, slot, cbn))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// A region's summary entries: still in memory, or read back from
+    /// flash when the one there is of the region's current filling.
+    fn summary_entries(&self, st: &mut State, region: u32) -> Option<Vec<u64>> {
+        if let Some(p) = st.index.summaries().pending(region) {
+            return Some(p.to_vec());
+        }
+        let epoch = st.regions.epoch(region);
+        if st.index.summaries().written_epoch(region) != Some(epoch) {
+            return None;
+        }
+        let blocks = self.layout.blocks_per_region() - self.layout.data_blocks_per_region();
+        let mut buf = vec![0u8; (u64::from(blocks) * BLOCK) as usize];
+        if let Err(e) = self
+            .device
+            .read_at(&mut buf, self.layout.summary_offset(region))
+        {
+            warn!(
+                region,
+                "cannot read the region summary ({e}); scanning the index"
+            );
+            return None;
+        }
+        st.index.summaries().decode(&buf, epoch)
+    }
+
+    /// Writes the summaries of regions that filled since the last commit.
+    /// They are hints, checked on use, so they need no sync.
+    pub(crate) fn write_summaries(&self, st: &mut State) -> Result<()> {
+        for region in st.index.summaries().pending_regions() {
+            if !st.regions.is_settled_full(region) {
+                continue;
+            }
+            let epoch = st.regions.epoch(region);
+            let Some(buf) = st.index.summaries().take_encoded(region, epoch) else {
+                continue;
+            };
+            self.device
+                .write_at(&buf, self.layout.summary_offset(region))
+                .map_err(CacheError::device("write region summary"))?;
+            st.index.summaries().mark_written(region, epoch);
+        }
+        Ok(())
     }
 
     fn empty_region(&self, st: &mut State, victim: u32) -> Result<()> {
@@ -115,10 +213,7 @@ impl FlashCache {
         let mut dirty: Vec<DirtyBlock> = Vec::new();
         let mut relocate: Vec<DirtyBlock> = Vec::new();
         let mut keys = Vec::new();
-        for cbn in st.regions.used_blocks(victim) {
-            let Some((key, slot)) = st.index.owner(cbn) else {
-                continue;
-            };
+        for (key, slot, cbn) in self.region_refs(st, victim) {
             keys.push(key);
             let is_dirty = st
                 .index

@@ -390,7 +390,7 @@ impl FlashCache {
         st.note_write(id, off, off + len);
         self.keep_reserve(&mut st)?;
         self.journal_buffer_check(&mut st)?;
-        let dirty = st.index.dirty_blocks() as f64 / self.layout.data_blocks() as f64;
+        let dirty = st.index.dirty_blocks() as f64 / self.layout.cacheable_blocks() as f64;
         if dirty > self.config.high_watermark {
             if self.config.inline_writeback {
                 drop(st);

@@ -103,7 +103,7 @@ impl FlashCache {
     }
 
     fn needs_writeback(&self, dirty: u64, drain: bool, busy: bool) -> bool {
-        let ratio = dirty as f64 / self.layout.data_blocks() as f64;
+        let ratio = dirty as f64 / self.layout.cacheable_blocks() as f64;
         dirty > 0
             && (drain
                 || ratio > self.config.low_watermark
@@ -152,7 +152,7 @@ impl FlashCache {
                 .filter(|&(key, slot, cbn)| {
                     st.index
                         .get(key)
-                        .is_some_and(|l| l.dirty & (1 << slot) != 0 && l.cbn[slot] == cbn)
+                        .is_some_and(|l| l.dirty & (1 << slot) != 0 && l.cbn(slot) == cbn)
                 })
                 .collect();
             for &(_, _, cbn) in &batch {
@@ -235,7 +235,7 @@ fn collect(st: &super::State, cursor: &mut u64) -> Vec<DirtyBlock> {
         if let Some(l) = st.index.get(key) {
             for slot in 0..LINE_BLOCKS as usize {
                 if l.dirty & (1 << slot) != 0 {
-                    out.push((key, slot, l.cbn[slot]));
+                    out.push((key, slot, l.cbn(slot)));
                 }
             }
         }
