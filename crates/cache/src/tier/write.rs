@@ -51,7 +51,9 @@ impl<'a> Blocks<'a> {
 enum Keep {
     Nothing,
     Everything,
-    /// Everything but copy-on-write filler.
+    /// Everything but copy-on-write filler, and metadata written as zeros
+    /// (a table just created: the COW layer knows it is empty without
+    /// reading it, so a flash copy would only cost flash writes).
     NotFiller,
 }
 
@@ -64,7 +66,11 @@ fn cacheable_ranges(off: u64, segments: &[WriteSegment<'_>], keep: Keep) -> Vec<
         let wanted = match keep {
             Keep::Nothing => false,
             Keep::Everything => true,
-            Keep::NotFiller => s.tag.class != IoClass::CowFill,
+            Keep::NotFiller => {
+                s.tag.class != IoClass::CowFill
+                    && !(matches!(s.tag.class, IoClass::Metadata(_))
+                        && s.data.iter().all(|&b| b == 0))
+            }
         };
         if wanted {
             match out.last_mut() {
@@ -585,10 +591,14 @@ impl FlashCache {
                 Err(_) => break,
             }
         }
-        bump(
-            &self.stats.disk(tag.disk).flash_bytes_written,
-            written.len() as u64 * BLOCK,
-        );
+        let counters = self.stats.disk(tag.disk);
+        bump(&counters.flash_bytes_written, written.len() as u64 * BLOCK);
+        if matches!(tag.class, IoClass::Metadata(_)) {
+            bump(
+                &counters.meta_flash_bytes_written,
+                written.len() as u64 * BLOCK,
+            );
+        }
         let mut st = self.lock();
         self.settle(&mut st, &runs);
         let first_block = whole.first().copied().unwrap_or(0);

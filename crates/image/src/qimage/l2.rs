@@ -4,7 +4,7 @@
 use super::Locked;
 use crate::error::{ImageError, Result};
 use crate::hostio::{IoTag, MetaTable};
-use crate::meta_cache::{SliceCache, Slot};
+use crate::meta_cache::{Probe, SliceCache, Slot};
 use vdcache_qcow2::HostOffset;
 use vdcache_qcow2::bytes::{be64_at, put_be64_at};
 use vdcache_qcow2::entries::{COPIED, L1Entry, L2Mapping};
@@ -43,7 +43,8 @@ impl Locked<'_> {
     /// Makes the slice starting at `start` resident; returns nothing, the
     /// caller then reads it with `peek_mut`.
     pub(crate) fn load_slice(&mut self, kind: Sliced, start: u64, tag: IoTag) -> Result<()> {
-        if self.cache(kind).lookup(start).is_some() {
+        let found = self.cache(kind).probe(start);
+        if found == Probe::Resident {
             return Ok(());
         }
         // Tables are one cluster: tell the layer below which one this is.
@@ -70,10 +71,12 @@ impl Locked<'_> {
         }
         self.make_room(kind)?;
         let mut data = vec![0u8; size].into_boxed_slice();
-        self.img
-            .io
-            .read(&self.img.handle, HostOffset(start), &mut data, tag)
-            .map_err(|e| ImageError::io(self.name(), "read metadata", e))?;
+        if found == Probe::Missing {
+            self.img
+                .io
+                .read(&self.img.handle, HostOffset(start), &mut data, tag)
+                .map_err(|e| ImageError::io(self.name(), "read metadata", e))?;
+        }
         self.cache(kind).insert(start, Slot { data, dirty: false });
         Ok(())
     }
@@ -250,6 +253,9 @@ impl Locked<'_> {
         let new_cluster = self.alloc_clusters(1)?;
         let new_off = g.cluster_offset(new_cluster);
         self.write_meta(MetaTable::L2, new_off, &content)?;
+        if old.is_none() {
+            self.m.l2.mark_zero(new_off, cs);
+        }
         self.m.unsynced_writes = true;
         if let Some((table, _)) = old {
             self.m.pending_frees.push(table / cs);

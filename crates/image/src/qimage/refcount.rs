@@ -103,6 +103,11 @@ impl Locked<'_> {
         for c in start..start + n {
             self.add_refcount(c, 1)?;
         }
+        // Whatever the clusters held before (a freed table) is gone.
+        let g = self.img.geometry;
+        let (off, len) = (g.cluster_offset(start), n * g.cluster_size());
+        self.m.l2.forget_zero(off, len);
+        self.m.refblocks.forget_zero(off, len);
         // The search starts at the hint, so for one cluster everything
         // between the hint and `start` is in use: the next search may skip
         // it (without this, each allocation rescans every cluster in use).
@@ -259,6 +264,9 @@ impl Locked<'_> {
         for &(_, pos) in new_blocks {
             self.check_capacity(pos + 1)?;
             self.write_meta(MetaTable::RefcountBlock, g.cluster_offset(pos), &zero)?;
+            self.m.l2.forget_zero(g.cluster_offset(pos), cs);
+            self.m.refblocks.forget_zero(g.cluster_offset(pos), cs);
+            self.m.refblocks.mark_zero(g.cluster_offset(pos), cs);
         }
         if let Some((start, clusters)) = new_table {
             self.check_capacity(start + clusters)?;
