@@ -176,7 +176,10 @@ class Bench:
                 for c in contenders:
                     image = fresh_delta(self.images, self.storage, "delta.qcow2", 1 << 30, backing=base)
                     extra = [] if aligned else ["--blockalign=512"]
-                    r = self.cell(c, image, ("randwrite", bs, a.depth, "1g", a.runtime, extra))
+                    # The same writes for every contender: a time limit would give faster
+                    # ones more writes into clusters already copied, so less COW per byte.
+                    r = self.cell(c, image, ("randwrite", bs, a.depth, "1g", None,
+                                             extra + [f"--number_ios={a.dcow_writes}"]))
                     g = max(r["guest_bytes"], 1)
                     row = {"bs": bs, "aligned": aligned, "contender": c.name, "iops": r["iops"],
                            "flash_written": flash_written(r["stats"]),
@@ -186,8 +189,8 @@ class Bench:
                     log(f"dcow {bs:>4} {'aligned' if aligned else 'unaligned':9} {c.name:13} {r['iops']:9.0f} IOPS "
                         f"flash/guest {row['flash_written'] / g:6.2f} server r/guest {r['server_read'] / g:6.2f} "
                         f"w/guest {r['server_written'] / g:6.2f}")
-        lines = [f"Random writes into a fresh delta over a full 1 GiB base (fio, queue depth {a.depth}, {a.runtime} s "
-                 f"per cell), storage server {a.delay} ms; unaligned writes start at 512-byte multiples. Flash "
+        lines = [f"Random writes into a fresh delta over a full 1 GiB base (fio, queue depth {a.depth}, the same "
+                 f"{a.dcow_writes} writes per cell), storage server {a.delay} ms; unaligned writes start at 512-byte multiples. Flash "
                  "written: everything the cache wrote to its device (data zone, journal, checkpoints). Server "
                  "bytes: what the storage server served during the run (vdcache stops with --keep-dirty, so the "
                  "deferred fill and write-back are not in them).", "",
@@ -257,11 +260,13 @@ class Bench:
                 src = self.prefilled_delta(base, pct)
                 for c in contenders:
                     shutil.copyfile(self.images / src, self.images / "delta.qcow2")
-                    r = self.cell(c, "delta.qcow2", ("randrw", "4k", a.depth, "1g", a.runtime,
-                                                     [f"--rwmixwrite={write_pct}"]))
+                    # The same I/Os for every contender (see dcow).
+                    r = self.cell(c, "delta.qcow2", ("randrw", "4k", a.depth, "1g", None,
+                                                     [f"--rwmixwrite={write_pct}",
+                                                      f"--number_ios={a.cowratio_ios}"]))
                     rows.append({"mix": label, "cow_percent": pct, "contender": c.name, "iops": r["iops"]})
                     log(f"cowratio w:r {label} COW {pct}% {c.name:13} {r['iops']:9.0f} IOPS")
-        lines = [f"4 KiB random reads and writes (fio randrw, queue depth {a.depth}, {a.runtime} s per cell) into a "
+        lines = [f"4 KiB random reads and writes (fio randrw, queue depth {a.depth}, the same {a.cowratio_ios} I/Os per cell) into a "
                  "delta over a full 1 GiB base whose not-yet-allocated clusters are the COW ratio (the first write "
                  f"to one copies on write); storage server {a.delay} ms.", "",
                  "| write:read | COW ratio | contender | IOPS | vs stacked (same mode) |", "|---|---:|---|---:|---:|"]
@@ -329,6 +334,8 @@ def main():
     ap.add_argument("--delay", type=float, default=1.0, help="storage server latency in ms")
     ap.add_argument("--depth", type=int, default=16, help="fio queue depth")
     ap.add_argument("--meta-writes", type=int, default=20000, help="writes per metadata cell")
+    ap.add_argument("--dcow-writes", type=int, default=8192, help="writes per decoupled-COW cell")
+    ap.add_argument("--cowratio-ios", type=int, default=40000, help="I/Os per COW-ratio cell")
     ap.add_argument("--modes", default="writeback,writethrough", help="cache write modes")
     ap.add_argument("--cache-size", default="4g")
     ap.add_argument("--quick", action="store_true", help="fewer points per experiment (a smoke run)")
