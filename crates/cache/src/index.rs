@@ -425,9 +425,8 @@ impl Index {
         let line = *self.line(idx);
         let bit = 1u16 << slot;
         let old = if line.present & bit != 0 {
-            let l = *self.line(idx);
-            let arr = self.pool.array_mut(l.class, l.at);
-            let old = std::mem::replace(&mut arr[l.rank(slot)], cbn);
+            let arr = self.pool.array_mut(line.class, line.at);
+            let old = std::mem::replace(&mut arr[line.rank(slot)], cbn);
             Some((old, BlockRef::new(idx, slot)))
         } else {
             self.insert_block(idx, slot, cbn);
@@ -679,6 +678,25 @@ mod tests {
         assert_eq!(
             l.blocks().collect::<Vec<_>>(),
             vec![(1, 45), (5, 47), (12, 46)]
+        );
+    }
+
+    /// The README's figure for the sparse extreme: one cached block per
+    /// line costs about 1% of the cached bytes (line, array, table slot).
+    #[test]
+    fn memory_per_single_block_line_is_about_one_percent() {
+        let lines = 10_000u64;
+        let mut ix = Index::new(lines.div_ceil(512) as u32, 512);
+        for l in 0..lines {
+            ix.map(line_key(1, l), l, (l % 16) as usize, l as u32, false);
+        }
+        for r in ix.summaries().pending_regions() {
+            ix.summaries().take_encoded(r, 1);
+        }
+        let ratio = ix.memory_bytes() as f64 / (lines * 4096) as f64;
+        assert!(
+            (0.006..0.011).contains(&ratio),
+            "index memory {ratio:.5} of cached bytes"
         );
     }
 

@@ -377,5 +377,21 @@ mod tests {
             Err(CacheError::NotACache)
         ));
         assert!(Layout::compute(1 << 20, DEFAULT_REGION).is_err());
+        // A device of layout version 2 (regions without summaries) is refused.
+        let mut old = sb.encode();
+        old[8..16].copy_from_slice(&2u64.to_le_bytes());
+        let e = Superblock::decode(&old).unwrap_err().to_string();
+        assert!(e.contains("version 2 is not supported"), "{e}");
+    }
+
+    #[test]
+    fn summary_blocks_are_not_data_blocks() {
+        let l = Layout::compute(64 << 20, DEFAULT_REGION).unwrap();
+        assert_eq!(l.data_blocks_per_region(), 511);
+        assert!(l.is_data_block(510));
+        assert!(!l.is_data_block(511), "the summary block of region 0");
+        assert!(l.is_data_block(512));
+        assert!(!l.is_data_block(l.data_blocks() as u32));
+        assert_eq!(l.summary_offset(1), l.block_offset(1023));
     }
 }

@@ -85,7 +85,7 @@ impl Summaries {
     }
 
     /// True when regions of this geometry carry summaries.
-    pub fn enabled(&self) -> bool {
+    fn enabled(&self) -> bool {
         self.data_per_region < self.blocks_per_region
     }
 

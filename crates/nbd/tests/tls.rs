@@ -47,6 +47,22 @@ fn exercise(c: &NbdClient, small: u64, big: u64) -> Vec<u8> {
     data
 }
 
+/// qemu-io on export "secure" of `s` through the TLS credentials object
+/// `creds` (id tls0); every command must succeed.
+fn qemu_io_tls(s: &TestServer, creds: &str, extra_opts: &str, cmds: &[&str]) {
+    let image = format!(
+        "driver=nbd,server.type=unix,server.path={},export=secure,tls-creds=tls0{extra_opts}",
+        s.socket.display()
+    );
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["--object", creds, "--image-opts"]);
+    for c in cmds {
+        cmd.args(["-c", c]);
+    }
+    let out = run(cmd.arg(&image));
+    assert!(!out.contains("failed"), "{out}");
+}
+
 #[test]
 fn tls_with_qemu_io_nbdinfo_and_own_client() {
     require_tool("qemu-io");
@@ -56,27 +72,15 @@ fn tls_with_qemu_io_nbdinfo_and_own_client() {
     let (s, disk) = tls_server(pki.path());
 
     // qemu-io over TLS, presenting client-cert.pem from the directory.
-    let image = format!(
-        "driver=nbd,server.type=unix,server.path={},export=secure,tls-creds=tls0,tls-hostname=localhost",
-        s.socket.display()
-    );
-    let out = run(Command::new("qemu-io")
-        .arg("--object")
-        .arg(format!(
+    qemu_io_tls(
+        &s,
+        &format!(
             "tls-creds-x509,id=tls0,endpoint=client,dir={}",
             pki.path().display()
-        ))
-        .arg("--image-opts")
-        .args([
-            "-c",
-            "write -P 0x42 1M 256k",
-            "-c",
-            "read -P 0x42 1M 256k",
-            "-c",
-            "flush",
-        ])
-        .arg(&image));
-    assert!(!out.contains("failed"), "{out}");
+        ),
+        ",tls-hostname=localhost",
+        &["write -P 0x42 1M 256k", "read -P 0x42 1M 256k", "flush"],
+    );
     assert!(
         disk.contents()[1 << 20..(1 << 20) + (256 << 10)]
             .iter()
@@ -177,20 +181,15 @@ fn tls_psk_with_qemu_io_nbdinfo_and_own_client() {
     let s = TestServer::start_with(Server::builder().export("secure", disk.clone()).tls(tls));
 
     // qemu-io with qemu's tls-creds-psk object (GnuTLS on the client side).
-    let image = format!(
-        "driver=nbd,server.type=unix,server.path={},export=secure,tls-creds=tls0",
-        s.socket.display()
-    );
-    let out = run(Command::new("qemu-io")
-        .arg("--object")
-        .arg(format!(
+    qemu_io_tls(
+        &s,
+        &format!(
             "tls-creds-psk,id=tls0,endpoint=client,dir={},username=alice",
             keys.path().display()
-        ))
-        .arg("--image-opts")
-        .args(["-c", "write -P 0x5a 2M 128k", "-c", "flush"])
-        .arg(&image));
-    assert!(!out.contains("failed"), "{out}");
+        ),
+        "",
+        &["write -P 0x5a 2M 128k", "flush"],
+    );
     assert!(
         disk.contents()[2 << 20..(2 << 20) + (128 << 10)]
             .iter()

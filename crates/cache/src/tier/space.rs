@@ -151,16 +151,15 @@ impl FlashCache {
             );
         }
         st.emptied_by_scan += 1;
-        st.index
-            .lines()
-            .flat_map(|l| {
-                let key = l.key;
-                l.blocks()
-                    .filter(|&(_, cbn)| self.layout.region_of(cbn) == region)
-                    .map(move |(slot, cbn)| (key, slot, cbn))
-                    .collect::<Vec<_>>()
-            })
-            .collect()
+        let mut refs = Vec::new();
+        for l in st.index.lines() {
+            for (slot, cbn) in l.blocks() {
+                if self.layout.region_of(cbn) == region {
+                    refs.push((l.key, slot, cbn));
+                }
+            }
+        }
+        refs
     }
 
     /// A region's summary entries: still in memory, or read back from

@@ -64,6 +64,8 @@ pub struct ImageOptions {
 pub struct MetaStats {
     pub l2: CacheStats,
     pub refcount: CacheStats,
+    /// Memory of the bits that mark slices known to be zero.
+    pub zero_map_bytes: u64,
 }
 
 /// Mutable metadata state, guarded by one mutex.
@@ -313,6 +315,7 @@ impl Qcow2Image {
         MetaStats {
             l2: l.m.l2.stats,
             refcount: l.m.refblocks.stats,
+            zero_map_bytes: l.m.l2.zero_map_bytes() + l.m.refblocks.zero_map_bytes(),
         }
     }
 

@@ -54,6 +54,8 @@ fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
                 "l2_hit_ratio": meta.map(|m| m.l2.hit_ratio()),
                 "l2_hits": meta.map(|m| m.l2.hits),
                 "l2_misses": meta.map(|m| m.l2.misses),
+                "l2_zero_hits": meta.map(|m| m.l2.zero_hits),
+                "meta_zero_map_bytes": meta.map(|m| m.zero_map_bytes),
             })
         })
         .collect();
