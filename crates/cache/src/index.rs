@@ -246,6 +246,11 @@ pub struct Index {
     referenced: Vec<u64>,
     /// Blocks with more than one reference.
     shared: hashbrown::HashMap<Cbn, Shared>,
+    /// For partially valid blocks some of whose 512-byte sectors the guest
+    /// already wrote: (line key, slot) to the bitmap of valid sectors. A
+    /// partially valid block without an entry has no valid sector. Only
+    /// the edges of unaligned writes into fresh delta clusters get one.
+    valid_sectors: hashbrown::HashMap<(u64, u8), u8>,
     summaries: Summaries,
     live_lines: usize,
     dirty_blocks: u64,
@@ -273,6 +278,7 @@ impl Index {
             hasher: DefaultHashBuilder::default(),
             referenced: vec![0; data_blocks.div_ceil(64) as usize],
             shared: hashbrown::HashMap::new(),
+            valid_sectors: hashbrown::HashMap::new(),
             summaries: Summaries::new(regions, blocks_per_region),
             live_lines: 0,
             dirty_blocks: 0,
@@ -554,14 +560,44 @@ impl Index {
 
     /// Sets the partially valid bitmap of a line (creating it if needed);
     /// `guest` replaces the line's guest cluster when given.
+    /// Blocks that leave the bitmap forget their valid sectors.
     pub fn set_partial(&mut self, key: u64, guest: Option<u64>, mask: u16) {
         let idx = self.get_or_insert(key, guest.unwrap_or(u64::MAX));
         let line = self.line_mut(idx);
+        let left = line.partial & !mask;
         line.partial = mask;
+        if left != 0 {
+            for slot in 0..LINE_BLOCKS as u8 {
+                if left & (1 << slot) != 0 {
+                    self.valid_sectors.remove(&(key, slot));
+                }
+            }
+        }
+        let line = self.line_mut(idx);
         if let Some(g) = guest {
             line.guest = g as u32;
         }
         self.drop_line_if_empty(idx);
+    }
+
+    /// The valid sectors of a partially valid block (0: none; also for
+    /// blocks that are not partially valid, whose sectors are all valid).
+    pub fn valid_sectors(&self, key: u64, slot: usize) -> u8 {
+        self.valid_sectors
+            .get(&(key, slot as u8))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Records the valid sectors of a partially valid block; ignored for a
+    /// block that is not partially valid (it is valid as a whole).
+    pub fn set_valid_sectors(&mut self, key: u64, slot: usize, sectors: u8) {
+        let partial = self.get(key).is_some_and(|l| l.partial & (1 << slot) != 0);
+        if sectors == 0 || !partial {
+            self.valid_sectors.remove(&(key, slot as u8));
+        } else {
+            self.valid_sectors.insert((key, slot as u8), sectors);
+        }
     }
 
     pub fn is_shared(&self, cbn: Cbn) -> bool {
@@ -599,7 +635,9 @@ impl Index {
                 .map(|v| v.others.capacity() * 4)
                 .sum::<usize>();
         let free = self.free_lines.capacity() * std::mem::size_of::<u32>();
-        (lines + blocks + table + referenced + shared + free) as u64 + self.summaries.memory_bytes()
+        let sectors = self.valid_sectors.capacity() * (std::mem::size_of::<((u64, u8), u8)>() + 1);
+        (lines + blocks + table + referenced + shared + free + sectors) as u64
+            + self.summaries.memory_bytes()
     }
 }
 

@@ -49,6 +49,9 @@ pub enum Entry {
     /// The partially valid (dcow) bitmap of a line, and the guest cluster
     /// it was allocated for (`u64::MAX`: unchanged).
     Partial { key: u64, mask: u16, guest: u64 },
+    /// The 512-byte sectors of partially valid block `slot` of line `key`
+    /// that hold the guest's bytes (bit per sector; 0: none).
+    ValidSectors { key: u64, slot: u8, sectors: u8 },
     /// A dirty 512-byte sector of qcow2 metadata of image `image` at byte
     /// `offset`, held by the cache (not yet on the backend).
     MetaSector {
@@ -167,6 +170,12 @@ impl Entry {
                 put16(out, *mask);
                 put64(out, *guest);
             }
+            Entry::ValidSectors { key, slot, sectors } => {
+                out.push(9);
+                put64(out, *key);
+                out.push(*slot);
+                out.push(*sectors);
+            }
             Entry::MetaSector {
                 image,
                 offset,
@@ -249,6 +258,11 @@ impl Entry {
                 image: r.u16()?,
                 offset: r.u64()?,
                 sectors: r.u32()?,
+            },
+            9 => Entry::ValidSectors {
+                key: r.u64()?,
+                slot: r.u8()?,
+                sectors: r.u8()?,
             },
             t => {
                 return Err(CacheError::Corrupt(format!(

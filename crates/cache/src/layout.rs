@@ -22,7 +22,9 @@ pub const MIN_DEVICE: u64 = 16 << 20;
 
 const MAGIC: &[u8; 8] = b"VDCACHE1";
 /// 3: regions end with a summary block (regions of 64 blocks or more).
-const VERSION: u32 = 3;
+/// 4: partially valid blocks may have valid 512-byte sectors (journal
+/// entry 9, and a field of partially valid lines in checkpoints).
+const VERSION: u32 = 4;
 const SUPERBLOCK_BYTES: u64 = BLOCK;
 /// Room reserved in a checkpoint for the image registry.
 pub const REGISTRY_BYTES: u64 = 1 << 20;

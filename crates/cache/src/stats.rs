@@ -34,6 +34,9 @@ pub struct DiskCounters {
     pub backend_bytes_written: AtomicU64,
     pub backend_syncs: AtomicU64,
     pub guest_flushes: AtomicU64,
+    /// Cached 4 KiB blocks of a backing image dropped because a write to
+    /// the delta masked them (cow-aware: they will not be read again).
+    pub masked_blocks_dropped: AtomicU64,
 }
 
 /// A plain copy of one disk's counters.
@@ -57,6 +60,7 @@ pub struct DiskStats {
     pub backend_bytes_written: u64,
     pub backend_syncs: u64,
     pub guest_flushes: u64,
+    pub masked_blocks_dropped: u64,
     pub dirty_bytes: u64,
 }
 
@@ -89,6 +93,7 @@ impl DiskStats {
         self.backend_bytes_written += o.backend_bytes_written;
         self.backend_syncs += o.backend_syncs;
         self.guest_flushes += o.guest_flushes;
+        self.masked_blocks_dropped += o.masked_blocks_dropped;
         self.dirty_bytes += o.dirty_bytes;
     }
 }
@@ -124,6 +129,7 @@ impl DiskCounters {
             backend_bytes_written: l(&self.backend_bytes_written),
             backend_syncs: l(&self.backend_syncs),
             guest_flushes: l(&self.guest_flushes),
+            masked_blocks_dropped: l(&self.masked_blocks_dropped),
             dirty_bytes: 0,
         }
     }

@@ -10,7 +10,7 @@
 
 use crate::disk::{VirtualDisk, released, sub_mask};
 use crate::error::{ImageError, Result};
-use crate::hostio::{DCOW_BLOCK, IoClass, WriteSegment};
+use crate::hostio::{DCOW_BLOCK, DCOW_SECTOR, IoClass, WriteSegment};
 use crate::qimage::{Locked, Qcow2Image};
 use vdcache_qcow2::entries::{L2Mapping, StandardCluster, SubclusterState, all_subclusters};
 use vdcache_qcow2::{Geometry, HostOffset};
@@ -41,7 +41,7 @@ struct ClusterPlan {
     w_lo: u64,
     w_hi: u64,
     new: Option<L2Mapping>,
-    /// Decoupled copy-on-write: only `[w_lo, w_hi)` (whole blocks around
+    /// Decoupled copy-on-write: only `[w_lo, w_hi)` (whole sectors around
     /// the guest's bytes) is written; the rest of the new cluster is left
     /// not yet valid in the layer below.
     decoupled: bool,
@@ -85,7 +85,24 @@ impl VirtualDisk {
             }
             return Err(e);
         }
-        self.commit(img, &plans)
+        self.commit(img, &plans)?;
+        self.forget_masked_blocks(&g, &plans);
+        Ok(())
+    }
+
+    /// The backing chain's blocks the guest's bytes just replaced in
+    /// clusters the top image took over: the guest reads its own copy
+    /// from now on (COWCache 3.3).
+    fn forget_masked_blocks(&self, g: &Geometry, plans: &[ClusterPlan]) {
+        for p in plans {
+            let from_backing = matches!(p.target, Target::New(_))
+                && matches!(p.old, L2Mapping::Standard(s) if s.host.is_none() && s.alloc == 0 && s.zero == 0);
+            let start = (g.cluster_offset(p.cluster) + p.lo).div_ceil(DCOW_BLOCK) * DCOW_BLOCK;
+            let end = (g.cluster_offset(p.cluster) + p.hi) / DCOW_BLOCK * DCOW_BLOCK;
+            if from_backing && start < end {
+                self.forget_masked(1, start, end - start);
+            }
+        }
     }
 
     /// Maps every touched cluster and decides where its bytes go.
@@ -139,10 +156,10 @@ impl VirtualDisk {
             };
             let unallocated = matches!(old, L2Mapping::Standard(s) if s.host.is_none() && s.alloc == 0 && s.zero == 0);
             if self.decoupled && owned.is_none() && unallocated {
-                // Only the blocks the guest touches are written now.
+                // Only the sectors the guest touches are written now.
                 p.decoupled = true;
-                p.w_lo = p.lo / DCOW_BLOCK * DCOW_BLOCK;
-                p.w_hi = p.hi.div_ceil(DCOW_BLOCK) * DCOW_BLOCK;
+                p.w_lo = p.lo / DCOW_SECTOR * DCOW_SECTOR;
+                p.w_hi = p.hi.div_ceil(DCOW_SECTOR) * DCOW_SECTOR;
             } else if fill != 0 {
                 let first = u64::from(fill.trailing_zeros());
                 let last = u64::from(31 - fill.leading_zeros());
@@ -176,10 +193,10 @@ impl VirtualDisk {
         Ok(plans)
     }
 
-    /// An in-place write that only partly covers a block the layer below
-    /// keeps not yet valid must write the whole block (its other bytes
-    /// from the backing chain), or the block would become valid with
-    /// stale bytes in it.
+    /// An in-place write that only partly covers a sector the layer below
+    /// keeps not yet valid must write the whole sector (its other bytes
+    /// from the backing chain), or the sector would stay invalid and lose
+    /// the guest's bytes.
     fn complete_invalid_edges(
         &self,
         img: &Qcow2Image,
@@ -187,8 +204,8 @@ impl VirtualDisk {
         host: HostOffset,
     ) -> Result<()> {
         let (lo_b, hi_b) = (
-            p.lo / DCOW_BLOCK * DCOW_BLOCK,
-            p.hi.div_ceil(DCOW_BLOCK) * DCOW_BLOCK,
+            p.lo / DCOW_SECTOR * DCOW_SECTOR,
+            p.hi.div_ceil(DCOW_SECTOR) * DCOW_SECTOR,
         );
         if lo_b == p.lo && hi_b == p.hi {
             return Ok(());
@@ -212,7 +229,9 @@ impl VirtualDisk {
     }
 
     /// Records, for decoupled plans, which blocks of the new clusters hold
-    /// no data yet (before anything points at the clusters).
+    /// no data yet (before anything points at the clusters): every block
+    /// the write does not cover whole; the write then makes the sectors it
+    /// covers valid.
     fn mark_decoupled(&self, img: &Qcow2Image, g: &Geometry, plans: &[ClusterPlan]) -> Result<()> {
         for p in plans.iter().filter(|p| p.decoupled) {
             let Target::New(Some(host)) = p.target else {
@@ -233,7 +252,9 @@ impl VirtualDisk {
             // The cluster is freshly allocated: whatever an earlier use of
             // it left recorded is void.
             mark(0, g.cluster_size(), false)?;
-            for (start, end) in [(0, p.w_lo), (p.w_hi, g.cluster_size())] {
+            let head_end = p.w_lo.div_ceil(DCOW_BLOCK) * DCOW_BLOCK;
+            let tail_start = p.w_hi / DCOW_BLOCK * DCOW_BLOCK;
+            for (start, end) in [(0, head_end), (tail_start, g.cluster_size())] {
                 if end > start {
                     mark(start, end, true)?;
                 }

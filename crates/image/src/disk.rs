@@ -90,6 +90,8 @@ pub struct VirtualDisk {
     /// Allocating writes skip the filler and leave the cluster partially
     /// valid in the layer below (decoupled copy-on-write).
     pub(crate) decoupled: bool,
+    /// The layer below wants to hear which backing blocks writes mask.
+    hints_masked: bool,
     locks: RangeLocks,
 }
 
@@ -129,6 +131,7 @@ impl VirtualDisk {
             }
             Layer::Raw(_) => false,
         };
+        let hints_masked = layers.len() > 1 && io.wants_masked_hints(disk);
         Ok(VirtualDisk {
             size: top.size(),
             layers,
@@ -137,6 +140,7 @@ impl VirtualDisk {
             read_only,
             cluster_bits,
             decoupled,
+            hints_masked,
             locks: RangeLocks::default(),
         })
     }
@@ -258,6 +262,49 @@ impl VirtualDisk {
                             self.read_layer(depth + 1, e.guest, part, class)?
                         }
                         ExtentKind::Compressed(d, at) => img.read_compressed(&d, at, part, tag)?,
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Tells the layer below that the backing chain's copy of guest bytes
+    /// `[offset, offset+len)` (as layer `depth` and those below see them)
+    /// is masked by the top image now. A hint: a failure only loses it.
+    pub(crate) fn forget_masked(&self, depth: usize, offset: u64, len: u64) {
+        if !self.hints_masked {
+            return;
+        }
+        if let Err(e) = self.forget_in_layer(depth, offset, len) {
+            tracing::debug!(offset, len, error = %e, "masked-block hint lost");
+        }
+    }
+
+    fn forget_in_layer(&self, depth: usize, offset: u64, len: u64) -> Result<()> {
+        let Some(layer) = self.layers.get(depth) else {
+            return Ok(());
+        };
+        let len = layer.size().saturating_sub(offset).min(len);
+        if len == 0 {
+            return Ok(());
+        }
+        let tag = self.tag(IoClass::GuestData, offset);
+        let forget = |image: &ImageHandle, host: u64, len: u64| {
+            self.io
+                .forget(image, HostOffset(host), len, tag)
+                .map_err(|e| ImageError::io(&image.name, "drop masked blocks", e))
+        };
+        match layer {
+            Layer::Raw(r) => forget(&r.handle, offset, len),
+            Layer::Qcow2(img) => {
+                for e in img.map(offset, len)? {
+                    match e.kind {
+                        ExtentKind::Data(host) => forget(&img.data, host.0, e.len)?,
+                        ExtentKind::Unallocated => {
+                            self.forget_in_layer(depth + 1, e.guest, e.len)?
+                        }
+                        _ => {}
                     }
                 }
                 Ok(())

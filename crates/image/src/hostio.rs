@@ -125,8 +125,12 @@ impl IoTag {
     }
 }
 
-/// Granularity of partially valid clusters (decoupled copy-on-write).
+/// Granularity of the not yet valid marks of partially valid clusters
+/// (decoupled copy-on-write).
 pub const DCOW_BLOCK: u64 = 4096;
+/// Granularity of validity inside a marked block: a write makes the
+/// sectors it covers whole valid.
+pub const DCOW_SECTOR: u64 = 512;
 
 /// An image file in a chain, as the layers below the COW layer see it.
 #[derive(Debug, Clone)]
@@ -201,6 +205,9 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
     /// Marks `[offset, offset+len)` (whole [`DCOW_BLOCK`]s) of an image as
     /// not yet valid (`invalid`: read it from the backing chain) or valid.
     /// The record is durable no later than any later write of the layer.
+    /// A later write makes the [`DCOW_SECTOR`]s it wholly covers valid (a
+    /// sector it covers in part stays as it was: callers write whole
+    /// sectors into marked blocks).
     fn set_invalid(
         &self,
         _image: &ImageHandle,
@@ -228,9 +235,20 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
         Ok(Vec::new())
     }
 
-    /// A hint: cached copies of this range will not be read again (a base
-    /// block masked by a delta write).
-    fn forget(&self, _image: &ImageHandle, _offset: HostOffset, _len: u64) -> io::Result<()> {
+    /// Whether this layer wants [`HostIo::forget`] hints for `disk`.
+    fn wants_masked_hints(&self, _disk: DiskId) -> bool {
+        false
+    }
+
+    /// A hint: cached copies of this range of a backing image will not be
+    /// read again through `tag.disk` (a write to the top image masked them).
+    fn forget(
+        &self,
+        _image: &ImageHandle,
+        _offset: HostOffset,
+        _len: u64,
+        _tag: IoTag,
+    ) -> io::Result<()> {
         Ok(())
     }
 }

@@ -111,7 +111,8 @@ fn put(out: &mut Vec<u8>, bytes: &[u8]) {
 }
 
 /// Checkpoint payload: the image registry, then every line with the block
-/// numbers of its present blocks.
+/// numbers of its present blocks (and, for a partially valid line, which
+/// of its blocks have valid sectors and their bitmaps).
 fn encode_checkpoint(st: &State) -> Vec<u8> {
     let mut out = Vec::new();
     put(&mut out, &(st.images.len() as u32).to_le_bytes());
@@ -132,6 +133,15 @@ fn encode_checkpoint(st: &State) -> Vec<u8> {
         put(&mut out, &l.partial.to_le_bytes());
         for (_, cbn) in l.blocks() {
             put(&mut out, &cbn.to_le_bytes());
+        }
+        if l.partial != 0 {
+            let sectors: Vec<(usize, u8)> = (0..LINE_BLOCKS as usize)
+                .map(|slot| (slot, st.index.valid_sectors(l.key, slot)))
+                .filter(|&(_, v)| v != 0)
+                .collect();
+            let with: u16 = sectors.iter().fold(0, |m, &(slot, _)| m | 1 << slot);
+            put(&mut out, &with.to_le_bytes());
+            out.extend(sectors.iter().map(|&(_, v)| v));
         }
     }
     put(&mut out, &(st.meta.dirty_len() as u64).to_le_bytes());
@@ -160,6 +170,8 @@ pub(crate) struct SavedLine {
     pub dirty: u16,
     pub partial: u16,
     pub cbn: Vec<(usize, u32)>,
+    /// (slot, valid sectors) of partially valid blocks with some.
+    pub valid_sectors: Vec<(usize, u8)>,
 }
 
 /// A decoded checkpoint: image entries, lines, metadata sector entries.
@@ -191,12 +203,22 @@ pub(crate) fn decode_checkpoint(payload: &[u8]) -> Result<Checkpoint> {
                 cbn.push((slot, r.u32()?));
             }
         }
+        let mut valid_sectors = Vec::new();
+        if partial != 0 {
+            let with = r.u16()?;
+            for slot in 0..LINE_BLOCKS as usize {
+                if with & (1 << slot) != 0 {
+                    valid_sectors.push((slot, r.u8()?));
+                }
+            }
+        }
         lines.push(SavedLine {
             key,
             guest,
             dirty: dirty & present,
             partial,
             cbn,
+            valid_sectors,
         });
     }
     let count = r.u64()?;

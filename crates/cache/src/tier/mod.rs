@@ -44,6 +44,9 @@ pub(crate) struct ImageRecord {
     /// journal until a disk opens them).
     pub backend: Option<BackendRef>,
     pub disk: DiskId,
+    /// More than one disk reads this image (a shared base): what one disk
+    /// masks, another may still read.
+    pub shared_by_disks: bool,
     /// End of the highest block written through the cache: the image is
     /// at least this long even before write-back extends the file.
     pub end: u64,
@@ -321,6 +324,8 @@ impl FlashCache {
                     return self.replace_stale_image(id, name, reason, image, disk);
                 }
                 rec.backend = Some(image.backend.clone());
+            } else if rec.disk != disk {
+                rec.shared_by_disks = true;
             }
             rec.disk = disk;
             return Ok(id);
@@ -333,6 +338,7 @@ impl FlashCache {
             identity,
             backend: Some(image.backend.clone()),
             disk,
+            shared_by_disks: false,
             end: 0,
         });
         st.by_name.insert(image.name.to_string(), id);
@@ -558,6 +564,21 @@ impl HostIo for FlashCache {
 
     fn partial_ranges(&self, image: &ImageHandle) -> io::Result<Vec<vdcache_image::PartialRange>> {
         Ok(self.partial_ranges_of(image))
+    }
+
+    fn wants_masked_hints(&self, disk: DiskId) -> bool {
+        self.lock().policy(disk, self.config.default_policy).cow == crate::config::CowMode::CowAware
+    }
+
+    fn forget(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        len: u64,
+        tag: IoTag,
+    ) -> io::Result<()> {
+        self.drop_masked(image, offset.0, len, tag);
+        Ok(())
     }
 
     fn len(&self, image: &ImageHandle) -> io::Result<u64> {

@@ -1,14 +1,22 @@
 //! Partially valid clusters (decoupled copy-on-write): the blocks of a
 //! freshly allocated delta cluster that hold no data yet, kept in each
 //! line's dcow bitmap and journaled, so the COW layer reads them from the
-//! base and a crash never makes them look valid. A whole-block write (or
-//! a discard) of such a block makes it valid again.
+//! base and a crash never makes them look valid. A write makes the
+//! 512-byte sectors it covers valid: a block the guest wrote only in part
+//! (the edge of an unaligned write) keeps a bitmap of its valid sectors
+//! until every sector is written or filled, so such a write needs no read
+//! of the base. A discard of a whole block makes it valid again.
 
 use super::{FlashCache, State};
 use crate::error::Result;
 use crate::index::line_key;
 use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE, LINE_BLOCKS};
+use crate::stats::bump;
+
+/// Granularity of validity inside a partially valid block.
+const SECTOR: u64 = 512;
+const SECTORS_PER_BLOCK: u64 = BLOCK / SECTOR;
 use vdcache_image::{ImageHandle, IoTag, PartialRange};
 
 /// Bit mask of the blocks `[first, end)` (line-relative) a range covers.
@@ -33,8 +41,71 @@ fn line_masks(off: u64, len: u64) -> Vec<(u64, u16)> {
     out
 }
 
+/// (block, bitmap of the sectors covered) of the partly covered blocks at
+/// the ends of `[off, off+len)`; sectors covered only in part do not count.
+fn edge_sectors(off: u64, len: u64) -> Vec<(u64, u8)> {
+    let end = off + len;
+    let mut blocks = vec![off / BLOCK];
+    if end.div_ceil(BLOCK) - 1 != off / BLOCK {
+        blocks.push(end.div_ceil(BLOCK) - 1);
+    }
+    blocks
+        .into_iter()
+        .filter(|&b| b * BLOCK < off || (b + 1) * BLOCK > end)
+        .map(|b| {
+            let mut sectors = 0u8;
+            for i in 0..SECTORS_PER_BLOCK {
+                let (s, e) = (b * BLOCK + i * SECTOR, b * BLOCK + (i + 1) * SECTOR);
+                if s >= off && e <= end {
+                    sectors |= 1 << i;
+                }
+            }
+            (b, sectors)
+        })
+        .filter(|&(_, sectors)| sectors != 0)
+        .collect()
+}
+
+/// Byte ranges (absolute) of the not yet valid sectors of a line whose
+/// partially valid bitmap is `mask`, merged, in order.
+fn invalid_in_line(st: &State, key: u64, mask: u16) -> Vec<(u64, u64)> {
+    let base = crate::index::key_line(key) * LINE;
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for slot in 0..LINE_BLOCKS {
+        if mask & (1 << slot) == 0 {
+            continue;
+        }
+        let valid = st.index.valid_sectors(key, slot as usize);
+        for i in 0..SECTORS_PER_BLOCK {
+            if valid & (1 << i) != 0 {
+                continue;
+            }
+            let s = base + slot * BLOCK + i * SECTOR;
+            match out.last_mut() {
+                Some((_, e)) if *e == s => *e = s + SECTOR,
+                _ => out.push((s, s + SECTOR)),
+            }
+        }
+    }
+    out
+}
+
+/// Records (and journals) the valid sectors of a partially valid block.
+fn set_valid_sectors(st: &mut State, key: u64, slot: usize, sectors: u8) {
+    if st.index.valid_sectors(key, slot) == sectors {
+        return;
+    }
+    st.index.set_valid_sectors(key, slot, sectors);
+    st.journal.push(&Entry::ValidSectors {
+        key,
+        slot: slot as u8,
+        sectors,
+    });
+    st.uncommitted_dirty = true;
+}
+
 impl FlashCache {
-    /// Sets or clears the not-yet-valid bits of whole blocks in a range.
+    /// Sets or clears the not-yet-valid bits of the blocks a range touches.
     pub(crate) fn set_invalid_range(
         &self,
         image: &ImageHandle,
@@ -45,7 +116,11 @@ impl FlashCache {
     ) -> Result<()> {
         let id = self.image_id(image, tag.disk)?;
         let mut st = self.lock();
-        for (line, mask) in line_masks(off, len) {
+        // Blocks touched in part count: marks are by the block (a range the
+        // COW layer drops as orphaned may be a few sectors of one).
+        let start = off / BLOCK * BLOCK;
+        let end = (off + len).div_ceil(BLOCK) * BLOCK;
+        for (line, mask) in line_masks(start, end - start) {
             let key = line_key(id, line);
             if invalid {
                 // Whatever the cache held for these blocks belongs to an
@@ -53,6 +128,7 @@ impl FlashCache {
                 for slot in 0..LINE_BLOCKS as usize {
                     if mask & (1 << slot) != 0 {
                         self.unmap_block(&mut st, key, slot);
+                        set_valid_sectors(&mut st, key, slot, 0);
                     }
                 }
             }
@@ -74,14 +150,34 @@ impl FlashCache {
         Ok(())
     }
 
-    /// Makes whole blocks valid after they were written.
-    pub(crate) fn clear_invalid_blocks(&self, st: &mut State, id: u16, off: u64, len: u64) {
+    /// Makes the sectors `[off, off+len)` covers valid after they were
+    /// written: whole blocks leave the bitmap, partly written blocks gain
+    /// valid sectors (and leave the bitmap once all are valid).
+    pub(crate) fn validate_written(&self, st: &mut State, id: u16, off: u64, len: u64) {
         let first = off.div_ceil(BLOCK) * BLOCK;
         let end = (off + len) / BLOCK * BLOCK;
-        if first >= end {
-            return;
+        let mut whole = Vec::new();
+        if first < end {
+            whole = line_masks(first, end - first);
         }
-        for (line, mask) in line_masks(first, end - first) {
+        for (block, sectors) in edge_sectors(off, len) {
+            let key = line_key(id, block / LINE_BLOCKS);
+            let slot = (block % LINE_BLOCKS) as usize;
+            if st
+                .index
+                .get(key)
+                .is_none_or(|l| l.partial & (1 << slot) == 0)
+            {
+                continue;
+            }
+            let valid = st.index.valid_sectors(key, slot) | sectors;
+            if valid == u8::MAX {
+                whole.push((block / LINE_BLOCKS, 1 << slot));
+            } else {
+                set_valid_sectors(st, key, slot, valid);
+            }
+        }
+        for (line, mask) in whole {
             let key = line_key(id, line);
             let Some(l) = st.index.get(key) else { continue };
             if l.partial & mask == 0 {
@@ -95,6 +191,17 @@ impl FlashCache {
                 guest: u64::MAX,
             });
         }
+    }
+
+    /// Whether a block holds nothing of the guest's anywhere: partially
+    /// valid with no valid sector (its old content is of no use).
+    pub(crate) fn holds_nothing(st: &State, id: u16, block: u64) -> bool {
+        let key = line_key(id, block / LINE_BLOCKS);
+        let slot = (block % LINE_BLOCKS) as usize;
+        st.index
+            .get(key)
+            .is_some_and(|l| l.partial & (1 << slot) != 0 && l.present & (1 << slot) == 0)
+            && st.index.valid_sectors(key, slot) == 0
     }
 
     /// Not yet valid ranges inside `[off, off+len)`.
@@ -112,13 +219,10 @@ impl FlashCache {
         let end = off + len;
         let mut line = off / LINE;
         while line * LINE < end {
-            if let Some(l) = st.index.get(line_key(id, line)).filter(|l| l.partial != 0) {
-                for slot in 0..LINE_BLOCKS {
-                    if l.partial & (1 << slot) == 0 {
-                        continue;
-                    }
-                    let s = (line * LINE + slot * BLOCK).max(off);
-                    let e = (line * LINE + (slot + 1) * BLOCK).min(end);
+            let key = line_key(id, line);
+            if let Some(l) = st.index.get(key).filter(|l| l.partial != 0) {
+                for (s, e) in invalid_in_line(&st, key, l.partial) {
+                    let (s, e) = (s.max(off), e.min(end));
                     if s >= e {
                         continue;
                     }
@@ -148,22 +252,49 @@ impl FlashCache {
             .collect();
         lines.sort_unstable();
         for (line, mask, guest) in lines {
-            for slot in 0..LINE_BLOCKS {
-                if mask & (1 << slot) == 0 {
-                    continue;
-                }
-                let s = line * LINE + slot * BLOCK;
+            for (s, e) in invalid_in_line(&st, line_key(id, line), mask) {
                 match out.last_mut() {
-                    Some(r) if r.offset + r.len == s && r.guest_cluster == guest => r.len += BLOCK,
+                    Some(r) if r.offset + r.len == s && r.guest_cluster == guest => r.len += e - s,
                     _ => out.push(PartialRange {
                         offset: s,
-                        len: BLOCK,
+                        len: e - s,
                         guest_cluster: guest,
                     }),
                 }
             }
         }
         out
+    }
+
+    /// Drops the clean cached blocks wholly inside a backing image's range
+    /// that a write to the delta just masked (COWCache 3.3: the guest reads
+    /// its own copy from now on). Only in cow-aware mode, and never for an
+    /// image more than one disk reads.
+    pub(crate) fn drop_masked(&self, image: &ImageHandle, off: u64, len: u64, tag: IoTag) {
+        let mut st = self.lock();
+        if st.policy(tag.disk, self.config.default_policy).cow != crate::config::CowMode::CowAware {
+            return;
+        }
+        let Some(&id) = st.by_name.get(&*image.name) else {
+            return;
+        };
+        if st.images.get(id as usize).is_none_or(|r| r.shared_by_disks) {
+            return;
+        }
+        let mut dropped = 0;
+        for block in off.div_ceil(BLOCK)..(off + len) / BLOCK {
+            let key = line_key(id, block / LINE_BLOCKS);
+            let slot = (block % LINE_BLOCKS) as usize;
+            let clean = st
+                .index
+                .get(key)
+                .is_some_and(|l| l.present & !l.dirty & (1 << slot) != 0);
+            if clean && self.unmap_block(&mut st, key, slot) {
+                dropped += 1;
+            }
+        }
+        drop(st);
+        bump(&self.stats.disk(tag.disk).masked_blocks_dropped, dropped);
     }
 
     /// Whether the disk's blocks may be left partially valid.

@@ -224,6 +224,9 @@ fn recover_state(
         }
         if l.partial != 0 {
             st.index.set_partial(l.key, Some(l.guest), l.partial);
+            for (slot, sectors) in l.valid_sectors {
+                st.index.set_valid_sectors(l.key, slot, sectors);
+            }
         }
     }
     for e in sectors {
@@ -424,6 +427,7 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
                 identity,
                 backend: None,
                 disk: vdcache_image::DiskId::default(),
+                shared_by_disks: false,
                 end: 0,
             };
             if i == st.images.len() {
@@ -437,6 +441,10 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
         Entry::Partial { key, mask, guest } => {
             st.index
                 .set_partial(key, (guest != u64::MAX).then_some(guest), mask);
+        }
+        Entry::ValidSectors { key, slot, sectors } => {
+            let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
+            st.index.set_valid_sectors(key, slot, sectors);
         }
         Entry::MetaSector {
             image,

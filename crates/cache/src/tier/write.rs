@@ -6,7 +6,6 @@
 //! since the backend does not hold its current content.
 
 use super::metastore::{keeps_sectors, overlay};
-use super::read::copy_overlap;
 use super::{FlashCache, State};
 use crate::config::{Admission, CowMode, WriteMode};
 use crate::error::{CacheError, Result};
@@ -269,6 +268,17 @@ impl FlashCache {
         result
     }
 
+    /// Old content of a block a write covers in part; none (zeros) for a
+    /// partially valid block the guest has not written yet, so the edge
+    /// of an unaligned write into a fresh delta cluster reads nothing.
+    fn edge_content(&self, image: &ImageHandle, id: u16, block: u64, out: &mut [u8]) -> Result<()> {
+        if Self::holds_nothing(&self.lock(), id, block) {
+            out.fill(0);
+            return Ok(());
+        }
+        self.block_content(image, id, block, out)
+    }
+
     /// Old content of the partial head and tail blocks of a write.
     fn edges(
         &self,
@@ -284,7 +294,7 @@ impl FlashCache {
         let mut tail = Vec::new();
         if !off.is_multiple_of(BLOCK) || (first == last && !end.is_multiple_of(BLOCK)) {
             let mut b = vec![0u8; BLOCK as usize];
-            self.block_content(image, id, first, &mut b)?;
+            self.edge_content(image, id, first, &mut b)?;
             if first == last {
                 tail = b[(end % BLOCK) as usize..].to_vec();
                 if end.is_multiple_of(BLOCK) {
@@ -296,7 +306,7 @@ impl FlashCache {
         }
         if !end.is_multiple_of(BLOCK) && first != last {
             let mut b = vec![0u8; BLOCK as usize];
-            self.block_content(image, id, last, &mut b)?;
+            self.edge_content(image, id, last, &mut b)?;
             tail = b[(end % BLOCK) as usize..].to_vec();
         }
         Ok((head, tail))
@@ -367,6 +377,7 @@ impl FlashCache {
         if self.config.test_index_before_data {
             let mut st = self.lock();
             self.record_dirty(&mut st, id, first, &runs, &crcs, &guests);
+            self.validate_written(&mut st, id, off, len);
             self.commit(&mut st)?;
         }
         let mut done = 0usize;
@@ -391,6 +402,11 @@ impl FlashCache {
         let mut st = self.lock();
         if !self.config.test_index_before_data {
             self.record_dirty(&mut st, id, first, &runs, &crcs, &guests);
+            // Only now are the written sectors valid: in the journal the
+            // new bitmaps must follow the records of the data, or a log cut
+            // between them would leave sectors marked valid that hold
+            // nothing.
+            self.validate_written(&mut st, id, off, len);
         }
         self.settle(&mut st, &runs);
         st.note_write(id, off, off + len);
@@ -451,10 +467,6 @@ impl FlashCache {
                 i += 1;
             }
         }
-        // Only now are the blocks valid: in the journal the new bitmap must
-        // follow the records of the data, or a log cut between them would
-        // leave blocks marked valid that hold nothing.
-        self.clear_invalid_blocks(st, id, first * BLOCK, blocks * BLOCK);
     }
 
     /// Write-through and write-around: the backend takes the write; flash
@@ -521,7 +533,7 @@ impl FlashCache {
             let mut st = self.lock();
             st.unsynced.insert(id);
             st.note_write(id, off, off + len);
-            self.clear_invalid_blocks(&mut st, id, off, len);
+            self.validate_written(&mut st, id, off, len);
             (first..=last)
                 .filter(|&b| {
                     cached
@@ -531,18 +543,9 @@ impl FlashCache {
                 .collect()
         };
         for b in dirty_edges {
-            let mut content = vec![0u8; BLOCK as usize];
-            self.block_content(image, id, b, &mut content)?;
-            let flat: Vec<u8> = segments
-                .iter()
-                .flat_map(|s| s.data.iter().copied())
-                .collect();
-            copy_overlap(&flat, off, &mut content, b * BLOCK);
-            let seg = [WriteSegment {
-                data: &content,
-                tag,
-            }];
-            if !self.write_back(image, id, b * BLOCK, BLOCK, &seg, tag)? {
+            let (s, e) = ((b * BLOCK).max(off), ((b + 1) * BLOCK).min(off + len));
+            let part = sub_segments(off, segments, s, e);
+            if !self.write_back(image, id, s, e - s, &part, tag)? {
                 return Err(CacheError::Config(
                     "no flash space to complete a dirty block".into(),
                 ));
