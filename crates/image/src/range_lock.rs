@@ -25,8 +25,17 @@ struct Held {
 /// The set of held guest cluster ranges.
 #[derive(Debug, Default)]
 pub(crate) struct RangeLocks {
-    held: Mutex<(u64, Vec<Held>)>,
+    held: Mutex<HeldRanges>,
     released: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct HeldRanges {
+    next_id: u64,
+    ranges: Vec<Held>,
+    /// Threads waiting for a conflict to clear: a release wakes them (a
+    /// wake-up is a system call, so none when nobody waits).
+    waiters: usize,
 }
 
 /// Holds a range until dropped.
@@ -40,15 +49,15 @@ impl RangeLocks {
     pub(crate) fn lock(&self, first: u64, end: u64, mode: Mode) -> RangeGuard<'_> {
         let mut g = self.held.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            let conflict = g.1.iter().any(|h| {
+            let conflict = g.ranges.iter().any(|h| {
                 h.first < end
                     && first < h.end
                     && (mode == Mode::Exclusive || h.mode == Mode::Exclusive)
             });
             if !conflict {
-                g.0 += 1;
-                let id = g.0;
-                g.1.push(Held {
+                g.next_id += 1;
+                let id = g.next_id;
+                g.ranges.push(Held {
                     id,
                     first,
                     end,
@@ -56,7 +65,9 @@ impl RangeLocks {
                 });
                 return RangeGuard { locks: self, id };
             }
+            g.waiters += 1;
             g = self.released.wait(g).unwrap_or_else(|p| p.into_inner());
+            g.waiters -= 1;
         }
     }
 }
@@ -64,9 +75,12 @@ impl RangeLocks {
 impl Drop for RangeGuard<'_> {
     fn drop(&mut self) {
         let mut g = self.locks.held.lock().unwrap_or_else(|p| p.into_inner());
-        g.1.retain(|h| h.id != self.id);
+        g.ranges.retain(|h| h.id != self.id);
+        let wake = g.waiters > 0;
         drop(g);
-        self.locks.released.notify_all();
+        if wake {
+            self.locks.released.notify_all();
+        }
     }
 }
 

@@ -258,6 +258,15 @@ impl ConnReader {
         }
     }
 
+    /// Bytes of a plain connection received but not yet consumed (0 for
+    /// TLS, whose records are decrypted as they are read).
+    pub(crate) fn buffered_len(&self) -> usize {
+        match self {
+            ConnReader::Plain(b) => b.buffer().len(),
+            ConnReader::Tls(_) | ConnReader::Closed => 0,
+        }
+    }
+
     /// The underlying socket (for timeouts and TLS upgrade).
     pub(crate) fn socket(&self) -> Option<&Socket> {
         match self {

@@ -435,6 +435,49 @@ fn transmission_abuse() {
 }
 
 #[test]
+fn a_burst_of_requests_ending_in_disc_gets_every_reply() {
+    // Replies to requests whose successors already arrived are held for
+    // one write; a disconnect right behind them must not lose them.
+    let disk = Arc::new(MemExport::new(SIZE));
+    let data = pattern(64 * 4096, 5);
+    disk.write(0, &data, false).unwrap();
+    let t = TestServer::start(vec![("", disk as Arc<dyn Export>)]);
+    let mut s = session(&t.socket, "", false);
+    let n = 64u64;
+    let mut burst = Vec::new();
+    for i in 0..n {
+        let r = Request {
+            flags: 0,
+            kind: CMD_READ,
+            cookie: 500 + i,
+            offset: i * 4096,
+            length: 4096,
+        };
+        burst.extend_from_slice(&r.encode());
+    }
+    let disc = Request {
+        flags: 0,
+        kind: CMD_DISC,
+        cookie: 0,
+        offset: 0,
+        length: 0,
+    };
+    burst.extend_from_slice(&disc.encode());
+    s.write_all(&burst).unwrap();
+    let mut seen = std::collections::HashSet::new();
+    let mut buf = vec![0u8; 4096];
+    for _ in 0..n {
+        let (e, c) = simple(&mut s);
+        assert_eq!(e, 0);
+        s.read_exact(&mut buf).unwrap();
+        let i = c - 500;
+        assert!(i < n && seen.insert(c), "cookie {c}");
+        assert!(buf[..] == data[(i * 4096) as usize..((i + 1) * 4096) as usize]);
+    }
+    assert!(closed(&mut s));
+}
+
+#[test]
 fn structured_reads_use_holes_and_block_status_honours_req_one() {
     let disk = Arc::new(MemExport::new(SIZE));
     disk.write(1 << 20, &[3u8; 8192], false).unwrap();

@@ -3,7 +3,10 @@
 //! The connection thread reads requests and validates them; a small pool of
 //! worker threads (started on demand, at most `workers_per_connection`)
 //! executes them against the export and writes replies under one writer
-//! lock, so replies may leave out of order.
+//! lock, so replies may leave out of order. A reply to a request run on
+//! the reading thread while the next request is already received is held
+//! and sent with the next one that is not: one write for a burst of
+//! replies. Held replies are sent before the reading thread waits.
 //!
 //! Owns: request validation (magic, flags, bounds, alignment, payload
 //! limits, read-only), reply encoding (simple and structured), the
@@ -12,6 +15,7 @@
 //! connections; allocate a payload before checking its length; keep
 //! reading once the client misbehaved at the framing level.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -60,7 +64,10 @@ pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<
         export: entry.export.clone(),
         size: entry.export.size(),
         neg,
-        writer: Mutex::new(writer),
+        writer: Mutex::new(Replies {
+            conn: writer,
+            held: Vec::new(),
+        }),
         broken: AtomicBool::new(false),
         info: info.clone(),
         inner: inner.clone(),
@@ -82,7 +89,8 @@ pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<
     }
     pool.finish();
     drop(reader);
-    lock(&session.writer).close();
+    send_held(&session);
+    lock(&session.writer).conn.close();
     entry.connection_ended();
 }
 
@@ -96,11 +104,26 @@ struct Session {
     export: Arc<dyn Export>,
     size: u64,
     neg: Negotiated,
-    writer: Mutex<ConnWriter>,
+    writer: Mutex<Replies>,
     broken: AtomicBool,
     info: Arc<ConnInfo>,
     inner: Arc<ServerInner>,
     budget: Budget,
+}
+
+/// The connection's writing half, and replies held for the next write.
+struct Replies {
+    conn: ConnWriter,
+    held: Vec<u8>,
+}
+
+/// Held replies beyond this many bytes are sent at once.
+const MAX_HELD: usize = 256 << 10;
+
+thread_local! {
+    /// Set on the reading thread while it runs a request with the next one
+    /// already received: the reply may wait for the next write.
+    static HOLD_REPLY: Cell<bool> = const { Cell::new(false) };
 }
 
 /// One validated request waiting for a worker.
@@ -129,7 +152,8 @@ struct Placement {
 }
 
 impl Placement {
-    fn run(&mut self, s: &Session, pool: &Pool, job: Job) {
+    /// `more`: the next request is already received.
+    fn run(&mut self, s: &Session, pool: &Pool, job: Job, more: bool) {
         let inline_kind = matches!(
             job.req.kind,
             proto::CMD_READ
@@ -144,7 +168,9 @@ impl Placement {
             return;
         }
         let start = std::time::Instant::now();
+        HOLD_REPLY.set(more);
         run_job(s, job);
+        HOLD_REPLY.set(false);
         if start.elapsed() > INLINE_SLOW {
             self.dispatch_left = INLINE_BACKOFF;
         }
@@ -156,6 +182,10 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
     let max_payload = s.neg.block_sizes.maximum;
     let mut placement = Placement::default();
     loop {
+        if r.buffered_len() < proto::REQUEST_LEN {
+            // About to wait for the client, which may wait for these.
+            send_held(s);
+        }
         let mut hdr = [0u8; proto::REQUEST_LEN];
         if let Err(e) = r.read_exact(&mut hdr) {
             return match e.kind() {
@@ -199,6 +229,7 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
             s.budget.acquire(0);
         }
         let error = validate(s, &req).err();
+        let more = r.buffered_len() >= proto::REQUEST_LEN;
         placement.run(
             s,
             pool,
@@ -208,6 +239,7 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
                 error,
                 cost,
             },
+            more,
         );
     }
 }
@@ -279,16 +311,25 @@ fn validate(s: &Session, req: &Request) -> Result<(), ExportError> {
 
 /// Bounds what one connection holds in flight (requests and payload bytes).
 struct Budget {
-    state: Mutex<(u64, usize)>,
+    state: Mutex<Held>,
     cv: Condvar,
     max_bytes: u64,
     max_requests: usize,
 }
 
+/// What a connection holds, and whether its reader waits for room (only
+/// then does a release pay for a wake-up).
+#[derive(Default)]
+struct Held {
+    bytes: u64,
+    requests: usize,
+    reader_waits: bool,
+}
+
 impl Budget {
     fn new(max_bytes: u64, max_requests: usize) -> Budget {
         Budget {
-            state: Mutex::new((0, 0)),
+            state: Mutex::new(Held::default()),
             cv: Condvar::new(),
             max_bytes,
             max_requests,
@@ -298,18 +339,24 @@ impl Budget {
     /// Waits until the request fits; a lone request always fits.
     fn acquire(&self, bytes: u64) {
         let mut st = lock(&self.state);
-        while st.1 > 0 && (st.1 >= self.max_requests || st.0 + bytes > self.max_bytes) {
+        while st.requests > 0
+            && (st.requests >= self.max_requests || st.bytes + bytes > self.max_bytes)
+        {
+            st.reader_waits = true;
             st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
         }
-        st.0 += bytes;
-        st.1 += 1;
+        st.reader_waits = false;
+        st.bytes += bytes;
+        st.requests += 1;
     }
 
     fn release(&self, bytes: u64) {
         let mut st = lock(&self.state);
-        st.0 = st.0.saturating_sub(bytes);
-        st.1 = st.1.saturating_sub(1);
-        self.cv.notify_all();
+        st.bytes = st.bytes.saturating_sub(bytes);
+        st.requests = st.requests.saturating_sub(1);
+        if st.reader_waits {
+            self.cv.notify_all();
+        }
     }
 }
 
@@ -350,12 +397,15 @@ impl Pool {
     }
 
     fn push(&self, job: Job) {
-        let need_worker = {
+        let (need_worker, wake) = {
             let mut st = lock(&self.shared.state);
             st.jobs.push_back(job);
-            st.idle < st.jobs.len()
+            (st.idle < st.jobs.len(), st.idle > 0)
         };
-        self.shared.cv.notify_one();
+        // A wake-up is a system call: only for a worker that sleeps.
+        if wake {
+            self.shared.cv.notify_one();
+        }
         if need_worker {
             let mut threads = lock(&self.threads);
             if threads.len() < self.max_workers {
@@ -541,10 +591,39 @@ fn send(s: &Session, stat: Stat, bufs: &mut [IoSlice<'_>]) {
         return;
     }
     let mut w = lock(&s.writer);
-    if let Err(e) = w.write_all_vectored(bufs) {
+    if HOLD_REPLY.get() && w.held.len() < MAX_HELD {
+        for b in bufs.iter() {
+            w.held.extend_from_slice(b);
+        }
+        return;
+    }
+    write_out(s, &mut w, bufs);
+}
+
+/// Sends the replies held back, if any.
+fn send_held(s: &Session) {
+    let mut w = lock(&s.writer);
+    if !w.held.is_empty() && !s.broken.load(Ordering::Relaxed) {
+        write_out(s, &mut w, &mut []);
+    }
+}
+
+/// Writes the held replies and `bufs` in one go.
+fn write_out(s: &Session, w: &mut Replies, bufs: &mut [IoSlice<'_>]) {
+    let Replies { conn, held } = w;
+    let result = if held.is_empty() {
+        conn.write_all_vectored(bufs)
+    } else {
+        let mut all: Vec<IoSlice<'_>> = Vec::with_capacity(bufs.len() + 1);
+        all.push(IoSlice::new(held));
+        all.extend(bufs.iter().map(|b| IoSlice::new(b)));
+        conn.write_all_vectored(&mut all)
+    };
+    held.clear();
+    if let Err(e) = result {
         debug!("nbd: reply write failed: {e}");
         s.broken.store(true, Ordering::Relaxed);
-        w.abort();
+        conn.abort();
     }
 }
 
