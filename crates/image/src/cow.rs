@@ -56,6 +56,12 @@ impl ClusterPlan {
     }
 }
 
+/// Whether the backing chain supplies the whole cluster (nothing of it is
+/// allocated or zeroed in the top image).
+fn backing_supplies(old: &L2Mapping) -> bool {
+    matches!(old, L2Mapping::Standard(s) if s.host.is_none() && s.alloc == 0 && s.zero == 0)
+}
+
 fn old_alloc_mask(old: &L2Mapping, all: u32) -> u32 {
     match old {
         L2Mapping::Compressed(_) => all,
@@ -95,8 +101,7 @@ impl VirtualDisk {
     /// from now on (COWCache 3.3).
     fn forget_masked_blocks(&self, g: &Geometry, plans: &[ClusterPlan]) {
         for p in plans {
-            let from_backing = matches!(p.target, Target::New(_))
-                && matches!(p.old, L2Mapping::Standard(s) if s.host.is_none() && s.alloc == 0 && s.zero == 0);
+            let from_backing = matches!(p.target, Target::New(_)) && backing_supplies(&p.old);
             let start = (g.cluster_offset(p.cluster) + p.lo).div_ceil(DCOW_BLOCK) * DCOW_BLOCK;
             let end = (g.cluster_offset(p.cluster) + p.hi) / DCOW_BLOCK * DCOW_BLOCK;
             if from_backing && start < end {
@@ -154,8 +159,7 @@ impl VirtualDisk {
                 }
                 (None, _) => touched | old_alloc_mask(&old, all),
             };
-            let unallocated = matches!(old, L2Mapping::Standard(s) if s.host.is_none() && s.alloc == 0 && s.zero == 0);
-            if self.decoupled && owned.is_none() && unallocated {
+            if self.decoupled && owned.is_none() && backing_supplies(&old) {
                 // Only the sectors the guest touches are written now.
                 p.decoupled = true;
                 p.w_lo = p.lo / DCOW_SECTOR * DCOW_SECTOR;

@@ -13,11 +13,11 @@ use crate::index::line_key;
 use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE, LINE_BLOCKS};
 use crate::stats::bump;
+use vdcache_image::{ImageHandle, IoTag, PartialRange};
 
 /// Granularity of validity inside a partially valid block.
 const SECTOR: u64 = 512;
 const SECTORS_PER_BLOCK: u64 = BLOCK / SECTOR;
-use vdcache_image::{ImageHandle, IoTag, PartialRange};
 
 /// Bit mask of the blocks `[first, end)` (line-relative) a range covers.
 fn line_masks(off: u64, len: u64) -> Vec<(u64, u16)> {
