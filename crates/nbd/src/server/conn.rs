@@ -212,15 +212,17 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
             }
             cost = u64::from(req.length);
             s.budget.acquire(cost);
-            payload = vec![0u8; req.length as usize];
-            if let Err(e) = r.read_exact(&mut payload) {
+            // Read into spare capacity: zeroing a buffer the payload then
+            // overwrites costs as much as copying it.
+            payload = Vec::with_capacity(req.length as usize);
+            let got = r.by_ref().take(cost).read_to_end(&mut payload);
+            if let Err(e) = got {
                 s.budget.release(cost);
-                return match e.kind() {
-                    io::ErrorKind::UnexpectedEof => {
-                        LoopEnd::Abuse("client vanished mid-request".into())
-                    }
-                    _ => LoopEnd::Abuse(format!("read failed: {e}")),
-                };
+                return LoopEnd::Abuse(format!("read failed: {e}"));
+            }
+            if payload.len() as u64 != cost {
+                s.budget.release(cost);
+                return LoopEnd::Abuse("client vanished mid-request".into());
             }
         } else if req.kind == proto::CMD_READ && req.length <= max_payload {
             cost = u64::from(req.length);
