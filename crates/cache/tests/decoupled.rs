@@ -7,9 +7,11 @@
 //! left behind is standalone and checks clean.
 
 use std::collections::BTreeSet;
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
-use vdcache_backend::{BackendRef, MemBackend};
+use vdcache_backend::MemBackend;
 use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache, WriteMode};
 use vdcache_image::{
     CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, MetaCacheConfig, OpenOptions,
@@ -20,6 +22,11 @@ const SIZE: u64 = 16 << 20;
 const CLUSTER: u64 = 64 << 10;
 const SECTOR: u64 = 512;
 
+/// The base image: each sector a different byte.
+fn base_content() -> Vec<u8> {
+    (0..SIZE).map(|i| (i / SECTOR % 251) as u8).collect()
+}
+
 struct Rig {
     files: Arc<MemFiles>,
     device: Arc<MemBackend>,
@@ -29,8 +36,7 @@ struct Rig {
 impl Rig {
     fn new() -> Rig {
         let files = MemFiles::new();
-        let base: Vec<u8> = (0..SIZE).map(|i| (i / SECTOR % 251) as u8).collect();
-        files.insert("d/base.raw", base);
+        files.insert("d/base.raw", base_content());
         let opts = CreateOptions {
             backing: Some(("base.raw".into(), ImageFormat::Raw)),
             ..CreateOptions::default()
@@ -57,18 +63,8 @@ impl Rig {
         }
     }
 
-    fn base(&self) -> Vec<u8> {
-        (0..SIZE).map(|i| (i / SECTOR % 251) as u8).collect()
-    }
-
     fn cache(&self, fresh: bool) -> Arc<FlashCache> {
-        let dev: BackendRef = self.device.clone();
-        if fresh {
-            FlashCache::format(dev, self.config.clone())
-        } else {
-            FlashCache::open(dev, self.config.clone())
-        }
-        .expect("cache")
+        common::cache_on(&self.device, &self.config, fresh)
     }
 
     fn disk(&self, io: Option<Arc<dyn HostIo>>) -> VirtualDisk {
@@ -145,7 +141,7 @@ fn unaligned_writes_into_fresh_clusters_read_nothing_from_the_base() {
     let rig = Rig::new();
     let cache = rig.cache(true);
     let disk = rig.disk(Some(cache.clone()));
-    let mut model = rig.base();
+    let mut model = base_content();
     let writes = writes();
     // An aligned write first, so the metadata the delta reads once (its
     // first refcount block) is not counted below.
@@ -231,7 +227,7 @@ fn a_write_masking_base_blocks_the_guest_read_drops_them() {
         .expect("write");
     assert_eq!(cache.report().total.masked_blocks_dropped, 2);
     assert_eq!(base_cached(&cache), cached - 8192);
-    let mut want = rig.base()[(5 * CLUSTER) as usize..(6 * CLUSTER) as usize].to_vec();
+    let mut want = base_content()[(5 * CLUSTER) as usize..(6 * CLUSTER) as usize].to_vec();
     want[4096..4096 + 8192 + 512].fill(7);
     disk.read(5 * CLUSTER, &mut buf).expect("read");
     assert!(buf == want, "the cluster reads back");
@@ -245,7 +241,7 @@ fn a_write_masking_base_blocks_the_guest_read_drops_them() {
     assert_eq!(cache.report().total.masked_blocks_dropped, 2);
     other.read(9 * CLUSTER, &mut buf).expect("read");
     assert!(
-        buf[..] == rig.base()[(9 * CLUSTER) as usize..(10 * CLUSTER) as usize],
+        buf[..] == base_content()[(9 * CLUSTER) as usize..(10 * CLUSTER) as usize],
         "the other disk still reads the base"
     );
 }

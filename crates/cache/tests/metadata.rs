@@ -9,9 +9,11 @@
 //! in flight, whose tables a whole-table cache evicts from under each
 //! other; the benchmark measures it, a sequential test cannot.)
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
-use vdcache_backend::{BackendRef, MemBackend};
+use vdcache_backend::MemBackend;
 use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache};
 use vdcache_image::{
     CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, MetaCacheConfig, OpenOptions,
@@ -72,13 +74,7 @@ impl Run {
     }
 
     fn cache(&self, fresh: bool) -> Arc<FlashCache> {
-        let dev: BackendRef = self.device.clone();
-        if fresh {
-            FlashCache::format(dev, self.config.clone())
-        } else {
-            FlashCache::open(dev, self.config.clone())
-        }
-        .expect("cache")
+        common::cache_on(&self.device, &self.config, fresh)
     }
 
     fn disk(&self, io: Option<Arc<dyn HostIo>>) -> VirtualDisk {

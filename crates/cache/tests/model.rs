@@ -3,6 +3,8 @@
 //! recover the cache from its device (fast recovery) or write everything
 //! back first (full recovery).
 
+mod common;
+
 use proptest::prelude::*;
 use std::path::Path;
 use std::sync::Arc;
@@ -88,13 +90,7 @@ impl Rig {
     }
 
     fn cache(&self, fresh: bool) -> Arc<FlashCache> {
-        let dev: vdcache_backend::BackendRef = self.device.clone();
-        let c = if fresh {
-            FlashCache::format(dev, self.config.clone())
-        } else {
-            FlashCache::open(dev, self.config.clone())
-        }
-        .expect("cache");
+        let c = common::cache_on(&self.device, &self.config, fresh);
         c.set_policy(DiskId(1), self.policy);
         c
     }

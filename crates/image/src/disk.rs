@@ -8,7 +8,7 @@
 
 use crate::error::{ImageError, Result};
 use crate::hostio::{
-    DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, WriteSegment,
+    DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, PartialRange, WriteSegment,
 };
 use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image};
 use crate::range_lock::{Mode, RangeLocks};
@@ -358,6 +358,21 @@ impl VirtualDisk {
         Ok(())
     }
 
+    /// Bytes of the top image the layer below keeps not yet valid (what
+    /// filling partially valid clusters still has to copy).
+    pub fn partially_valid_bytes(&self) -> Result<u64> {
+        let Layer::Qcow2(img) = &self.layers[0] else {
+            return Ok(0);
+        };
+        Ok(self.partial_ranges(img)?.iter().map(|r| r.len).sum())
+    }
+
+    fn partial_ranges(&self, img: &Qcow2Image) -> Result<Vec<PartialRange>> {
+        self.io
+            .partial_ranges(&img.data)
+            .map_err(|e| ImageError::io(img.name(), "list partially valid clusters", e))
+    }
+
     /// Copies the not yet valid parts of partially valid clusters from the
     /// backing chain into the top image (at most `limit` ranges), so the
     /// image no longer depends on the layer below to read correctly.
@@ -365,10 +380,7 @@ impl VirtualDisk {
         let Layer::Qcow2(img) = &self.layers[0] else {
             return Ok(FillReport::default());
         };
-        let ranges = self
-            .io
-            .partial_ranges(&img.data)
-            .map_err(|e| ImageError::io(img.name(), "list partially valid clusters", e))?;
+        let ranges = self.partial_ranges(img)?;
         let cs = img.geometry().cluster_size();
         let mut report = FillReport {
             remaining: ranges.len().saturating_sub(limit),

@@ -6,7 +6,9 @@
 //! compare` finds equal to the reference. Also: --keep-dirty stops and
 //! restarts, a cache device recorded for another host is refused until
 //! recovered, and `vdcache stats --json` reports the cache counters (read
-//! hits, no backend syncs for guest flushes in writeback mode).
+//! hits, no backend syncs for guest flushes in writeback mode). Issue 5:
+//! partially valid clusters are filled by `vdcache flush --fill` and by the
+//! background filler when the disk is idle.
 
 mod common;
 mod serving;
@@ -335,5 +337,81 @@ fn cache_from_another_host_is_refused_until_recovered() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n\n"));
+    s.finish();
+}
+
+fn partially_valid(st: &serde_json::Value) -> u64 {
+    st["disks"][0]["partially_valid_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("stats --json has no disks[0].partially_valid_bytes: {st:#}"))
+}
+
+/// Unaligned 4 KiB writes into fresh clusters `first..first+n` of a delta.
+fn unaligned_writes(first: u64, n: u64) -> Vec<String> {
+    (first..first + n)
+        .map(|c| format!("write -P 0x5a {} 4096", c * 65536 + 512 * (1 + c % 7)))
+        .collect()
+}
+
+#[test]
+fn partially_valid_clusters_are_filled_by_flush_fill_and_when_idle() {
+    // Issue 5: decoupled copy-on-write leaves clusters partially valid;
+    // `vdcache flush --fill` fills them at once, the background filler
+    // when the disk is idle; either way the delta then reads, for qemu
+    // alone, what the same writes give without a cache.
+    let s = Scratch::new();
+    let base = s.path("pv-base.qcow2");
+    qcow2(&s, &base, 16 * M, None);
+    let b = base.to_str().expect("utf-8");
+    qemu_io(&s, "qcow2", b, &["write -P 0x11 0 16M".into()]);
+    let (delta, reference) = (s.path("pv-delta.qcow2"), s.path("pv-ref.qcow2"));
+    qcow2(&s, &delta, 16 * M, Some(b));
+    qcow2(&s, &reference, 16 * M, Some(b));
+    let cache = s.path("pv.cache");
+    let (c, d) = (
+        cache.to_str().expect("utf-8"),
+        delta.to_str().expect("utf-8"),
+    );
+    let sock = s.path("pv.sock");
+    let u = uri(&sock, "");
+    let compare = |what: &str| {
+        let out = exec(
+            s.qemu_img()
+                .args(["compare", "-f", "qcow2", "-F", "qcow2"])
+                .arg(&delta)
+                .arg(&reference),
+        );
+        assert!(out.success(), "{what}: the delta differs\n{}", out.report());
+    };
+
+    let server = serve(&s, &sock, &cache_args(c, d, &[]));
+    let mut cmds = unaligned_writes(0, 40);
+    cmds.push("flush".into());
+    qemu_io(&s, "raw", &u, &cmds);
+    qemu_io(&s, "qcow2", reference.to_str().expect("utf-8"), &cmds);
+    let left = partially_valid(&stats(&s, &sock));
+    assert!(left > 0, "decoupled writes left nothing to fill");
+    ok(s.vdcache().args(["flush", "--fill", "--socket"]).arg(&sock));
+    assert_eq!(partially_valid(&stats(&s, &sock)), 0);
+    server.kill9();
+    compare("after flush --fill");
+
+    let server = serve(&s, &sock, &cache_args(c, d, &[]));
+    let mut cmds = unaligned_writes(100, 20);
+    cmds.push("flush".into());
+    qemu_io(&s, "raw", &u, &cmds);
+    qemu_io(&s, "qcow2", reference.to_str().expect("utf-8"), &cmds);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    while partially_valid(&stats(&s, &sock)) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the background filler left {} bytes unfilled",
+            partially_valid(&stats(&s, &sock))
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    ok(s.vdcache().args(["flush", "--socket"]).arg(&sock));
+    server.kill9();
+    compare("after the background filler");
     s.finish();
 }

@@ -55,6 +55,7 @@ fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
                 "l2_hits": meta.map(|m| m.l2.hits),
                 "l2_misses": meta.map(|m| m.l2.misses),
                 "l2_zero_hits": meta.map(|m| m.l2.zero_hits),
+                "partially_valid_bytes": d.disk.partially_valid_bytes().ok(),
                 "meta_zero_map_bytes": meta.map(|m| m.zero_map_bytes),
             })
         })
