@@ -540,8 +540,12 @@ impl FlashCache {
         Ok(self.meta_needs_writeback(&st, force))
     }
 
-    /// Writes the journal buffer out when it is full.
+    /// After blocks were mapped: writes the summaries of regions that
+    /// filled (not only at commits: a workload that never flushes, such as
+    /// reads filling the cache, would otherwise keep 8 bytes per cached
+    /// block in memory), and the journal buffer when it is full.
     pub(crate) fn journal_buffer_check(&self, st: &mut State) -> Result<()> {
+        self.write_summaries(st)?;
         if st.journal.pending_bytes() >= self.config.journal_buffer_bytes {
             self.write_journal_buffer(st)?;
         }
