@@ -24,7 +24,7 @@ use crate::summary::Summaries;
 use hashbrown::DefaultHashBuilder;
 use hashbrown::HashTable;
 pub use sparse::SPARSE_MAX;
-use sparse::{Entry, SparseLine, SparseTable};
+use sparse::{Entry, SparseLine, SparseTable, Upsert};
 use std::hash::BuildHasher;
 
 /// A cache block number in the data zone.
@@ -490,22 +490,21 @@ impl Index {
         if self.is_referenced(e.cbn) {
             return None;
         }
-        if let Some((old, was_dirty)) = self.sparse.replace(e) {
-            self.dirty_blocks = self.dirty_blocks - u64::from(was_dirty) + u64::from(e.dirty);
-            self.take_first_reference(e.cbn, e.key, e.slot);
-            return Some(Some((old, BlockRef::SPARSE)));
-        }
-        if self.sparse.line(e.key).present.count_ones() as usize >= SPARSE_MAX {
-            return None;
-        }
         self.resize_sparse();
-        if !self.sparse.insert(e) {
-            return None;
-        }
-        self.present_blocks += 1;
+        let old = match self.sparse.upsert(e, SPARSE_MAX) {
+            Upsert::Refused => return None,
+            Upsert::Replaced(old, was_dirty) => {
+                self.dirty_blocks -= u64::from(was_dirty);
+                Some((old, BlockRef::SPARSE))
+            }
+            Upsert::Added => {
+                self.present_blocks += 1;
+                None
+            }
+        };
         self.dirty_blocks += u64::from(e.dirty);
         self.take_first_reference(e.cbn, e.key, e.slot);
-        Some(None)
+        Some(old)
     }
 
     /// Moves a line's blocks into an array of `class` (or none), keeping

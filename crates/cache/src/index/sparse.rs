@@ -100,6 +100,15 @@ fn unpack(packed: u64) -> u64 {
     )
 }
 
+/// What [`SparseTable::upsert`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upsert {
+    /// The slot was present: its old block and whether it was dirty.
+    Replaced(Cbn, bool),
+    Added,
+    Refused,
+}
+
 /// One cached block of a sparse line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
@@ -344,16 +353,6 @@ impl SparseTable {
         line
     }
 
-    /// Points a present (key, slot) at another block; returns the old one
-    /// and whether it was dirty.
-    pub fn replace(&mut self, e: &Entry) -> Option<(Cbn, bool)> {
-        let p = self.position(e.key, e.slot)?;
-        let (f, w) = (self.fields, self.words.get(p));
-        self.words
-            .set(p, f.with_dirty(f.with_cbn(w, e.cbn), e.dirty));
-        Some((f.cbn(w), f.dirty(w)))
-    }
-
     /// Sets a present (key, slot)'s dirty bit; false when absent.
     pub fn set_dirty(&mut self, key: u64, slot: usize, dirty: bool) -> bool {
         let Some(p) = self.position(key, slot) else {
@@ -386,23 +385,56 @@ impl SparseTable {
     /// near its home: the caller keeps the line as a full line.
     pub fn insert(&mut self, e: &Entry) -> bool {
         debug_assert!(self.position(e.key, e.slot).is_none());
-        if self.too_full() {
-            return false;
-        }
-        self.place(e)
-    }
-
-    fn place(&mut self, e: &Entry) -> bool {
-        if !fits(e.key) || u64::from(e.cbn) >> self.fields.cbn_bits != 0 {
+        if !self.storable(e) {
             return false;
         }
         let (home, tag) = self.home_of(e.key);
+        let new_line = self.run(home, tag).next().is_none();
+        self.put(e, home, tag, new_line)
+    }
+
+    /// Maps (key, slot) to a block in one walk of the line's run: replaces
+    /// the block when the slot is present, adds it when the line has fewer
+    /// than `max_blocks` blocks and it fits, refuses otherwise (nothing
+    /// changed: the caller makes the line full).
+    pub fn upsert(&mut self, e: &Entry, max_blocks: usize) -> Upsert {
+        if !self.storable(e) {
+            return Upsert::Refused;
+        }
+        let (home, tag) = self.home_of(e.key);
+        let f = self.fields;
+        let (mut blocks, mut present) = (0, None);
+        for p in self.run(home, tag) {
+            if f.slot(self.words.get(p)) == e.slot {
+                present = Some(p);
+                break;
+            }
+            blocks += 1;
+        }
+        if let Some(p) = present {
+            let w = self.words.get(p);
+            self.words
+                .set(p, f.with_dirty(f.with_cbn(w, e.cbn), e.dirty));
+            return Upsert::Replaced(f.cbn(w), f.dirty(w));
+        }
+        if blocks >= max_blocks || !self.put(e, home, tag, blocks == 0) {
+            return Upsert::Refused;
+        }
+        Upsert::Added
+    }
+
+    fn storable(&self, e: &Entry) -> bool {
+        fits(e.key) && u64::from(e.cbn) >> self.fields.cbn_bits == 0 && !self.too_full()
+    }
+
+    /// Places a new word at or after `home`, shifting later-homed words
+    /// (Robin Hood); false (nothing changed) when a word would end up too
+    /// far from its home.
+    fn put(&mut self, e: &Entry, home: usize, tag: u64, new_line: bool) -> bool {
         if !self.has_room(home) {
             return false;
         }
-        if self.run(home, tag).next().is_none() {
-            self.lines += 1;
-        }
+        self.lines += u64::from(new_line);
         let f = self.fields;
         let (mut carried, mut disp) = (f.word(tag, e, 0), 0);
         for p in home.. {
@@ -671,15 +703,17 @@ mod tests {
                     dirty: rnd(2) == 0,
                 };
                 next_cbn += 1;
-                if let Some(&old) = model.get(&(key, slot)) {
-                    assert_eq!(t.replace(&e), Some(old));
-                    model.insert((key, slot), (e.cbn, e.dirty));
-                } else {
-                    rebuild(&mut t, &mut model);
-                    if t.insert(&e) {
-                        model.insert((key, slot), (e.cbn, e.dirty));
+                rebuild(&mut t, &mut model);
+                let before = model.get(&(key, slot)).copied();
+                match t.upsert(&e, SPARSE_MAX) {
+                    Upsert::Replaced(c, d) => assert_eq!(Some((c, d)), before),
+                    Upsert::Added => assert_eq!(before, None),
+                    Upsert::Refused => {
+                        assert_eq!(before, None);
+                        continue;
                     }
                 }
+                model.insert((key, slot), (e.cbn, e.dirty));
             } else if let Some((&(k, s), _)) = model.range((key, 0)..).next() {
                 assert_eq!(t.remove(k, s), model.remove(&(k, s)));
                 rebuild(&mut t, &mut model);
