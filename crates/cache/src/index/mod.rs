@@ -9,9 +9,9 @@
 //! A line takes one of two forms. A full line lives in a slab; a hash
 //! table of slab indices finds it by key, so its key is stored once. A
 //! line with at most [`SPARSE_MAX`] blocks, nothing partially valid and no
-//! block referenced twice is a sparse line instead ([`sparse`]): 8 bytes
-//! per block and no guest cluster number (only partially valid lines use
-//! it), because a full line for one block costs about 1% of the block.
+//! block referenced twice is a sparse line instead ([`sparse`]): a 7-byte
+//! word per block and no guest cluster number (only partially valid lines
+//! use it), because a full line for one block costs about 1% of the block.
 //! Lines move between the forms as they gain and lose blocks. The way back
 //! from a block to its line (to empty a region) is the region summaries
 //! ([`crate::summary`]), recorded here when a block gets its first
@@ -514,7 +514,6 @@ impl Index {
         if class == line.class {
             return;
         }
-        debug_assert!(keep <= line.present.count_ones() as usize + 1);
         let at = if class == NO_CLASS {
             0
         } else {
