@@ -112,7 +112,17 @@ impl Summaries {
 
     /// Regions with a summary waiting to be written.
     pub fn pending_regions(&self) -> Vec<u32> {
-        self.pending.keys().copied().collect()
+        self.pending_ids().collect()
+    }
+
+    fn pending_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.pending.keys().copied()
+    }
+
+    /// The pending regions `ready` accepts (allocates nothing when none
+    /// does: asked after every mapped request).
+    pub fn pending_where(&self, ready: impl Fn(u32) -> bool) -> Vec<u32> {
+        self.pending_ids().filter(|&r| ready(r)).collect()
     }
 
     /// The pending entries of a region, if any.

@@ -456,6 +456,9 @@ impl Index {
 
     /// Makes a line full (moving its sparse blocks, if any, into it).
     fn make_full(&mut self, key: u64, guest: u64) -> u32 {
+        if let Some(idx) = self.find(key) {
+            return idx;
+        }
         let entries = self.sparse.take_line(key);
         let idx = self.get_or_insert(key, guest);
         for e in entries {
@@ -721,12 +724,9 @@ impl Index {
     /// Marks a slot clean if it still maps to `cbn`.
     pub fn mark_clean(&mut self, key: u64, slot: usize, cbn: Cbn) -> bool {
         let Some(idx) = self.find(key) else {
-            if self.sparse.get(key, slot) != Some((cbn, true)) {
-                return false;
-            }
-            self.sparse.set_dirty(key, slot, false);
-            self.dirty_blocks -= 1;
-            return true;
+            let cleaned = self.sparse.mark_clean(key, slot, cbn);
+            self.dirty_blocks -= u64::from(cleaned);
+            return cleaned;
         };
         let bit = 1u16 << slot;
         let l = self.view(idx);
@@ -800,6 +800,7 @@ impl Index {
     }
 
     /// Lines in the sparse form (the rest are full).
+    #[cfg(test)]
     pub fn sparse_line_count(&self) -> usize {
         self.sparse.line_count() as usize
     }

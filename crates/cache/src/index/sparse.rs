@@ -211,15 +211,17 @@ impl Fields {
 /// end lets every word load as a little-endian u64.
 struct Words {
     bytes: Vec<u8>,
-    len: usize,
 }
 
 impl Words {
     fn new(len: usize) -> Words {
         Words {
             bytes: vec![0; len * WORD_BYTES + 1],
-            len,
         }
+    }
+
+    fn len(&self) -> usize {
+        self.bytes.len() / WORD_BYTES
     }
 
     fn get(&self, p: usize) -> u64 {
@@ -353,21 +355,24 @@ impl SparseTable {
         line
     }
 
-    /// Sets a present (key, slot)'s dirty bit; false when absent.
-    pub fn set_dirty(&mut self, key: u64, slot: usize, dirty: bool) -> bool {
-        let Some(p) = self.position(key, slot) else {
-            return false;
-        };
-        self.words
-            .set(p, self.fields.with_dirty(self.words.get(p), dirty));
-        true
+    /// Marks (key, slot) clean if it maps to `cbn` and is dirty; false
+    /// otherwise (nothing changed).
+    pub fn mark_clean(&mut self, key: u64, slot: usize, cbn: Cbn) -> bool {
+        let f = self.fields;
+        match self.position(key, slot) {
+            Some(p) if f.cbn(self.words.get(p)) == cbn && f.dirty(self.words.get(p)) => {
+                self.words.set(p, f.with_dirty(self.words.get(p), false));
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Where a new word with home `home` would end up shifting others: the
     /// displacement each carried word reaches stays within [`MAX_DISP`].
     fn has_room(&self, home: usize) -> bool {
         let mut carried = 0;
-        for p in home..self.words.len {
+        for p in home..self.words.len() {
             if carried > MAX_DISP {
                 return false;
             }
@@ -525,7 +530,7 @@ impl SparseTable {
     pub fn rebuild(&mut self, homes: u64) -> Vec<Entry> {
         let mut sorted: Vec<(u64, u64)> = Vec::with_capacity(self.entries as usize);
         let mut home_start = (usize::MAX, 0);
-        for p in 0..self.words.len {
+        for p in 0..self.words.len() {
             let w = self.words.get(p);
             if w == 0 {
                 continue;
@@ -572,7 +577,7 @@ impl SparseTable {
     /// Every sparse line (for checkpoints and scans).
     pub fn lines(&self) -> impl Iterator<Item = SparseLine> + '_ {
         let f = self.fields;
-        (0..self.words.len)
+        (0..self.words.len())
             .map(move |p| (p, self.words.get(p)))
             .filter(move |&(p, w)| w != 0 && self.first_of_line(p, w))
             .map(move |(p, w)| {

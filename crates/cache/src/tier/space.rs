@@ -190,10 +190,12 @@ impl FlashCache {
     /// Writes the summaries of regions that filled since the last commit.
     /// They are hints, checked on use, so they need no sync.
     pub(crate) fn write_summaries(&self, st: &mut State) -> Result<()> {
-        for region in st.index.summaries().pending_regions() {
-            if !st.regions.is_settled_full(region) {
-                continue;
-            }
+        let regions = &st.regions;
+        let ready = st
+            .index
+            .summaries()
+            .pending_where(|r| regions.is_settled_full(r));
+        for region in ready {
             let epoch = st.regions.epoch(region);
             let Some(buf) = st.index.summaries().take_encoded(region, epoch) else {
                 continue;
