@@ -20,6 +20,7 @@ Usage: bench/nbd_bench.py [--runtime S] [--size SIZE] [--delay MS]
 """
 
 import argparse
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -82,6 +83,9 @@ def main():
         rw, bs, depth, image, working_set, warm = ROWS[row]
         span = working_set or a.size
         for c in contenders:
+            # Start every contender without the previous one's dirty pages
+            # still being written out under it.
+            os.sync()
             storage.start()
             name = "disk.qcow2" if image == "disk" else fresh_delta(images, storage, f"delta-{c.name}.qcow2", size)
             c.start(storage.uri(name))

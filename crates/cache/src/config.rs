@@ -159,10 +159,15 @@ pub struct CacheConfig {
     pub reserve_regions: usize,
     /// Re-insert hot live blocks of an evicted region.
     pub relocate_hot: bool,
-    /// Write back in the writing thread (after the write that crossed the
-    /// high watermark) instead of a background thread: deterministic, for
-    /// trace replay and crash sweeps.
-    pub inline_writeback: bool,
+    /// No background threads: write back in the writing thread (after the
+    /// write that crossed the high watermark) and write a started
+    /// checkpoint at the end of the next commit or when the journal ring
+    /// is full. Deterministic, for trace replay and crash sweeps.
+    pub inline_background: bool,
+    /// Journal bytes after which a checkpoint starts (default and maximum:
+    /// half the metadata zone). Smaller means faster recovery and more
+    /// checkpoint writes.
+    pub checkpoint_interval_bytes: Option<u64>,
     /// Journal entries are written to the metadata zone once this many
     /// bytes are pending (or a second after the oldest, or at a flush).
     pub journal_buffer_bytes: usize,
@@ -186,7 +191,8 @@ impl Default for CacheConfig {
             low_watermark: 0.25,
             reserve_regions: 2,
             relocate_hot: true,
-            inline_writeback: false,
+            inline_background: false,
+            checkpoint_interval_bytes: None,
             journal_buffer_bytes: 64 << 10,
             force_foreign: false,
             host: None,

@@ -331,6 +331,13 @@ impl Frame {
 }
 
 /// Appends batches to the ring.
+///
+/// Two marks bound what the ring may overwrite: replay starts at the mark
+/// of the newest *durable* checkpoint, so nothing written since it may be
+/// overwritten; a new checkpoint is due once the journal since the newest
+/// *started* one reaches the checkpoint interval. While a checkpoint is
+/// being written, batches carry the next epoch's tag; replay from the older
+/// checkpoint follows them into that epoch (see [`read_batches`]).
 #[derive(Debug)]
 pub struct JournalWriter {
     uuid: [u8; 16],
@@ -341,8 +348,11 @@ pub struct JournalWriter {
     pub next_seq: u64,
     /// Ring position (bytes into the zone) of the next batch.
     pub pos: u64,
-    /// Bytes written since the checkpoint that replay starts from.
-    pub since_checkpoint: u64,
+    /// Ring bytes used since the mark of the newest checkpoint started.
+    since_started: u64,
+    /// Ring bytes used since the mark of the newest durable checkpoint:
+    /// replay may still need every one of them.
+    since_durable: u64,
     /// Entries not yet written.
     pending: Vec<u8>,
 }
@@ -363,7 +373,8 @@ impl JournalWriter {
             capacity: layout.journal_bytes,
             next_seq,
             pos,
-            since_checkpoint: 0,
+            since_started: 0,
+            since_durable: 0,
             pending: Vec::new(),
         }
     }
@@ -372,40 +383,67 @@ impl JournalWriter {
         e.encode(&mut self.pending);
     }
 
-    /// Drops pending entries (a checkpoint has captured their effect) and
-    /// starts the epoch of checkpoint `generation`.
-    pub fn checkpointed(&mut self, generation: u64) {
-        self.pending.clear();
+    /// Checkpoint `generation` starts here: later batches belong to its
+    /// epoch.
+    pub fn start_epoch(&mut self, generation: u64) {
         self.tag = batch_tag(&self.uuid, generation);
-        self.since_checkpoint = 0;
+        self.since_started = 0;
+    }
+
+    /// The checkpoint started last is durable: replay starts at its mark.
+    pub fn checkpoint_durable(&mut self) {
+        self.since_durable = self.since_started;
+    }
+
+    /// Drops pending entries: a checkpoint written before any later batch
+    /// has captured their effect.
+    pub fn drop_pending(&mut self) {
+        self.pending.clear();
     }
 
     pub fn pending_bytes(&self) -> usize {
         self.pending.len()
     }
 
-    /// Whether writing the pending entries would overrun the part of the
-    /// ring that replay still needs (then a checkpoint must come first).
-    pub fn needs_checkpoint(&self) -> bool {
-        let batch = (HEADER + self.pending.len()) as u64;
-        self.since_checkpoint + batch.div_ceil(BLOCK) * BLOCK + BLOCK > self.capacity / 2
+    /// Ring bytes writing the pending entries takes: the batch, rounded to
+    /// blocks, plus the end of the ring skipped when it does not fit there.
+    fn next_batch_bytes(&self) -> u64 {
+        let total = ((HEADER + self.pending.len()) as u64).div_ceil(BLOCK) * BLOCK;
+        let skipped = if self.pos + total > self.capacity {
+            self.capacity - self.pos
+        } else {
+            0
+        };
+        total + skipped
+    }
+
+    /// Whether the journal since the newest started checkpoint, with the
+    /// pending entries, exceeds `interval` bytes.
+    pub fn needs_checkpoint(&self, interval: u64) -> bool {
+        self.since_started + self.next_batch_bytes() > interval
+    }
+
+    /// Whether the pending entries can be written without overwriting
+    /// anything replay from the newest durable checkpoint still needs.
+    pub fn has_room(&self) -> bool {
+        self.since_durable + self.next_batch_bytes() + BLOCK <= self.capacity
     }
 
     /// Writes the pending entries as one batch (not synced). Returns false
-    /// when there was nothing to write.
+    /// when there was nothing to write. The caller checks [`Self::has_room`].
     pub fn write_pending(&mut self, device: &dyn Backend) -> Result<bool> {
         if self.pending.is_empty() {
             return Ok(false);
         }
-        let payload = std::mem::take(&mut self.pending);
-        let total = ((HEADER + payload.len()) as u64).div_ceil(BLOCK) * BLOCK;
+        let used = self.next_batch_bytes();
+        let total = ((HEADER + self.pending.len()) as u64).div_ceil(BLOCK) * BLOCK;
         if total > self.capacity / 2 {
             return Err(CacheError::Config(format!(
                 "a journal batch of {total} bytes exceeds half the metadata zone"
             )));
         }
+        let payload = std::mem::take(&mut self.pending);
         if self.pos + total > self.capacity {
-            self.since_checkpoint += self.capacity - self.pos;
             self.pos = 0;
         }
         let frame = Frame {
@@ -425,21 +463,41 @@ impl JournalWriter {
             .map_err(CacheError::device("write journal"))?;
         self.next_seq += 1;
         self.pos += total;
-        self.since_checkpoint += total;
+        self.since_started += used;
+        self.since_durable += used;
         Ok(true)
     }
 }
 
-/// Reads batches from `pos` with consecutive sequence numbers starting at
-/// `seq`, until the first missing or torn one. Returns the payloads and the
-/// position and sequence after the last good batch.
+/// What replay found in the ring after a checkpoint's mark.
+#[derive(Debug, Default)]
+pub struct JournalTail {
+    /// Payloads of the good batches, in order.
+    pub batches: Vec<Vec<u8>>,
+    /// Position and sequence number after the last good batch.
+    pub pos: u64,
+    pub seq: u64,
+    /// Replay went on past the mark of a newer checkpoint that never
+    /// landed.
+    pub entered_next_epoch: bool,
+}
+
+/// Reads batches from the mark with consecutive sequence numbers, until
+/// the first missing or torn one.
+///
+/// Batches carry the epoch of checkpoint `mark.generation` and, from the
+/// mark of the next checkpoint on, that one's epoch: a checkpoint written
+/// in the background may not have landed while the journal went on.
+/// Recovery starts every run two epochs past the checkpoint it loaded, so
+/// no older run's batches carry the next epoch's tag.
 pub fn read_batches(
     device: &dyn Backend,
     layout: &Layout,
     uuid: &[u8; 16],
     mark: CheckpointMark,
-) -> Result<(Vec<Vec<u8>>, u64, u64)> {
-    let tag = batch_tag(uuid, mark.generation);
+) -> Result<JournalTail> {
+    let mut tag = batch_tag(uuid, mark.generation);
+    let mut next_epoch = Some(batch_tag(uuid, mark.generation + 1));
     let mut seq = mark.journal_seq;
     let mut pos = mark.journal_pos;
     let mut out = Vec::new();
@@ -457,9 +515,17 @@ pub fn read_batches(
             device
                 .read_at(&mut header, layout.journal_offset + candidate)
                 .map_err(CacheError::device("read journal"))?;
-            if let Some(f) = Frame::decode(&header, BATCH_MAGIC, tag)
-                .filter(|f| f.seq == seq && f.pos == candidate)
-            {
+            let found = |tag| {
+                Frame::decode(&header, BATCH_MAGIC, tag)
+                    .filter(|f| f.seq == seq && f.pos == candidate)
+            };
+            if let Some(f) = found(tag) {
+                frame = Some(f);
+                break;
+            }
+            if let Some(f) = next_epoch.and_then(found) {
+                tag = f.tag;
+                next_epoch = None;
                 frame = Some(f);
                 break;
             }
@@ -487,7 +553,12 @@ pub fn read_batches(
         pos = f.pos + total;
         seq += 1;
     }
-    Ok((out, pos, seq))
+    Ok(JournalTail {
+        batches: out,
+        pos,
+        seq,
+        entered_next_epoch: next_epoch.is_none(),
+    })
 }
 
 /// Decodes every entry of a batch payload.
@@ -505,11 +576,13 @@ pub fn decode_entries(payload: &[u8]) -> Result<Vec<Entry>> {
 pub struct CheckpointMark {
     /// Checkpoint generation (the newer valid slot wins).
     pub generation: u64,
+    /// Which of the two slots holds it.
+    pub slot: usize,
     pub journal_seq: u64,
     pub journal_pos: u64,
 }
 
-/// Writes a checkpoint payload into slot `generation % 2` (not synced).
+/// Writes a checkpoint payload into its slot (not synced).
 pub fn write_checkpoint(
     device: &dyn Backend,
     layout: &Layout,
@@ -517,7 +590,7 @@ pub fn write_checkpoint(
     mark: CheckpointMark,
     payload: &[u8],
 ) -> Result<()> {
-    let slot = (mark.generation % 2) as usize;
+    let slot = mark.slot;
     if (HEADER + 8 + payload.len()) as u64 > layout.checkpoint_slot_bytes {
         return Err(CacheError::Corrupt(format!(
             "checkpoint of {} bytes does not fit its slot of {} bytes",
@@ -574,6 +647,7 @@ pub fn read_checkpoint(
         let journal_seq = r.u64()?;
         let mark = CheckpointMark {
             generation: f.seq,
+            slot,
             journal_seq,
             journal_pos: f.pos,
         };
@@ -607,6 +681,7 @@ mod tests {
         let mut w = JournalWriter::new(&l, &uuid, 5, 1, 0);
         let mark = CheckpointMark {
             generation: 5,
+            slot: 0,
             journal_seq: 1,
             journal_pos: 0,
         };
@@ -622,7 +697,7 @@ mod tests {
             });
             assert!(w.write_pending(&dev).unwrap());
         }
-        let (batches, _, seq) = read_batches(&dev, &l, &uuid, mark).unwrap();
+        let JournalTail { batches, seq, .. } = read_batches(&dev, &l, &uuid, mark).unwrap();
         assert_eq!(batches.len(), 5);
         assert_eq!(seq, 6);
         assert_eq!(
@@ -632,17 +707,72 @@ mod tests {
         // Tear the third batch: replay keeps only the first two.
         dev.write_at(&[0xff; 8], l.journal_offset + 2 * BLOCK + HEADER as u64)
             .unwrap();
-        let (batches, _, _) = read_batches(&dev, &l, &uuid, mark).unwrap();
+        let batches = read_batches(&dev, &l, &uuid, mark).unwrap().batches;
         assert_eq!(batches.len(), 2);
         // Another cache's batches, or another epoch's, are not replayed.
-        let (batches, _, _) = read_batches(&dev, &l, &[8u8; 16], mark).unwrap();
+        let batches = read_batches(&dev, &l, &[8u8; 16], mark).unwrap().batches;
         assert!(batches.is_empty());
         let later = CheckpointMark {
             generation: 6,
             ..mark
         };
-        let (batches, _, _) = read_batches(&dev, &l, &uuid, later).unwrap();
+        let batches = read_batches(&dev, &l, &uuid, later).unwrap().batches;
         assert!(batches.is_empty());
+    }
+
+    #[test]
+    fn replay_follows_the_journal_into_the_next_epoch_only() {
+        let (dev, l, uuid) = setup();
+        let mut w = JournalWriter::new(&l, &uuid, 5, 1, 0);
+        let mark = CheckpointMark {
+            generation: 5,
+            slot: 0,
+            journal_seq: 1,
+            journal_pos: 0,
+        };
+        let batch = |w: &mut JournalWriter, key| {
+            w.push(&Entry::Unmap { key, slot: 0 });
+            assert!(w.write_pending(&dev).unwrap());
+        };
+        batch(&mut w, 1);
+        // Checkpoint 6 starts (and never lands); the journal goes on.
+        w.start_epoch(6);
+        batch(&mut w, 2);
+        batch(&mut w, 3);
+        let JournalTail { batches, seq, .. } = read_batches(&dev, &l, &uuid, mark).unwrap();
+        assert_eq!(batches.len(), 3);
+        assert_eq!(seq, 4);
+        // Two epochs on is a later run's journal: not this checkpoint's.
+        w.start_epoch(8);
+        batch(&mut w, 4);
+        let batches = read_batches(&dev, &l, &uuid, mark).unwrap().batches;
+        assert_eq!(batches.len(), 3);
+    }
+
+    #[test]
+    fn room_is_kept_for_replay_from_the_durable_checkpoint() {
+        let (dev, l, uuid) = setup();
+        let mut w = JournalWriter::new(&l, &uuid, 1, 1, 0);
+        let mut written = 0u64;
+        let fill = |w: &mut JournalWriter| {
+            for _ in 0..100 {
+                w.push(&Entry::Unmap { key: 9, slot: 0 });
+            }
+        };
+        fill(&mut w);
+        while w.has_room() {
+            assert!(w.write_pending(&dev).unwrap());
+            written += BLOCK;
+            fill(&mut w);
+        }
+        assert!(written + BLOCK > l.journal_bytes - BLOCK);
+        assert!(w.needs_checkpoint(l.journal_bytes / 2));
+        // Starting a checkpoint frees nothing; its landing does.
+        w.start_epoch(2);
+        assert!(!w.has_room());
+        assert!(!w.needs_checkpoint(l.journal_bytes / 2));
+        w.checkpoint_durable();
+        assert!(w.has_room());
     }
 
     #[test]
@@ -658,10 +788,11 @@ mod tests {
         }
         let mark = CheckpointMark {
             generation: 1,
+            slot: 0,
             journal_seq: 40,
             journal_pos: start,
         };
-        let (batches, pos, _) = read_batches(&dev, &l, &uuid, mark).unwrap();
+        let JournalTail { batches, pos, .. } = read_batches(&dev, &l, &uuid, mark).unwrap();
         assert_eq!(batches.len(), 4);
         assert!(pos < start);
     }
@@ -672,6 +803,7 @@ mod tests {
         for g in 1..=3u64 {
             let mark = CheckpointMark {
                 generation: g,
+                slot: (g % 2) as usize,
                 journal_seq: g * 10,
                 journal_pos: g * BLOCK,
             };

@@ -179,6 +179,10 @@ pub struct DeviceStats {
     pub syncs: u64,
     /// Bytes discarded (reclaimed regions).
     pub bytes_discarded: u64,
+    /// Checkpoints written, and times the journal ring was full and a
+    /// writer had to wait for the checkpoint in flight.
+    pub checkpoints: u64,
+    pub checkpoint_waits: u64,
 }
 
 /// The cache device with counters around it. Every I/O the tier issues
@@ -192,6 +196,8 @@ pub struct CountedDevice {
     read: AtomicU64,
     syncs: AtomicU64,
     discarded: AtomicU64,
+    checkpoints: AtomicU64,
+    checkpoint_waits: AtomicU64,
 }
 
 impl CountedDevice {
@@ -205,7 +211,17 @@ impl CountedDevice {
             read: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
             discarded: AtomicU64::new(0),
+            checkpoints: AtomicU64::new(0),
+            checkpoint_waits: AtomicU64::new(0),
         }
+    }
+
+    pub(crate) fn note_checkpoint(&self) {
+        bump(&self.checkpoints, 1);
+    }
+
+    pub(crate) fn note_checkpoint_wait(&self) {
+        bump(&self.checkpoint_waits, 1);
     }
 
     pub fn snapshot(&self) -> DeviceStats {
@@ -216,6 +232,8 @@ impl CountedDevice {
             bytes_read: l(&self.read),
             syncs: l(&self.syncs),
             bytes_discarded: l(&self.discarded),
+            checkpoints: l(&self.checkpoints),
+            checkpoint_waits: l(&self.checkpoint_waits),
         }
     }
 

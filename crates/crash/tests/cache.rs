@@ -32,7 +32,12 @@ fn cache_config(mode: WriteMode, admission: Admission, replacement: Replacement)
         high_watermark: 1.0,
         low_watermark: 1.0,
         host: Some("crash-host".into()),
-        inline_writeback: true,
+        inline_background: true,
+        // Checkpoints start every few flushes and land a commit later,
+        // so crashes find the journal running ahead of one.
+        checkpoint_interval_bytes: Some(4 << 10),
+        // Batches go out between flushes too, and checkpoints start there.
+        journal_buffer_bytes: 2 << 10,
         ..CacheConfig::default()
     }
 }

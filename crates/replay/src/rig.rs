@@ -311,7 +311,7 @@ fn build_cache(config: &RigConfig, meter: &Arc<Meter>) -> Result<CacheRig, RigEr
         region_bytes: config.region_bytes,
         replacement: config.replacement,
         default_policy: config.policy,
-        inline_writeback: true,
+        inline_background: true,
         host: Some("vdcache-replay".into()),
         ..CacheConfig::default()
     };

@@ -45,7 +45,7 @@ fn log_structured_cache_keeps_flash_write_amplification_near_one() {
     let device = FtlDevice::new(mem, ftl_config()).expect("ftl");
     let config = CacheConfig {
         region_bytes: REGION,
-        inline_writeback: true,
+        inline_background: true,
         host: Some("test-host".into()),
         default_policy: DiskPolicy::default(),
         ..CacheConfig::default()

@@ -198,12 +198,14 @@ fn print_stats(d: &serde_json::Value) {
         );
         let dev = &c["device"];
         println!(
-            "device: data zone written {} metadata zone written {} read {} syncs {} discarded {}",
+            "device: data zone written {} metadata zone written {} read {} syncs {} discarded {}; checkpoints {} (writers waited for one {} times)",
             n(&dev["data_bytes_written"]),
             n(&dev["meta_bytes_written"]),
             n(&dev["bytes_read"]),
             n(&dev["syncs"]),
-            n(&dev["bytes_discarded"])
+            n(&dev["bytes_discarded"]),
+            n(&dev["checkpoints"]),
+            n(&dev["checkpoint_waits"])
         );
         if let Some(disks) = c["disks"].as_array() {
             for pair in disks {

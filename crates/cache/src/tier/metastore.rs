@@ -378,7 +378,7 @@ impl FlashCache {
         let held = st.meta.dirty_weight();
         let limit = self.layout.meta_store_sectors();
         drop(st);
-        if held >= limit || (held > limit / 2 && self.config.inline_writeback) {
+        if held >= limit || (held > limit / 2 && self.config.inline_background) {
             // Full (or no background thread): write back here.
             while self.meta_writeback_round(held >= limit)? {}
         } else if held > limit / 2 {
@@ -567,10 +567,6 @@ impl FlashCache {
     fn write_journal_buffer(&self, st: &mut State) -> Result<()> {
         self.sync_backends(st)?;
         st.journal_written = Instant::now();
-        if st.journal.needs_checkpoint() {
-            return self.checkpoint(st);
-        }
-        st.journal.write_pending(&*self.device)?;
-        Ok(())
+        self.append_journal(st)
     }
 }

@@ -1,19 +1,22 @@
 //! The cache tier proper: state behind one mutex (index, regions, journal
-//! buffer, image registry), data I/O on flash and backends outside it, a
-//! background write-back thread.
+//! buffer, image registry), data I/O on flash and backends outside it,
+//! background write-back and checkpoint threads.
 //!
-//! Lock order: `state` only; no other lock is taken while holding it.
+//! Lock order: `state`, then the checkpointer's hand-off slot or the
+//! device's staging lock; neither of those is held while taking `state`.
 //! Durability: a block's journal record carries its checksum, replay stops
 //! at the first record whose batch or data does not verify, and a region is
 //! reused only after the records that emptied it are durable; so recovery
 //! always yields a prefix of what was acknowledged, never garbage.
 
+mod checkpoint;
 mod commit;
 mod metastore;
 mod partial;
 mod ranges;
 mod read;
 mod recover;
+pub use recover::RecoveryReport;
 mod space;
 mod write;
 mod writeback;
@@ -22,7 +25,7 @@ use crate::admission::{HotFilter, SequentialRun};
 use crate::config::{CacheConfig, DiskPolicy};
 use crate::error::{CacheError, Result};
 use crate::index::Index;
-use crate::journal::{Entry, ImageIdentity, JournalWriter};
+use crate::journal::{CheckpointMark, Entry, ImageIdentity, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
 use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
@@ -68,7 +71,14 @@ pub(crate) struct State {
     pub index: Index,
     pub regions: Regions,
     pub journal: JournalWriter,
+    /// Generation and slot of the newest durable checkpoint.
     pub generation: u64,
+    pub durable_slot: usize,
+    /// Generation of the newest checkpoint started: the epoch the journal
+    /// writes in (one past `generation` while a checkpoint is in flight or
+    /// after one failed; two past after recovery).
+    pub epoch: u64,
+    pub checkpoint_running: bool,
     pub images: Vec<ImageRecord>,
     pub by_name: HashMap<String, u16>,
     pub policies: HashMap<u32, DiskPolicy>,
@@ -152,6 +162,8 @@ pub struct CacheReport {
     /// regions, or regions filled before a crash).
     pub regions_emptied_by_summary: u64,
     pub regions_emptied_by_scan: u64,
+    /// What fast recovery found when the cache opened (zeros: formatted).
+    pub recovery: RecoveryReport,
     pub replacement: &'static str,
     /// What the tier wrote to and read from its device since it opened.
     pub device: DeviceStats,
@@ -170,8 +182,9 @@ pub struct ImageReport {
 
 /// A flash cache on one device, shared by every disk of a server.
 pub struct FlashCache {
+    /// The device, data-zone writes staged in chunks (see `staging`).
     device: BackendRef,
-    /// The same device, for its counters.
+    /// The device under the staging, for its counters.
     counted: Arc<CountedDevice>,
     sb: Superblock,
     layout: Layout,
@@ -185,6 +198,10 @@ pub struct FlashCache {
     stats: Stats,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    checkpointer: Arc<checkpoint::Checkpointer>,
+    checkpoint_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// What fast recovery found when the cache opened.
+    recovery: RecoveryReport,
     /// Image ranges with a backend write in progress outside the state lock.
     ranges: ranges::BackendRanges,
 }
@@ -249,11 +266,14 @@ impl FlashCache {
         self.lock().policies.insert(disk.0, policy);
     }
 
+    /// State after checkpoint `durable`, with the journal writing in
+    /// `epoch`.
     fn new_state(
         layout: &Layout,
         config: &CacheConfig,
         journal: JournalWriter,
-        generation: u64,
+        durable: CheckpointMark,
+        epoch: u64,
     ) -> State {
         State {
             index: Index::new(layout.regions, layout.blocks_per_region()),
@@ -264,7 +284,10 @@ impl FlashCache {
                 config.replacement,
             ),
             journal,
-            generation,
+            generation: durable.generation,
+            durable_slot: durable.slot,
+            epoch,
+            checkpoint_running: false,
             images: Vec::new(),
             by_name: HashMap::new(),
             policies: HashMap::new(),
@@ -289,11 +312,18 @@ impl FlashCache {
         sb: Superblock,
         config: CacheConfig,
         state: State,
+        recovery: RecoveryReport,
     ) -> Arc<FlashCache> {
         let counted = Arc::new(CountedDevice::new(device, sb.layout.data_offset));
-        let cache = Arc::new(FlashCache {
+        let staged = crate::staging::StagedDevice::new(
+            counted.clone(),
+            sb.layout.data_offset,
+            sb.layout.region_bytes,
+            !config.inline_background,
+        );
+        Arc::new(FlashCache {
             layout: sb.layout,
-            device: counted.clone(),
+            device: Arc::new(staged),
             counted,
             sb,
             config,
@@ -303,10 +333,17 @@ impl FlashCache {
             stats: Stats::default(),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
+            checkpointer: Arc::default(),
+            checkpoint_thread: Mutex::new(None),
+            recovery,
             ranges: ranges::BackendRanges::default(),
-        });
-        writeback::start(&cache);
-        cache
+        })
+    }
+
+    /// Starts the background threads (none with `inline_background`).
+    fn start_threads(cache: &Arc<FlashCache>) {
+        writeback::start(cache);
+        checkpoint::start(cache);
     }
 
     /// The id of an image, registering it (and checking it is the file the
@@ -408,6 +445,11 @@ impl FlashCache {
         true
     }
 
+    /// What the tier did to its device, read without the state lock.
+    pub fn device_stats(&self) -> crate::stats::DeviceStats {
+        self.counted.snapshot()
+    }
+
     /// Statistics.
     pub fn report(&self) -> CacheReport {
         let st = self.lock();
@@ -468,6 +510,7 @@ impl FlashCache {
             meta_sector_memory_bytes,
             regions_emptied_by_summary: emptied.0,
             regions_emptied_by_scan: emptied.1,
+            recovery: self.recovery,
             replacement: self.config.replacement.name(),
             device: self.counted.snapshot(),
             total,
@@ -490,15 +533,20 @@ impl FlashCache {
         }
         let mut st = self.lock();
         self.commit(&mut st)?;
-        self.checkpoint(&mut st)
+        self.checkpoint(&mut st)?;
+        drop(st);
+        // The thread may wait for the state lock to record its last one.
+        self.stop_checkpoint_thread();
+        Ok(())
     }
 }
 
 impl Drop for FlashCache {
     fn drop(&mut self) {
-        // Let the write-back thread see that the cache is gone.
+        // Let the background threads see that the cache is gone.
         self.stop.store(true, Ordering::SeqCst);
         self.wake.notify();
+        self.checkpointer.stop();
     }
 }
 

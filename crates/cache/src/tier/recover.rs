@@ -3,7 +3,7 @@
 //! block that does not verify) and full recovery (every dirty block
 //! written back to its image, leaving the images standalone).
 
-use super::commit::decode_checkpoint;
+use super::checkpoint::decode_checkpoint;
 use super::{FlashCache, ImageRecord, State};
 use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
@@ -13,12 +13,15 @@ use std::sync::Arc;
 use vdcache_backend::BackendRef;
 
 /// What fast recovery found.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RecoveryReport {
     pub batches_replayed: u64,
     pub entries_replayed: u64,
     /// Replay stopped at a record whose data did not verify.
     pub stopped_at_torn_block: bool,
+    /// The journal went on past a checkpoint that never landed, and replay
+    /// followed it.
+    pub entered_next_epoch: bool,
 }
 
 impl FlashCache {
@@ -51,6 +54,7 @@ impl FlashCache {
         let empty_index = [0u8; 20];
         let mark = CheckpointMark {
             generation: 1,
+            slot: 1,
             journal_seq: 1,
             journal_pos: 0,
         };
@@ -69,8 +73,9 @@ impl FlashCache {
             mark.journal_seq,
             mark.journal_pos,
         );
-        let state = Self::new_state(&layout, &config, journal, mark.generation);
-        let cache = Self::assemble(device, sb, config, state);
+        let state = Self::new_state(&layout, &config, journal, mark, mark.generation);
+        let cache = Self::assemble(device, sb, config, state, RecoveryReport::default());
+        Self::start_threads(&cache);
         Ok(cache)
     }
 
@@ -90,15 +95,18 @@ impl FlashCache {
             batches = report.batches_replayed,
             entries = report.entries_replayed,
             torn = report.stopped_at_torn_block,
+            next_epoch = report.entered_next_epoch,
             "cache recovered"
         );
-        let cache = Self::assemble(device, sb, config, state);
+        let cache = Self::assemble(device, sb, config, state, report);
         {
-            // Consolidate: the replayed state becomes the new checkpoint,
-            // so a torn journal tail can never be read again.
+            // Consolidate before anything else writes: the replayed state
+            // becomes the new checkpoint, so a torn journal tail can never
+            // be read again.
             let mut st = cache.lock();
             cache.checkpoint(&mut st)?;
         }
+        Self::start_threads(&cache);
         Ok(cache)
     }
 
@@ -201,14 +209,11 @@ fn recover_state(
     let layout = sb.layout;
     let (mark, payload) = journal::read_checkpoint(device, &layout, &sb.uuid)?;
     let (images, lines, sectors) = decode_checkpoint(&payload)?;
-    let journal = JournalWriter::new(
-        &layout,
-        &sb.uuid,
-        mark.generation,
-        mark.journal_seq,
-        mark.journal_pos,
-    );
-    let mut st = FlashCache::new_state(&layout, config, journal, mark.generation);
+    // The crashed run may have started the next epoch; this run writes
+    // in the one after, so none of that run's batches can follow its own.
+    let epoch = mark.generation + 2;
+    let journal = JournalWriter::new(&layout, &sb.uuid, epoch, mark.journal_seq, mark.journal_pos);
+    let mut st = FlashCache::new_state(&layout, config, journal, mark, epoch);
     for e in images {
         apply(&mut st, &layout, e)?;
     }
@@ -303,7 +308,9 @@ fn replay(
 ) -> Result<RecoveryReport> {
     let layout = sb.layout;
     let mut report = RecoveryReport::default();
-    let (batches, _, _) = journal::read_batches(device, &layout, &sb.uuid, mark)?;
+    let tail = journal::read_batches(device, &layout, &sb.uuid, mark)?;
+    report.entered_next_epoch = tail.entered_next_epoch;
+    let batches = tail.batches;
     let mut log: Vec<Entry> = Vec::new();
     for payload in &batches {
         match journal::decode_entries(payload) {

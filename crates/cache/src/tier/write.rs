@@ -414,7 +414,7 @@ impl FlashCache {
         self.journal_buffer_check(&mut st)?;
         let dirty = st.index.dirty_blocks() as f64 / self.layout.cacheable_blocks() as f64;
         if dirty > self.config.high_watermark {
-            if self.config.inline_writeback {
+            if self.config.inline_background {
                 drop(st);
                 self.writeback_inline()?;
             } else {

@@ -43,7 +43,7 @@ impl Wakeup {
 }
 
 pub(super) fn start(cache: &Arc<FlashCache>) {
-    if cache.config.inline_writeback {
+    if cache.config.inline_background {
         return;
     }
     let weak: Weak<FlashCache> = Arc::downgrade(cache);
