@@ -6,10 +6,10 @@
 //! SSD prefers large writes anyway. Reads of staged blocks are served from
 //! memory.
 //!
-//! Everything staged is written out before a sync and before any write
-//! outside the data zone (journal, checkpoints, superblock), so a record on
-//! the device never names a block that is only in memory, and a sync means
-//! what it did without staging.
+//! Everything staged is written out before a sync, so a sync means what it
+//! did without staging, and before any write outside the data zone
+//! (journal, checkpoints, superblock), so a journal record on the device
+//! never names a block that is only in memory (replay would stop there).
 //!
 //! A complete chunk is written by the staging thread, off the request
 //! path (without background threads, by the writer that completed it). A
@@ -22,7 +22,7 @@
 use crate::layout::BLOCK;
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use vdcache_backend::{Backend, BackendRef};
@@ -65,6 +65,9 @@ struct Shared {
     full: u64,
     /// The staging thread runs (it writes complete chunks).
     background: AtomicBool,
+    /// Chunks in `chunks.map`, readable without its lock: reads skip the
+    /// lock while nothing is staged (a read-mostly cache, most of the time).
+    staged_chunks: AtomicUsize,
     chunks: Mutex<Chunks>,
     written_out: Condvar,
     queued: Condvar,
@@ -115,6 +118,7 @@ impl StagedDevice {
             chunk_bytes: chunk_blocks * BLOCK,
             full: bits(0, chunk_blocks),
             background: AtomicBool::new(false),
+            staged_chunks: AtomicUsize::new(0),
             chunks: Mutex::default(),
             written_out: Condvar::new(),
             queued: Condvar::new(),
@@ -169,6 +173,12 @@ impl Shared {
             }
             self.finish(n, mask, result.is_ok(), true);
         }
+    }
+
+    /// Makes the chunk count visible to lock-free readers (before the
+    /// lock is released, so a read ordered after a write sees it).
+    fn publish(&self, chunks: &Chunks) {
+        self.staged_chunks.store(chunks.map.len(), Ordering::SeqCst);
     }
 
     fn lock(&self) -> MutexGuard<'_, Chunks> {
@@ -233,6 +243,7 @@ impl Shared {
                 writing: false,
             });
             let Some(buf) = Arc::get_mut(&mut chunk.buf) else {
+                self.publish(chunks);
                 return Err(io::Error::other(
                     "staged chunk is shared while not written out",
                 ));
@@ -255,6 +266,7 @@ impl Shared {
             pos = end;
         }
         let queued = !g.queue.is_empty();
+        self.publish(&g);
         drop(g);
         if queued {
             self.queued.notify_one();
@@ -299,6 +311,7 @@ impl Shared {
                 chunks.spare.push(buf);
             }
         }
+        self.publish(&g);
         drop(g);
         self.written_out.notify_all();
     }
@@ -349,10 +362,10 @@ impl Shared {
         let end = offset + buf.len() as u64;
         let mut uncovered = Vec::new();
         let mut last = 0usize;
-        let g = self.lock();
-        if g.map.is_empty() || end <= self.data_offset {
+        if self.staged_chunks.load(Ordering::SeqCst) == 0 || end <= self.data_offset {
             return vec![(0, buf.len())];
         }
+        let g = self.lock();
         let mut block = offset.max(self.data_offset) / BLOCK * BLOCK;
         while block < end {
             let n = (block - self.data_offset) / self.chunk_bytes;
@@ -446,6 +459,7 @@ impl Shared {
                 }
             }
         }
+        self.publish(&g);
         drop(g);
         self.inner.discard(offset, len)
     }

@@ -68,6 +68,16 @@ impl Blocks {
     }
 }
 
+/// Writes eight random blocks of round `round`, noting them in `model`.
+fn write_round(disk: &VirtualDisk, blocks: &mut Blocks, model: &mut HashMap<u64, u64>, round: u64) {
+    for _ in 0..8 {
+        let b = blocks.next();
+        disk.write(b * BLOCK, &content(b, round), false)
+            .expect("write");
+        model.insert(b, round);
+    }
+}
+
 /// Every block of the model reads back as its last write.
 fn check(disk: &VirtualDisk, model: &HashMap<u64, u64>, what: &str) {
     let mut buf = vec![0u8; BLOCK as usize];
@@ -91,12 +101,7 @@ fn flushed_writes_survive_checkpoints_that_never_landed() {
     let mut model = HashMap::new();
     let mut flushes = Vec::new();
     for round in 0..80 {
-        for _ in 0..8 {
-            let b = blocks.next();
-            disk.write(b * BLOCK, &content(b, round), false)
-                .expect("write");
-            model.insert(b, round);
-        }
+        write_round(&disk, &mut blocks, &mut model, round);
         let before = log.len();
         disk.flush().expect("flush");
         flushes.push((before, log.len(), model.clone()));
@@ -230,12 +235,7 @@ fn guest_flushes_do_not_wait_for_a_checkpoint_in_flight() {
         // Each round journals about 250 bytes: checkpoints start every ~65
         // rounds, and the first one is stuck at the gate for the whole run.
         for round in 0..400 {
-            for _ in 0..8 {
-                let b = blocks.next();
-                disk.write(b * BLOCK, &content(b, round), false)
-                    .expect("write");
-                model.insert(b, round);
-            }
+            write_round(&disk, &mut blocks, &mut model, round);
             disk.flush().expect("flush");
         }
         let r = cache.report();

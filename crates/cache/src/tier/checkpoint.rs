@@ -152,23 +152,13 @@ impl Checkpointer {
 }
 
 pub(super) fn start(cache: &Arc<FlashCache>) {
-    if cache.config.inline_background {
-        return;
-    }
-    let weak: Weak<FlashCache> = Arc::downgrade(cache);
     let checkpointer = cache.checkpointer.clone();
-    let handle = std::thread::Builder::new()
-        .name("vdcache-checkpoint".into())
-        .spawn(move || run(&weak, &checkpointer));
-    match handle {
-        Ok(h) => {
-            *cache
-                .checkpoint_thread
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = Some(h)
-        }
-        Err(e) => tracing::error!("cannot start the checkpoint thread: {e}"),
-    }
+    FlashCache::spawn_background(
+        cache,
+        "vdcache-checkpoint",
+        &cache.checkpoint_thread,
+        move |weak| run(&weak, &checkpointer),
+    );
 }
 
 fn run(weak: &Weak<FlashCache>, checkpointer: &Checkpointer) {

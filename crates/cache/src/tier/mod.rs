@@ -342,8 +342,29 @@ impl FlashCache {
 
     /// Starts the background threads (none with `inline_background`).
     fn start_threads(cache: &Arc<FlashCache>) {
+        if cache.config.inline_background {
+            return;
+        }
         writeback::start(cache);
         checkpoint::start(cache);
+    }
+
+    /// Starts a background thread into `slot`. It gets only a weak
+    /// reference, so the cache closes when its last user drops it.
+    fn spawn_background(
+        cache: &Arc<FlashCache>,
+        name: &str,
+        slot: &Mutex<Option<std::thread::JoinHandle<()>>>,
+        body: impl FnOnce(std::sync::Weak<FlashCache>) + Send + 'static,
+    ) {
+        let weak = Arc::downgrade(cache);
+        match std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || body(weak))
+        {
+            Ok(h) => *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(h),
+            Err(e) => tracing::error!("cannot start thread {name}: {e}"),
+        }
     }
 
     /// The id of an image, registering it (and checking it is the file the

@@ -43,18 +43,10 @@ impl Wakeup {
 }
 
 pub(super) fn start(cache: &Arc<FlashCache>) {
-    if cache.config.inline_background {
-        return;
-    }
-    let weak: Weak<FlashCache> = Arc::downgrade(cache);
     let wake = cache.wake.clone();
-    let handle = std::thread::Builder::new()
-        .name("vdcache-writeback".into())
-        .spawn(move || run(weak, wake));
-    match handle {
-        Ok(h) => *cache.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(h),
-        Err(e) => tracing::error!("cannot start the write-back thread: {e}"),
-    }
+    FlashCache::spawn_background(cache, "vdcache-writeback", &cache.thread, move |weak| {
+        run(weak, wake)
+    });
 }
 
 fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
