@@ -194,6 +194,12 @@ impl Shared {
         self.data_offset + n * self.chunk_bytes
     }
 
+    /// Whether chunk `n` overlaps bytes `[start, end)` of the device.
+    fn overlaps(&self, n: u64, start: u64, end: u64) -> bool {
+        let s = self.chunk_offset(n);
+        s < end && start < s + self.chunk_bytes
+    }
+
     fn stageable(&self, offset: u64, len: u64) -> bool {
         offset >= self.data_offset && offset.is_multiple_of(BLOCK) && len.is_multiple_of(BLOCK)
     }
@@ -319,12 +325,7 @@ impl Shared {
     /// Writes every staged block of chunks overlapping `[offset, end)` (all
     /// chunks when `None`) to the device.
     fn write_out(&self, range: Option<(u64, u64)>) -> io::Result<()> {
-        let overlaps = |n: u64| {
-            range.is_none_or(|(o, e)| {
-                let s = self.chunk_offset(n);
-                s < e && o < s + self.chunk_bytes
-            })
-        };
+        let overlaps = |n: u64| range.is_none_or(|(start, end)| self.overlaps(n, start, end));
         let mut jobs = Vec::new();
         let mut g = self.lock();
         loop {
@@ -362,9 +363,6 @@ impl Shared {
         let end = offset + buf.len() as u64;
         let mut uncovered = Vec::new();
         let mut last = 0usize;
-        if self.staged_chunks.load(Ordering::SeqCst) == 0 || end <= self.data_offset {
-            return vec![(0, buf.len())];
-        }
         let g = self.lock();
         let mut block = offset.max(self.data_offset) / BLOCK * BLOCK;
         while block < end {
@@ -394,6 +392,10 @@ impl Shared {
 /// The device operations, staging-aware.
 impl Shared {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let end = offset + buf.len() as u64;
+        if self.staged_chunks.load(Ordering::SeqCst) == 0 || end <= self.data_offset {
+            return self.inner.read_at(buf, offset);
+        }
         // Staged blocks first: a block not staged now is on the device
         // (it leaves staging only once written there).
         for (from, to) in self.read_staged(buf, offset) {
@@ -427,10 +429,10 @@ impl Shared {
         let end = offset + len;
         let mut g = self.lock();
         loop {
-            let busy = g.map.iter().any(|(&n, c)| {
-                let s = self.chunk_offset(n);
-                c.writing && s < end && offset < s + self.chunk_bytes
-            });
+            let busy = g
+                .map
+                .iter()
+                .any(|(&n, c)| c.writing && self.overlaps(n, offset, end));
             if !busy {
                 break;
             }
@@ -440,10 +442,7 @@ impl Shared {
             .map
             .keys()
             .copied()
-            .filter(|&n| {
-                let s = self.chunk_offset(n);
-                s < end && offset < s + self.chunk_bytes
-            })
+            .filter(|&n| self.overlaps(n, offset, end))
             .collect();
         for n in keys {
             let s = self.chunk_offset(n);
@@ -617,5 +616,59 @@ mod tests {
         assert_eq!(read(&dev, DATA, all.len()), all);
         drop(dev);
         assert_eq!(read(&*mem, DATA, all.len()), all);
+    }
+
+    /// A device whose writes fail while `failing` is set.
+    #[derive(Debug)]
+    struct Flaky {
+        inner: MemBackend,
+        failing: AtomicBool,
+    }
+
+    impl Backend for Flaky {
+        fn len(&self) -> io::Result<u64> {
+            self.inner.len()
+        }
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            self.inner.read_at(buf, offset)
+        }
+        fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+            if self.failing.load(Ordering::SeqCst) {
+                return Err(io::Error::other("injected write failure"));
+            }
+            self.inner.write_at(buf, offset)
+        }
+        fn flush(&self) -> io::Result<()> {
+            self.inner.flush()
+        }
+        fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+            self.inner.discard(offset, len)
+        }
+        fn set_len(&self, len: u64) -> io::Result<()> {
+            self.inner.set_len(len)
+        }
+        fn can_grow(&self) -> bool {
+            false
+        }
+        fn name(&self) -> &str {
+            self.inner.name()
+        }
+    }
+
+    #[test]
+    fn a_chunk_that_failed_to_write_stays_staged_and_the_sync_reports_it() {
+        let flaky = Arc::new(Flaky {
+            inner: MemBackend::new("dev", vec![0; (DATA + (1 << 20)) as usize]),
+            failing: AtomicBool::new(true),
+        });
+        let dev = StagedDevice::new(flaky.clone(), DATA, 64 << 10, true);
+        let all: Vec<u8> = (0..16u64).flat_map(|i| block(i as u8 + 1)).collect();
+        dev.write_at(&all, DATA).expect("staging a chunk succeeds");
+        // The thread's write fails; the sync retries it and reports it.
+        assert!(dev.flush().is_err());
+        assert_eq!(read(&dev, DATA, all.len()), all);
+        flaky.failing.store(false, Ordering::SeqCst);
+        dev.flush().expect("the retried write succeeds");
+        assert_eq!(read(&flaky.inner, DATA, all.len()), all);
     }
 }

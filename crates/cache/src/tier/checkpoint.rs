@@ -185,24 +185,22 @@ impl FlashCache {
         if self.config.inline_background && st.checkpoint_running && st.epoch.is_multiple_of(2) {
             self.finish_checkpoint(st)?;
         }
-        if !st.journal.has_room() && st.checkpoint_running {
+        if st.checkpoint_running && !st.journal.has_room() {
             self.counted.note_checkpoint_wait();
             self.finish_checkpoint(st)?;
         }
-        if st.checkpoint_running && st.journal.has_room() {
+        let room = st.journal.has_room();
+        let due = !room || st.journal.needs_checkpoint(self.checkpoint_interval());
+        if st.checkpoint_running || !due {
             st.journal.write_pending(&*self.device)?;
-            return Ok(());
+        } else if room && st.epoch == st.generation {
+            let job = self.begin_checkpoint(st)?;
+            st.checkpoint_running = true;
+            self.checkpointer.queue(job);
+        } else {
+            // No room, or the last checkpoint failed: write one now.
+            self.checkpoint(st)?;
         }
-        if !st.journal.has_room() || st.journal.needs_checkpoint(self.checkpoint_interval()) {
-            if st.epoch == st.generation && st.journal.has_room() {
-                let job = self.begin_checkpoint(st)?;
-                st.checkpoint_running = true;
-                self.checkpointer.queue(job);
-                return Ok(());
-            }
-            return self.checkpoint(st);
-        }
-        st.journal.write_pending(&*self.device)?;
         Ok(())
     }
 
