@@ -1,11 +1,12 @@
-//! Backends: the storage an image file lives on (a local file now; an NBD
-//! export, and recording or fault-injecting test backends, later).
+//! Backends: the storage an image file lives on (a local file or an NBD
+//! export), and the recording and fault-injecting backends of the tests.
 //!
 //! A backend is a flat, offset-addressed byte store. It knows nothing about
 //! qcow2, classes of I/O or caching; those live above it. Every method may
 //! be called from several threads at once.
 
 mod file;
+pub mod inject;
 mod lock;
 mod mem;
 mod nbd;

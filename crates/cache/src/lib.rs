@@ -11,6 +11,7 @@
 pub mod admission;
 pub mod config;
 pub mod error;
+pub mod group_sync;
 pub mod index;
 pub mod journal;
 pub mod layout;

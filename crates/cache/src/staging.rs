@@ -511,6 +511,7 @@ impl Backend for StagedDevice {
 mod tests {
     use super::*;
     use vdcache_backend::MemBackend;
+    use vdcache_backend::inject::HookedBackend;
 
     const DATA: u64 = 64 * BLOCK;
 
@@ -618,57 +619,24 @@ mod tests {
         assert_eq!(read(&*mem, DATA, all.len()), all);
     }
 
-    /// A device whose writes fail while `failing` is set.
-    #[derive(Debug)]
-    struct Flaky {
-        inner: MemBackend,
-        failing: AtomicBool,
-    }
-
-    impl Backend for Flaky {
-        fn len(&self) -> io::Result<u64> {
-            self.inner.len()
-        }
-        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-            self.inner.read_at(buf, offset)
-        }
-        fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-            if self.failing.load(Ordering::SeqCst) {
-                return Err(io::Error::other("injected write failure"));
-            }
-            self.inner.write_at(buf, offset)
-        }
-        fn flush(&self) -> io::Result<()> {
-            self.inner.flush()
-        }
-        fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-            self.inner.discard(offset, len)
-        }
-        fn set_len(&self, len: u64) -> io::Result<()> {
-            self.inner.set_len(len)
-        }
-        fn can_grow(&self) -> bool {
-            false
-        }
-        fn name(&self) -> &str {
-            self.inner.name()
-        }
-    }
-
     #[test]
     fn a_chunk_that_failed_to_write_stays_staged_and_the_sync_reports_it() {
-        let flaky = Arc::new(Flaky {
-            inner: MemBackend::new("dev", vec![0; (DATA + (1 << 20)) as usize]),
-            failing: AtomicBool::new(true),
-        });
-        let dev = StagedDevice::new(flaky.clone(), DATA, 64 << 10, true);
+        let mem = Arc::new(MemBackend::fixed("dev", (DATA + (1 << 20)) as usize));
+        let failing = Arc::new(AtomicBool::new(true));
+        let fail = failing.clone();
+        let flaky =
+            HookedBackend::new(mem.clone()).on_write(move || match fail.load(Ordering::SeqCst) {
+                true => Err(io::Error::other("injected write failure")),
+                false => Ok(()),
+            });
+        let dev = StagedDevice::new(Arc::new(flaky), DATA, 64 << 10, true);
         let all: Vec<u8> = (0..16u64).flat_map(|i| block(i as u8 + 1)).collect();
         dev.write_at(&all, DATA).expect("staging a chunk succeeds");
         // The thread's write fails; the sync retries it and reports it.
         assert!(dev.flush().is_err());
         assert_eq!(read(&dev, DATA, all.len()), all);
-        flaky.failing.store(false, Ordering::SeqCst);
+        failing.store(false, Ordering::SeqCst);
         dev.flush().expect("the retried write succeeds");
-        assert_eq!(read(&flaky.inner, DATA, all.len()), all);
+        assert_eq!(read(&*mem, DATA, all.len()), all);
     }
 }

@@ -183,6 +183,9 @@ pub struct DeviceStats {
     /// writer had to wait for the checkpoint in flight.
     pub checkpoints: u64,
     pub checkpoint_waits: u64,
+    /// Guest flushes that waited for a sync another flush had started, and
+    /// were covered by it or by the next one (group commit).
+    pub sync_waits: u64,
 }
 
 /// The cache device with counters around it. Every I/O the tier issues
@@ -234,6 +237,7 @@ impl CountedDevice {
             bytes_discarded: l(&self.discarded),
             checkpoints: l(&self.checkpoints),
             checkpoint_waits: l(&self.checkpoint_waits),
+            sync_waits: 0,
         }
     }
 

@@ -453,7 +453,7 @@ impl VirtualDisk {
         let g = *img.geometry();
         let mut l: Locked<'_> = img.lock();
         // The data just written must be durable before these entries are.
-        l.m.unsynced_writes = true;
+        l.mark_unsynced();
         for p in plans {
             let Some(new) = &p.new else { continue };
             l.set_l2_entry(p.cluster, new)?;

@@ -671,7 +671,7 @@ impl VirtualDisk {
                     ..FlushReport::default()
                 })
             }
-            Layer::Qcow2(img) => img.lock().flush_all(false),
+            Layer::Qcow2(img) => img.flush(),
         }
     }
 

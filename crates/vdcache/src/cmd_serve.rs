@@ -198,11 +198,12 @@ fn print_stats(d: &serde_json::Value) {
         );
         let dev = &c["device"];
         println!(
-            "device: data zone written {} metadata zone written {} read {} syncs {} discarded {}; checkpoints {} (writers waited for one {} times)",
+            "device: data zone written {} metadata zone written {} read {} syncs {} (guest flushes waited for one in flight {} times) discarded {}; checkpoints {} (writers waited for one {} times)",
             n(&dev["data_bytes_written"]),
             n(&dev["meta_bytes_written"]),
             n(&dev["bytes_read"]),
             n(&dev["syncs"]),
+            n(&dev["sync_waits"]),
             n(&dev["bytes_discarded"]),
             n(&dev["checkpoints"]),
             n(&dev["checkpoint_waits"])

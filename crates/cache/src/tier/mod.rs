@@ -4,6 +4,8 @@
 //!
 //! Lock order: `state`, then the checkpointer's hand-off slot or the
 //! device's staging lock; neither of those is held while taking `state`.
+//! A guest flush's sync runs with no lock held but the group-commit round
+//! (`group_sync`), which is never held while taking `state`.
 //! Durability: a block's journal record carries its checksum, replay stops
 //! at the first record whose batch or data does not verify, and a region is
 //! reused only after the records that emptied it are durable; so recovery
@@ -24,6 +26,7 @@ mod writeback;
 use crate::admission::{HotFilter, SequentialRun};
 use crate::config::{CacheConfig, DiskPolicy};
 use crate::error::{CacheError, Result};
+use crate::group_sync::GroupSync;
 use crate::index::Index;
 use crate::journal::{CheckpointMark, Entry, ImageIdentity, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
@@ -199,6 +202,8 @@ pub struct FlashCache {
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     checkpointer: Arc<checkpoint::Checkpointer>,
+    /// Guest flushes sync the device outside the state lock, together.
+    group_sync: GroupSync,
     checkpoint_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// What fast recovery found when the cache opened.
     recovery: RecoveryReport,
@@ -334,6 +339,7 @@ impl FlashCache {
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
             checkpointer: Arc::default(),
+            group_sync: GroupSync::default(),
             checkpoint_thread: Mutex::new(None),
             recovery,
             ranges: ranges::BackendRanges::default(),
@@ -467,8 +473,11 @@ impl FlashCache {
     }
 
     /// What the tier did to its device, read without the state lock.
-    pub fn device_stats(&self) -> crate::stats::DeviceStats {
-        self.counted.snapshot()
+    pub fn device_stats(&self) -> DeviceStats {
+        DeviceStats {
+            sync_waits: self.group_sync.waits(),
+            ..self.counted.snapshot()
+        }
     }
 
     /// Statistics.
@@ -533,7 +542,7 @@ impl FlashCache {
             regions_emptied_by_scan: emptied.1,
             recovery: self.recovery,
             replacement: self.config.replacement.name(),
-            device: self.counted.snapshot(),
+            device: self.device_stats(),
             total,
             disks,
             images,

@@ -256,7 +256,7 @@ impl Locked<'_> {
         if old.is_none() {
             self.m.l2.mark_zero(new_off, cs);
         }
-        self.m.unsynced_writes = true;
+        self.mark_unsynced();
         if let Some((table, _)) = old {
             self.m.pending_frees.push(table / cs);
         }

@@ -1,6 +1,7 @@
 //! One qcow2 image file: its header, L1 table, refcount table, metadata
 //! cache and cluster allocator, behind one mutex (`Meta`) that is held for
-//! metadata work only, never across guest data I/O.
+//! metadata work only, never across guest data I/O nor a guest flush's
+//! durable sync (what that sync covers is noted under the mutex first).
 //!
 //! Lock order: a caller holds guest range locks (see `range_lock`) before
 //! it takes `Meta`; nothing here takes a range lock.
@@ -88,8 +89,14 @@ pub(crate) struct Meta {
     /// Clusters whose refcount drops by one once the metadata that stopped
     /// referencing them is durable.
     pub(crate) pending_frees: Vec<u64>,
+    /// Frees ever applied: `pending_frees[0]` is free number
+    /// `frees_applied` (a flush applies those queued before its sync).
+    pub(crate) frees_applied: u64,
     /// Guest data or new tables were written since the last barrier.
-    pub(crate) unsynced_writes: bool,
+    unsynced_writes: bool,
+    /// Times `unsynced_writes` was set (a sync outside the lock clears it
+    /// only when nothing was written meanwhile).
+    unsynced_marks: u64,
     /// The dirty bit is set on disk (lazy refcounts in use).
     pub(crate) dirty_on_disk: bool,
     pub(crate) snapshots: Vec<Snapshot>,
@@ -256,7 +263,9 @@ impl Qcow2Image {
             free_hint: 0,
             file_end,
             pending_frees: Vec::new(),
+            frees_applied: 0,
             unsynced_writes: false,
+            unsynced_marks: 0,
             dirty_on_disk: header.is_dirty(),
             snapshots,
             bitmaps,
@@ -558,6 +567,17 @@ impl Locked<'_> {
             .map_err(|e| ImageError::io(self.name(), "flush", e))?;
         self.m.unsynced_writes = false;
         Ok(())
+    }
+
+    /// Guest data or a new table was written: metadata pointing at it needs
+    /// a barrier first.
+    pub(crate) fn mark_unsynced(&mut self) {
+        self.m.unsynced_writes = true;
+        self.m.unsynced_marks += 1;
+    }
+
+    pub(crate) fn has_unsynced_writes(&self) -> bool {
+        self.m.unsynced_writes
     }
 
     pub(crate) fn write_header_field(&self, offset: u64, bytes: &[u8]) -> Result<()> {

@@ -28,9 +28,32 @@ pub struct FlushReport {
     pub l1_sectors: u32,
 }
 
+/// What a durable sync covers, noted under the lock before it starts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SyncTicket {
+    /// Frees queued so far, counted from the image's open.
+    frees: u64,
+    unsynced_marks: u64,
+}
+
 /// Queued frees beyond this many trigger an internal flush, so that a guest
 /// that discards without flushing does not grow the file without bound.
 const MAX_PENDING_FREES: usize = 16384;
+
+impl super::Qcow2Image {
+    /// A guest flush. The durable sync runs without the metadata lock, so
+    /// the disk's reads and writes go on while it takes its time; what it
+    /// covers was fixed under the lock before it.
+    pub(crate) fn flush(&self) -> Result<FlushReport> {
+        let (mut report, ticket) = self.lock().write_back_metadata(false)?;
+        self.io
+            .flush(&self.handle, FlushKind::Durable)
+            .map_err(|e| ImageError::io(self.name(), "flush", e))?;
+        report.barriers += 1;
+        self.lock().sync_done(ticket)?;
+        Ok(report)
+    }
+}
 
 impl Locked<'_> {
     /// Whether refcounts must be durable before L2 entries that use them.
@@ -110,7 +133,7 @@ impl Locked<'_> {
     /// Writes back one dirty L2 slice under memory pressure, with the
     /// ordering of steps 1 and 2.
     pub(crate) fn write_back_l2_slice(&mut self, start: u64) -> Result<()> {
-        if self.m.unsynced_writes {
+        if self.has_unsynced_writes() {
             self.barrier()?;
         }
         if self.ordered_refcounts() && self.persist_refcounts()? {
@@ -119,13 +142,39 @@ impl Locked<'_> {
         self.write_back_slice(Sliced::L2, start)
     }
 
-    /// Writes all dirty metadata in order and makes everything durable.
-    /// `closing` also persists refcounts that lazy refcounting deferred.
+    /// Writes all dirty metadata in order and makes everything durable,
+    /// under the lock throughout. `closing` also persists refcounts that
+    /// lazy refcounting deferred.
     pub(crate) fn flush_all(&mut self, closing: bool) -> Result<FlushReport> {
+        let (mut report, ticket) = self.write_back_metadata(closing)?;
+        self.sync(FlushKind::Durable)?;
+        report.barriers += 1;
+        self.sync_done(ticket)?;
+        if closing {
+            // The decrements just applied (and any frees a moved refcount
+            // table queued) must reach the file too: nothing durable
+            // references those clusters any more.
+            while self.persist_refcounts()? || !self.m.pending_frees.is_empty() {
+                self.barrier()?;
+                let all = self.sync_ticket();
+                self.apply_pending_frees(all)?;
+            }
+            self.sync(FlushKind::Durable)?;
+        }
+        Ok(report)
+    }
+
+    /// The first half of a flush: dirty metadata written back in order,
+    /// with the barriers it needs. What the durable sync that must follow
+    /// covers.
+    pub(crate) fn write_back_metadata(
+        &mut self,
+        closing: bool,
+    ) -> Result<(FlushReport, SyncTicket)> {
         let mut report = FlushReport::default();
         let l2_dirty = self.m.l2.dirty_slices();
         let meta_pending = !l2_dirty.is_empty() || !self.m.l1_dirty.is_empty();
-        if self.m.unsynced_writes && meta_pending {
+        if self.has_unsynced_writes() && meta_pending {
             self.barrier()?;
             report.barriers += 1;
         }
@@ -149,26 +198,35 @@ impl Locked<'_> {
             let off = self.m.header.l1_table_offset;
             report.l1_sectors = self.write_entries(MetaTable::L1, off, &dirty, |m, i| m.l1[i])?;
         }
-        self.sync(FlushKind::Durable)?;
-        report.barriers += 1;
-        self.apply_pending_frees()?;
-        if closing {
-            // The decrements just applied (and any frees a moved refcount
-            // table queued) must reach the file too: nothing durable
-            // references those clusters any more.
-            while self.persist_refcounts()? || !self.m.pending_frees.is_empty() {
-                self.barrier()?;
-                self.apply_pending_frees()?;
-            }
-            self.sync(FlushKind::Durable)?;
-        }
-        Ok(report)
+        Ok((report, self.sync_ticket()))
     }
 
-    /// Drops the references that durable metadata no longer holds, and
-    /// hands freed space back to the store.
-    fn apply_pending_frees(&mut self) -> Result<()> {
-        let frees = std::mem::take(&mut self.m.pending_frees);
+    /// What a durable sync starting now covers.
+    fn sync_ticket(&self) -> SyncTicket {
+        SyncTicket {
+            frees: self.m.frees_applied + self.m.pending_frees.len() as u64,
+            unsynced_marks: self.m.unsynced_marks,
+        }
+    }
+
+    /// The second half of a flush, after its durable sync (which may have
+    /// run without the lock): the frees it covers are applied, and the
+    /// unsynced mark is cleared unless something was written meanwhile.
+    pub(crate) fn sync_done(&mut self, ticket: SyncTicket) -> Result<()> {
+        if self.m.unsynced_marks == ticket.unsynced_marks {
+            self.m.unsynced_writes = false;
+        }
+        self.apply_pending_frees(ticket)
+    }
+
+    /// Drops the references that durable metadata no longer holds (the
+    /// frees queued before `ticket` was taken, unless another flush
+    /// applied them already), and hands freed space back to the store.
+    fn apply_pending_frees(&mut self, ticket: SyncTicket) -> Result<()> {
+        let due = ticket.frees.saturating_sub(self.m.frees_applied);
+        let due = (due as usize).min(self.m.pending_frees.len());
+        let frees: Vec<u64> = self.m.pending_frees.drain(..due).collect();
+        self.m.frees_applied += due as u64;
         let cs = self.img.geometry.cluster_size();
         for c in frees {
             if self.add_refcount(c, -1)? == 0 {

@@ -283,7 +283,7 @@ impl Locked<'_> {
             self.m.reftable[ti as usize] = g.cluster_offset(pos);
             self.m.reftable_dirty.insert(ti);
         }
-        self.m.unsynced_writes = true;
+        self.mark_unsynced();
         for &(_, pos) in new_blocks {
             self.add_refcount(pos, 1)?;
         }

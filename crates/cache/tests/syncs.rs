@@ -1,22 +1,31 @@
-//! Checkpoints written while the journal goes on (issue 4): a guest flush
-//! does not wait for a checkpoint's syncs, a crash before a started
-//! checkpoint lands loses nothing flushed after it started, and a writer
-//! that fills the journal ring waits for the checkpoint instead of
-//! overwriting what replay needs.
+//! Syncs of the cache device off the request path (issue 4).
+//!
+//! Checkpoints are written while the journal goes on: a guest flush does
+//! not wait for a checkpoint's syncs, a crash before a started checkpoint
+//! lands loses nothing flushed after it started, and a writer that fills
+//! the journal ring waits for the checkpoint instead of overwriting what
+//! replay needs. A guest flush syncs outside the cache's lock, and flushes
+//! arriving during its sync share the next one.
 
 use std::collections::HashMap;
-use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use vdcache_backend::inject::{Gate, HookedBackend, eventually};
 use vdcache_backend::recording::{Log, LogOp, RecordingBackend, StateKind};
-use vdcache_backend::{Backend, BackendRef, MemBackend};
+use vdcache_backend::{BackendRef, MemBackend};
 use vdcache_cache::{CacheConfig, FlashCache};
-use vdcache_image::{DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain};
+use vdcache_image::{
+    CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain,
+    qcow2_image_bytes,
+};
 
 const BLOCK: u64 = 4096;
 const IMAGE: u64 = 8 << 20;
 const DEVICE: usize = 16 << 20;
 const IMAGE_NAME: &str = "d/disk.raw";
+const QCOW2_NAME: &str = "d/disk.qcow2";
 
 fn config(inline: bool, interval: Option<u64>) -> CacheConfig {
     CacheConfig {
@@ -36,15 +45,33 @@ fn image_files() -> Arc<MemFiles> {
     files
 }
 
+/// The same image as qcow2: its guest flushes write metadata back first.
+fn qcow2_files() -> Arc<MemFiles> {
+    let files = MemFiles::new();
+    let image =
+        qcow2_image_bytes(Path::new(QCOW2_NAME), &CreateOptions::default(), IMAGE).expect("create");
+    files.insert(QCOW2_NAME, image);
+    files
+}
+
 fn disk_on(files: &Arc<MemFiles>, cache: &Arc<FlashCache>) -> VirtualDisk {
+    open_disk(files, cache, IMAGE_NAME, ImageFormat::Raw)
+}
+
+fn open_disk(
+    files: &Arc<MemFiles>,
+    cache: &Arc<FlashCache>,
+    name: &str,
+    format: ImageFormat,
+) -> VirtualDisk {
     let io: Arc<dyn HostIo> = cache.clone();
     open_chain(
-        IMAGE_NAME,
+        name,
         &OpenOptions {
             opener: files.clone(),
             io: Some(io),
             disk: DiskId(1),
-            format: Some(ImageFormat::Raw),
+            format: Some(format),
             ..OpenOptions::default()
         },
     )
@@ -144,128 +171,60 @@ fn flushed_writes_survive_checkpoints_that_never_landed() {
     );
 }
 
-/// A cache device whose syncs from the checkpoint thread wait at a gate.
-#[derive(Debug)]
-struct GatedDevice {
-    inner: MemBackend,
-    open: Mutex<bool>,
-    opened: Condvar,
-    held: AtomicU64,
-    holding: AtomicBool,
-}
-
-impl GatedDevice {
-    fn closed() -> Arc<GatedDevice> {
-        Arc::new(GatedDevice {
-            inner: MemBackend::new("cache", vec![0; DEVICE]),
-            open: Mutex::new(false),
-            opened: Condvar::new(),
-            held: AtomicU64::new(0),
-            holding: AtomicBool::new(false),
-        })
-    }
-
-    fn release(&self) {
-        *self.open.lock().expect("gate") = true;
-        self.opened.notify_all();
-    }
-}
-
-impl Backend for GatedDevice {
-    fn len(&self) -> io::Result<u64> {
-        self.inner.len()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> io::Result<()> {
-        if std::thread::current().name() == Some("vdcache-checkpoint") {
-            let mut open = self.open.lock().expect("gate");
-            if !*open {
-                self.held.fetch_add(1, Ordering::SeqCst);
-                self.holding.store(true, Ordering::SeqCst);
+/// A cache device whose syncs from the thread called `thread` wait at the
+/// gate returned with it.
+fn gated_device(thread: &'static str) -> (BackendRef, Arc<Gate>) {
+    let gate = Arc::new(Gate::default());
+    let held = gate.clone();
+    let device =
+        HookedBackend::new(Arc::new(MemBackend::fixed("cache", DEVICE))).on_flush(move || {
+            if std::thread::current().name() == Some(thread) {
+                held.wait();
             }
-            while !*open {
-                open = self.opened.wait(open).expect("gate");
-            }
-        }
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.discard(offset, len)
-    }
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        self.inner.set_len(len)
-    }
-    fn can_grow(&self) -> bool {
-        false
-    }
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
+            Ok(())
+        });
+    (Arc::new(device), gate)
 }
 
 #[test]
 fn guest_flushes_do_not_wait_for_a_checkpoint_in_flight() {
-    let gated = GatedDevice::closed();
-    let device: BackendRef = gated.clone();
+    let (device, gate) = gated_device("vdcache-checkpoint");
     let files = image_files();
     let config = config(false, Some(16 << 10));
     let cache = FlashCache::format(device.clone(), config.clone()).expect("format");
     let disk = disk_on(&files, &cache);
     let mut blocks = Blocks(0xbeef);
     let mut model = HashMap::new();
-    let done = (Mutex::new(false), Condvar::new());
-    let r = std::thread::scope(|s| {
-        // Should a flush wait for the checkpoint after all, the gate opens
-        // after a minute and the checks below fail instead of hanging.
-        s.spawn(|| {
-            let finished = done.0.lock().expect("done");
-            let (finished, _) = done
-                .1
-                .wait_timeout_while(finished, std::time::Duration::from_secs(60), |f| !*f)
-                .expect("done");
-            if !*finished {
-                gated.release();
-            }
-        });
-        // Each round journals about 250 bytes: checkpoints start every ~65
-        // rounds, and the first one is stuck at the gate for the whole run.
-        for round in 0..400 {
-            write_round(&disk, &mut blocks, &mut model, round);
-            disk.flush().expect("flush");
-        }
-        let r = cache.report();
-        *done.0.lock().expect("done") = true;
-        done.1.notify_all();
-        r
-    });
+    // Each round journals about 250 bytes: checkpoints start every ~65
+    // rounds, and the first one is stuck at the gate for the whole run.
+    for round in 0..400 {
+        write_round(&disk, &mut blocks, &mut model, round);
+        disk.flush().expect("flush");
+    }
+    let r = cache.report();
+    assert!(gate.held() > 0, "no checkpoint reached the device");
     assert!(
-        gated.holding.load(Ordering::SeqCst),
-        "no checkpoint reached the device"
+        !gate.opened_by_timeout(),
+        "the flushes waited for the checkpoint"
     );
     assert_eq!(
         r.device.checkpoints, 0,
         "a checkpoint landed through a closed gate"
     );
     assert_eq!(r.device.checkpoint_waits, 0);
-    gated.release();
+    gate.release();
     cache.shutdown(true).expect("shutdown");
     assert!(cache.report().device.checkpoints >= 2);
     drop(disk);
     drop(cache);
     let cache = FlashCache::open(device, config).expect("reopen");
     check(&disk_on(&files, &cache), &model, "after a restart");
-    assert!(gated.held.load(Ordering::SeqCst) >= 1);
+    assert!(gate.held() >= 1);
 }
 
 #[test]
 fn a_full_journal_ring_waits_for_the_checkpoint_in_flight() {
-    let gated = GatedDevice::closed();
-    let device: BackendRef = gated.clone();
+    let (device, gate) = gated_device("vdcache-checkpoint");
     let files = image_files();
     let config = config(false, None);
     let cache = FlashCache::format(device.clone(), config.clone()).expect("format");
@@ -278,9 +237,9 @@ fn a_full_journal_ring_waits_for_the_checkpoint_in_flight() {
         // when the writes are over without one, failing the test below).
         s.spawn(|| {
             while !done.load(Ordering::SeqCst) && cache.device_stats().checkpoint_waits == 0 {
-                std::thread::sleep(std::time::Duration::from_millis(1));
+                std::thread::sleep(Duration::from_millis(1));
             }
-            gated.release();
+            gate.release();
         });
         // About 30 bytes of journal per write: the 4 MiB ring is full
         // after some 150,000 writes since the last checkpoint landed.
@@ -301,4 +260,83 @@ fn a_full_journal_ring_waits_for_the_checkpoint_in_flight() {
     drop(cache);
     let cache = FlashCache::open(device, config).expect("reopen");
     check(&disk_on(&files, &cache), &model, "after a restart");
+}
+
+/// Writes four blocks from `first` with the contents of `round`, then
+/// flushes, on a thread called `name`.
+fn write_and_flush<'s>(
+    s: &'s std::thread::Scope<'s, '_>,
+    disk: &'s VirtualDisk,
+    name: &str,
+    first: u64,
+    round: u64,
+) -> std::thread::ScopedJoinHandle<'s, ()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn_scoped(s, move || {
+            for b in first..first + 4 {
+                disk.write(b * BLOCK, &content(b, round), false)
+                    .expect("write");
+            }
+            disk.flush().expect("flush");
+        })
+        .expect("spawn")
+}
+
+/// Notes what [`write_and_flush`] wrote.
+fn note_written(model: &mut HashMap<u64, u64>, first: u64, round: u64) {
+    for b in first..first + 4 {
+        model.insert(b, round);
+    }
+}
+
+#[test]
+fn guest_flushes_sync_outside_the_locks_and_share_the_next_sync() {
+    let (device, gate) = gated_device("first-flush");
+    let files = qcow2_files();
+    let config = config(false, None);
+    let cache = FlashCache::format(device.clone(), config.clone()).expect("format");
+    let disk = open_disk(&files, &cache, QCOW2_NAME, ImageFormat::Qcow2);
+    let syncs_before = cache.device_stats().syncs;
+    let mut model = HashMap::new();
+    let (lock_was_free, both_waited) = std::thread::scope(|s| {
+        let first = write_and_flush(s, &disk, "first-flush", 0, 1);
+        assert!(
+            eventually(|| gate.held() > 0),
+            "the first flush never synced"
+        );
+        note_written(&mut model, 0, 1);
+        // Its sync is stuck: requests of other threads must still run,
+        // allocating clusters too (neither the cache's lock nor the
+        // image's metadata lock is held through the sync).
+        let mut blocks = Blocks(0xcafe);
+        write_round(&disk, &mut blocks, &mut model, 2);
+        check(&disk, &model, "during a sync");
+        let lock_was_free = !gate.is_open();
+        let joiners = [
+            write_and_flush(s, &disk, "joiner-a", 100, 3),
+            write_and_flush(s, &disk, "joiner-b", 200, 4),
+        ];
+        let both_waited = eventually(|| cache.device_stats().sync_waits == 2);
+        gate.release();
+        for t in joiners.into_iter().chain([first]) {
+            t.join().expect("flusher");
+        }
+        (lock_was_free, both_waited)
+    });
+    assert!(lock_was_free, "requests waited for another flush's sync");
+    assert!(both_waited, "{:?}", cache.device_stats());
+    assert_eq!(
+        cache.device_stats().syncs - syncs_before,
+        2,
+        "three flushes: the first one's sync and one shared by the two that waited for it"
+    );
+    note_written(&mut model, 100, 3);
+    note_written(&mut model, 200, 4);
+    drop(disk);
+    drop(cache);
+    // Everything flushed is in the journal: no shutdown, a crash.
+    let cache = FlashCache::open(device, config).expect("reopen");
+    let disk = open_disk(&files, &cache, QCOW2_NAME, ImageFormat::Qcow2);
+    check(&disk, &model, "after a restart");
 }
