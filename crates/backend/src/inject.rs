@@ -70,11 +70,14 @@ impl Gate {
 type Hook = Box<dyn Fn() -> io::Result<()> + Send + Sync>;
 
 /// A backend whose writes and flushes first run a hook; an error from the
-/// hook fails the request without reaching the inner backend.
+/// hook fails the request without reaching the inner backend. Flushes also
+/// run a hook after the inner one (a sync that takes its time after the
+/// point it covers).
 pub struct HookedBackend {
     inner: BackendRef,
     before_write: Hook,
     before_flush: Hook,
+    after_flush: Hook,
 }
 
 impl HookedBackend {
@@ -83,6 +86,7 @@ impl HookedBackend {
             inner,
             before_write: Box::new(|| Ok(())),
             before_flush: Box::new(|| Ok(())),
+            after_flush: Box::new(|| Ok(())),
         }
     }
 
@@ -96,6 +100,13 @@ impl HookedBackend {
     pub fn on_flush(self, hook: impl Fn() -> io::Result<()> + Send + Sync + 'static) -> Self {
         HookedBackend {
             before_flush: Box::new(hook),
+            ..self
+        }
+    }
+
+    pub fn after_flush(self, hook: impl Fn() -> io::Result<()> + Send + Sync + 'static) -> Self {
+        HookedBackend {
+            after_flush: Box::new(hook),
             ..self
         }
     }
@@ -125,7 +136,8 @@ impl Backend for HookedBackend {
 
     fn flush(&self) -> io::Result<()> {
         (self.before_flush)()?;
-        self.inner.flush()
+        self.inner.flush()?;
+        (self.after_flush)()
     }
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {

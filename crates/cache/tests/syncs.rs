@@ -340,3 +340,65 @@ fn guest_flushes_sync_outside_the_locks_and_share_the_next_sync() {
     let disk = open_disk(&files, &cache, QCOW2_NAME, ImageFormat::Qcow2);
     check(&disk, &model, "after a restart");
 }
+
+/// Flushers on three threads, each sync of the device taking a millisecond
+/// after the point it covers: a flush returns only once a sync that started
+/// after its journal batch was written has run, whether it ran that sync
+/// itself or shared another's.
+#[test]
+fn concurrent_flushes_return_only_once_their_writes_are_durable() {
+    const THREADS: u64 = 3;
+    const ROUNDS: u64 = 40;
+    let log = Log::new();
+    let recording: BackendRef = Arc::new(RecordingBackend::fixed(&log, "cache", DEVICE));
+    let slow_syncs = HookedBackend::new(recording).after_flush(|| {
+        std::thread::sleep(Duration::from_millis(1));
+        Ok(())
+    });
+    let files = image_files();
+    let config = config(false, None);
+    let cache = FlashCache::format(Arc::new(slow_syncs), config.clone()).expect("format");
+    let disk = disk_on(&files, &cache);
+    let mut returns: Vec<(u64, HashMap<u64, u64>)> = std::thread::scope(|s| {
+        let flushers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (disk, log) = (&disk, &log);
+                s.spawn(move || {
+                    let mut model = HashMap::new();
+                    let mut returned = Vec::new();
+                    for round in 0..ROUNDS {
+                        for i in 0..2 {
+                            let b = t * 512 + (round * 7 + i * 3) % 512;
+                            disk.write(b * BLOCK, &content(b, round), false)
+                                .expect("write");
+                            model.insert(b, round);
+                        }
+                        disk.flush().expect("flush");
+                        returned.push((log.len(), model.clone()));
+                    }
+                    returned
+                })
+            })
+            .collect();
+        flushers
+            .into_iter()
+            .flat_map(|f| f.join().expect("flusher"))
+            .collect()
+    });
+    let stats = cache.device_stats();
+    assert!(
+        stats.sync_waits > 0,
+        "the flushes never overlapped: {stats:?}"
+    );
+    returns.sort_by_key(|(point, _)| *point);
+    let history = log.snapshot();
+    let mut replayer = history.replayer();
+    for (point, model) in returns {
+        // A crash right after the flush returned, keeping only what was
+        // synced by then.
+        let state = replayer.state(point, StateKind::None);
+        let dev: BackendRef = Arc::new(state.device("cache").expect("device").to_mem_backend());
+        let recovered = FlashCache::open(dev, config.clone()).expect("recover");
+        check(&disk_on(&files, &recovered), &model, "after a crash");
+    }
+}
