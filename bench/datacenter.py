@@ -119,8 +119,11 @@ class StorageServer:
 
 
 class Contender:
-    """qemu-nbd (name "qemu-nbd") or vdcache serve with `args` (cache flags,
-    --cow, metadata cache sizes...); a new cache file per start."""
+    """qemu-nbd (name "qemu-nbd"), nbdkit's memory plugin (name
+    "ram-ceiling": no image, no storage server; what the client reaches
+    against a server that only copies memory), or vdcache serve with `args`
+    (cache flags, --cow, metadata cache sizes...); a new cache file per
+    start."""
 
     def __init__(self, name, work, vdcache, args=()):
         self.name = name
@@ -140,6 +143,8 @@ class Contender:
         if self.name == "qemu-nbd":
             cmd = ["qemu-nbd", "-k", self.sock, "-t", "-f", "qcow2", "--cache=writeback",
                    "--discard=unmap", image_uri]
+        elif self.name == "ram-ceiling":
+            cmd = ["nbdkit", "-f", "-U", self.sock, "memory", *self.args]
         else:
             if self.cache_file.exists():
                 self.cache_file.unlink()
@@ -150,7 +155,7 @@ class Contender:
 
     def stats(self):
         """The server's statistics (vdcache only), or None."""
-        if self.name == "qemu-nbd":
+        if self.name in ("qemu-nbd", "ram-ceiling"):
             return None
         out = run([str(self.vdcache), "stats", "--json", "--socket", self.sock]).stdout
         return json.loads(out)

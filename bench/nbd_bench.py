@@ -9,6 +9,9 @@ over a Unix socket, one at a time, in one run:
   qemu-nbd        the chain straight from the storage server (no flash)
   vdcache         vdcache serve through its NBD client backend, no cache
   vdcache+cache   vdcache serve with a flash cache file (--with-cache)
+  ram-ceiling     nbdkit's memory plugin, no image and no storage server
+                  (--with-ceiling): the most this client reaches on this
+                  machine, against a server that only copies memory
 
 For every workload row it reports IOPS, p99 completion latency, and
 storage-server bytes read and written per guest byte, with the ratio of
@@ -16,7 +19,8 @@ each vdcache contender to qemu-nbd measured in the same run. Results go to
 a Markdown table on stdout and to --out.
 
 Usage: bench/nbd_bench.py [--runtime S] [--size SIZE] [--delay MS]
-                          [--with-cache] [--rows a,b,...] [--out FILE]
+                          [--with-cache] [--with-ceiling] [--rows a,b,...]
+                          [--out FILE]
 """
 
 import argparse
@@ -56,6 +60,8 @@ def main():
     ap.add_argument("--size", default="1g", help="image size")
     ap.add_argument("--delay", type=float, default=1.0, help="storage server latency in ms")
     ap.add_argument("--with-cache", action="store_true", help="also run vdcache with a flash cache")
+    ap.add_argument("--with-ceiling", action="store_true",
+                    help="also run nbdkit's memory plugin: the client's ceiling on this machine")
     ap.add_argument("--cache-size", default="2g")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows")
     ap.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
@@ -78,6 +84,8 @@ def main():
         contenders.append(Contender("vdcache+cache", work, a.vdcache,
                                     ["--cache", "{cache}", "--cache-size", a.cache_size,
                                      "--cache-mode", "writeback"]))
+    if a.with_ceiling:
+        contenders.append(Contender("ram-ceiling", work, a.vdcache, [str(size)]))
     results = {}
     for row in rows:
         rw, bs, depth, image, working_set, warm = ROWS[row]
@@ -132,16 +140,23 @@ def render(rows, contenders, results, a):
              "for warm-* rows, whose bytes also count as guest bytes, and the write-back at a clean stop). "
              "Flash written / guest byte: everything the cache wrote to its device (data zone, journal, "
              "checkpoints) until the end of the run, before the write-back at the stop.", "",
-             "| row | contender | IOPS | p99 ms | server read / guest byte | server written / guest byte "
-             "| flash written / guest byte | IOPS vs qemu-nbd |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "IOPS vs vdcache: the cached contender against vdcache without a cache in the same run.",
+             "", "| row | contender | IOPS | p99 ms | server read / guest byte | server written / guest byte "
+             "| flash written / guest byte | IOPS vs qemu-nbd | IOPS vs vdcache |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ratio(iops, base):
+        return f"{iops / base[0]:.2f}" if base and base[0] else ""
+
     for row in rows:
-        base = results.get((row, "qemu-nbd"))
+        peer = results.get((row, "qemu-nbd"))
+        uncached = results.get((row, "vdcache"))
         for c in contenders:
             iops, p99, r, w, f = results[(row, c.name)]
-            ratio = f"{iops / base[0]:.2f}" if base and base[0] else ""
             flash = "-" if f is None else f"{f:.3f}"
-            lines.append(f"| {row} | {c.name} | {iops:.0f} | {p99:.3f} | {r:.3f} | {w:.3f} | {flash} | {ratio} |")
+            cached = ratio(iops, uncached) if c.name == "vdcache+cache" else ""
+            lines.append(f"| {row} | {c.name} | {iops:.0f} | {p99:.3f} | {r:.3f} | {w:.3f} | {flash} "
+                         f"| {ratio(iops, peer)} | {cached} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,14 +1,15 @@
-//! Group commit for guest flushes: the sync of the cache device runs
-//! outside the cache's state lock, and flushes arriving while one runs
-//! share the next one.
+//! Group commit: a sync that runs outside the cache's state lock, shared
+//! by every caller whose writes were published before it started.
 //!
-//! A flush writes its journal batch under the state lock, publishes the
-//! batch's sequence number, drops the lock and asks for a sync covering
-//! that number. One sync at a time runs; it covers every batch published
-//! before it started (their writes completed before the publication).
+//! For the cache device, a guest flush writes its journal batch under the
+//! state lock, publishes the batch's sequence number, drops the lock and
+//! asks for a sync covering that number. For an image's backend, each
+//! write-through write publishes its unsynced mark (see `State::unsynced`).
+//! One sync at a time runs; it covers every number published before it
+//! started (their writes completed before the publication).
 //!
-//! Owns: the published and durable batch numbers, the one-sync-at-a-time
-//! rule, the count of flushes that waited for another's sync.
+//! Owns: the published and durable numbers, the one-sync-at-a-time rule,
+//! the count of callers that waited for another's sync.
 //! Must not: decide what a sync covers beyond published numbers (callers
 //! publish only after their writes completed), or hide a failed sync (its
 //! waiters see the error or run their own).
@@ -21,27 +22,27 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 pub struct GroupSync {
     round: Mutex<Round>,
     finished: Condvar,
-    /// The highest batch number whose write completed.
+    /// The highest number whose write completed.
     published: AtomicU64,
-    /// Flushes that found a sync running and waited for it.
+    /// Callers that found a sync running and waited for it.
     waits: AtomicU64,
 }
 
 #[derive(Debug, Default)]
 struct Round {
-    /// Every batch up to this number is durable.
+    /// Every write up to this number is durable.
     durable: u64,
     running: bool,
 }
 
 impl GroupSync {
-    /// Batch `seq` (and every one before it) is written: a sync that starts
-    /// from now on covers it.
+    /// Write `seq` (and every one numbered before it) completed: a sync
+    /// that starts from now on covers it.
     pub fn publish(&self, seq: u64) {
         self.published.fetch_max(seq, Ordering::Release);
     }
 
-    /// Returns once batch `seq` is durable, running `sync` unless a sync
+    /// Returns once write `seq` is durable, running `sync` unless a sync
     /// that covers it already ran. `seq` must have been published.
     pub fn sync_through(&self, seq: u64, sync: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
         let mut round = self.lock();
@@ -69,14 +70,14 @@ impl GroupSync {
         result
     }
 
-    /// Every batch before `seq` became durable by a sync run elsewhere
+    /// Every write before `seq` became durable by a sync run elsewhere
     /// (under the caller's lock, so nothing later was written meanwhile).
     pub fn note_durable(&self, seq: u64) {
         let mut round = self.lock();
         round.durable = round.durable.max(seq);
     }
 
-    /// Flushes that waited for a sync another flush had started.
+    /// Callers that waited for a sync another caller had started.
     pub fn waits(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)
     }

@@ -355,6 +355,10 @@ pub struct JournalWriter {
     since_durable: u64,
     /// Entries not yet written.
     pending: Vec<u8>,
+    /// Entry bytes pushed since the writer was made, and of those, the
+    /// ones written or dropped: `pending` holds the difference.
+    pushed: u64,
+    consumed: u64,
 }
 
 impl JournalWriter {
@@ -376,11 +380,21 @@ impl JournalWriter {
             since_started: 0,
             since_durable: 0,
             pending: Vec::new(),
+            pushed: 0,
+            consumed: 0,
         }
     }
 
     pub fn push(&mut self, e: &Entry) {
+        let before = self.pending.len();
         e.encode(&mut self.pending);
+        self.pushed += (self.pending.len() - before) as u64;
+    }
+
+    /// How far entries were pushed: a position [`Self::write_pending_through`]
+    /// takes.
+    pub fn pushed(&self) -> u64 {
+        self.pushed
     }
 
     /// Checkpoint `generation` starts here: later batches belong to its
@@ -399,6 +413,7 @@ impl JournalWriter {
     /// has captured their effect.
     pub fn drop_pending(&mut self) {
         self.pending.clear();
+        self.consumed = self.pushed;
     }
 
     pub fn pending_bytes(&self) -> usize {
@@ -408,7 +423,12 @@ impl JournalWriter {
     /// Ring bytes writing the pending entries takes: the batch, rounded to
     /// blocks, plus the end of the ring skipped when it does not fit there.
     fn next_batch_bytes(&self) -> u64 {
-        let total = ((HEADER + self.pending.len()) as u64).div_ceil(BLOCK) * BLOCK;
+        self.batch_bytes(self.pending.len())
+    }
+
+    /// Ring bytes a batch of `len` payload bytes takes.
+    fn batch_bytes(&self, len: usize) -> u64 {
+        let total = ((HEADER + len) as u64).div_ceil(BLOCK) * BLOCK;
         let skipped = if self.pos + total > self.capacity {
             self.capacity - self.pos
         } else {
@@ -432,17 +452,31 @@ impl JournalWriter {
     /// Writes the pending entries as one batch (not synced). Returns false
     /// when there was nothing to write. The caller checks [`Self::has_room`].
     pub fn write_pending(&mut self, device: &dyn Backend) -> Result<bool> {
-        if self.pending.is_empty() {
+        self.write_pending_through(device, self.pushed)
+    }
+
+    /// Writes the pending entries pushed before position `through` (see
+    /// [`Self::pushed`]) as one batch; later ones stay pending.
+    pub fn write_pending_through(&mut self, device: &dyn Backend, through: u64) -> Result<bool> {
+        let due = through
+            .saturating_sub(self.consumed)
+            .min(self.pending.len() as u64) as usize;
+        if due == 0 {
             return Ok(false);
         }
-        let used = self.next_batch_bytes();
-        let total = ((HEADER + self.pending.len()) as u64).div_ceil(BLOCK) * BLOCK;
+        let used = self.batch_bytes(due);
+        let total = ((HEADER + due) as u64).div_ceil(BLOCK) * BLOCK;
         if total > self.capacity / 2 {
             return Err(CacheError::Config(format!(
                 "a journal batch of {total} bytes exceeds half the metadata zone"
             )));
         }
-        let payload = std::mem::take(&mut self.pending);
+        let payload: Vec<u8> = if due == self.pending.len() {
+            std::mem::take(&mut self.pending)
+        } else {
+            self.pending.drain(..due).collect()
+        };
+        self.consumed += due as u64;
         if self.pos + total > self.capacity {
             self.pos = 0;
         }
@@ -673,6 +707,42 @@ mod tests {
             l,
             [7u8; 16],
         )
+    }
+
+    #[test]
+    fn a_batch_through_a_position_leaves_later_entries_pending() {
+        let (dev, l, uuid) = setup();
+        let mut w = JournalWriter::new(&l, &uuid, 5, 1, 0);
+        let mark = CheckpointMark {
+            generation: 5,
+            slot: 0,
+            journal_seq: 1,
+            journal_pos: 0,
+        };
+        w.push(&Entry::Unmap { key: 1, slot: 0 });
+        let through = w.pushed();
+        w.push(&Entry::Unmap { key: 2, slot: 0 });
+        assert!(w.write_pending_through(&dev, through).unwrap());
+        // Nothing before the position is left; the rest goes next.
+        assert!(!w.write_pending_through(&dev, through).unwrap());
+        assert!(w.write_pending(&dev).unwrap());
+        let JournalTail { batches, .. } = read_batches(&dev, &l, &uuid, mark).unwrap();
+        let entries: Vec<Vec<Entry>> = batches.iter().map(|b| decode_entries(b).unwrap()).collect();
+        assert_eq!(
+            entries,
+            [
+                vec![Entry::Unmap { key: 1, slot: 0 }],
+                vec![Entry::Unmap { key: 2, slot: 0 }]
+            ]
+        );
+        // Dropped entries count as consumed: a later position is exact.
+        w.push(&Entry::Unmap { key: 3, slot: 0 });
+        w.drop_pending();
+        w.push(&Entry::Unmap { key: 4, slot: 0 });
+        let through = w.pushed();
+        w.push(&Entry::Unmap { key: 5, slot: 0 });
+        assert!(w.write_pending_through(&dev, through).unwrap());
+        assert_eq!(w.pending_bytes(), w.pushed() as usize - through as usize);
     }
 
     #[test]

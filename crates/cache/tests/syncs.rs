@@ -12,13 +12,15 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use vdcache_backend::LockMode;
 use vdcache_backend::inject::{Gate, HookedBackend, eventually};
 use vdcache_backend::recording::{Log, LogOp, RecordingBackend, StateKind};
 use vdcache_backend::{BackendRef, MemBackend};
+use vdcache_cache::WriteMode;
 use vdcache_cache::{CacheConfig, FlashCache};
 use vdcache_image::{
-    CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain,
-    qcow2_image_bytes,
+    CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, StoreOpener, VirtualDisk,
+    open_chain, qcow2_image_bytes,
 };
 
 const BLOCK: u64 = 4096;
@@ -55,11 +57,11 @@ fn qcow2_files() -> Arc<MemFiles> {
 }
 
 fn disk_on(files: &Arc<MemFiles>, cache: &Arc<FlashCache>) -> VirtualDisk {
-    open_disk(files, cache, IMAGE_NAME, ImageFormat::Raw)
+    open_disk(files.clone(), cache, IMAGE_NAME, ImageFormat::Raw)
 }
 
 fn open_disk(
-    files: &Arc<MemFiles>,
+    opener: Arc<dyn StoreOpener>,
     cache: &Arc<FlashCache>,
     name: &str,
     format: ImageFormat,
@@ -68,7 +70,7 @@ fn open_disk(
     open_chain(
         name,
         &OpenOptions {
-            opener: files.clone(),
+            opener,
             io: Some(io),
             disk: DiskId(1),
             format: Some(format),
@@ -296,7 +298,7 @@ fn guest_flushes_sync_outside_the_locks_and_share_the_next_sync() {
     let files = qcow2_files();
     let config = config(false, None);
     let cache = FlashCache::format(device.clone(), config.clone()).expect("format");
-    let disk = open_disk(&files, &cache, QCOW2_NAME, ImageFormat::Qcow2);
+    let disk = open_disk(files.clone(), &cache, QCOW2_NAME, ImageFormat::Qcow2);
     let syncs_before = cache.device_stats().syncs;
     let mut model = HashMap::new();
     let (lock_was_free, both_waited) = std::thread::scope(|s| {
@@ -337,7 +339,7 @@ fn guest_flushes_sync_outside_the_locks_and_share_the_next_sync() {
     drop(cache);
     // Everything flushed is in the journal: no shutdown, a crash.
     let cache = FlashCache::open(device, config).expect("reopen");
-    let disk = open_disk(&files, &cache, QCOW2_NAME, ImageFormat::Qcow2);
+    let disk = open_disk(files.clone(), &cache, QCOW2_NAME, ImageFormat::Qcow2);
     check(&disk, &model, "after a restart");
 }
 
@@ -401,4 +403,92 @@ fn concurrent_flushes_return_only_once_their_writes_are_durable() {
         let recovered = FlashCache::open(dev, config.clone()).expect("recover");
         check(&disk_on(&files, &recovered), &model, "after a crash");
     }
+}
+
+/// Image files whose backend syncs from the thread called `thread` wait at
+/// `gate`.
+#[derive(Debug)]
+struct GatedFiles {
+    files: Arc<MemFiles>,
+    thread: &'static str,
+    gate: Arc<Gate>,
+}
+
+impl StoreOpener for GatedFiles {
+    fn open(
+        &self,
+        name: &str,
+        writable: bool,
+        lock: Option<LockMode>,
+    ) -> vdcache_image::Result<BackendRef> {
+        let (thread, gate) = (self.thread, self.gate.clone());
+        let inner = self.files.open(name, writable, lock)?;
+        Ok(Arc::new(HookedBackend::new(inner).on_flush(move || {
+            if std::thread::current().name() == Some(thread) {
+                gate.wait();
+            }
+            Ok(())
+        })))
+    }
+
+    fn canonical(&self, name: &str) -> vdcache_image::Result<String> {
+        self.files.canonical(name)
+    }
+
+    fn resolve(&self, parent: &str, backing: &str) -> String {
+        self.files.resolve(parent, backing)
+    }
+}
+
+/// Write-through: a guest flush syncs the image's backend without the
+/// cache's lock, so requests go on meanwhile. What they write through
+/// during that sync is not covered by it: their journal records stay
+/// pending rather than cost the flush a second backend sync, and a crash
+/// right after the flush keeps only the flushed writes' clean copies.
+#[test]
+fn write_through_backend_syncs_run_outside_the_lock() {
+    let gate = Arc::new(Gate::default());
+    let opener = Arc::new(GatedFiles {
+        files: image_files(),
+        thread: "first-flush",
+        gate: gate.clone(),
+    });
+    let mut config = config(false, None);
+    config.default_policy.mode = WriteMode::WriteThrough;
+    let log = Log::new();
+    let device: BackendRef = Arc::new(RecordingBackend::fixed(&log, "cache", DEVICE));
+    let cache = FlashCache::format(device, config.clone()).expect("format");
+    let disk = open_disk(opener.clone(), &cache, IMAGE_NAME, ImageFormat::Raw);
+    let mut model = HashMap::new();
+    let (lock_was_free, flushed_at) = std::thread::scope(|s| {
+        let first = write_and_flush(s, &disk, "first-flush", 0, 1);
+        assert!(
+            eventually(|| gate.held() > 0),
+            "the first flush never synced the backend"
+        );
+        note_written(&mut model, 0, 1);
+        write_round(&disk, &mut Blocks(0xfeed), &mut model, 2);
+        check(&disk, &model, "during a backend sync");
+        let lock_was_free = !gate.is_open();
+        gate.release();
+        first.join().expect("flusher");
+        (lock_was_free, log.len())
+    });
+    assert!(lock_was_free, "requests waited for a backend sync");
+    assert_eq!(cache.report().total.backend_syncs, 1);
+    let state = log.snapshot().state(flushed_at, StateKind::None);
+    let dev: BackendRef = Arc::new(state.device("cache").expect("device").to_mem_backend());
+    let recovered = FlashCache::open(dev, config).expect("recover");
+    assert_eq!(
+        recovered.report().cached_bytes,
+        4 * BLOCK,
+        "a crash kept clean copies of data written through after the backend sync"
+    );
+    check(
+        &open_disk(opener, &recovered, IMAGE_NAME, ImageFormat::Raw),
+        &model,
+        "after a crash",
+    );
+    disk.flush().expect("flush");
+    assert_eq!(cache.report().total.backend_syncs, 2);
 }

@@ -179,6 +179,14 @@ impl FlashCache {
     /// when the journal since the last one reached the interval; waits for
     /// the one in flight only when the ring has no room.
     pub(crate) fn append_journal(&self, st: &mut State) -> Result<()> {
+        let all = st.journal.pushed();
+        self.append_journal_through(st, all)
+    }
+
+    /// [`Self::append_journal`], where a batch written now need only reach
+    /// journal position `through` (a guest flush leaves later entries, of
+    /// write-through data its backend sync did not cover, pending).
+    pub(crate) fn append_journal_through(&self, st: &mut State, through: u64) -> Result<()> {
         if st.journal.pending_bytes() == 0 {
             return Ok(());
         }
@@ -192,7 +200,7 @@ impl FlashCache {
         let room = st.journal.has_room();
         let due = !room || st.journal.needs_checkpoint(self.checkpoint_interval());
         if st.checkpoint_running || !due {
-            st.journal.write_pending(&*self.device)?;
+            st.journal.write_pending_through(&*self.device, through)?;
         } else if room && st.epoch == st.generation {
             let job = self.begin_checkpoint(st)?;
             st.checkpoint_running = true;

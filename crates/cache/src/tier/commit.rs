@@ -5,24 +5,61 @@
 
 use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
+use crate::group_sync::GroupSync;
 use crate::stats::bump;
-use std::sync::MutexGuard;
-use vdcache_image::{FlushKind, ImageHandle};
+use std::sync::{Arc, MutexGuard};
+use vdcache_backend::BackendRef;
+use vdcache_image::{DiskId, FlushKind, ImageHandle};
 
 impl FlashCache {
     /// Syncs images holding write-through data: journal records of their
-    /// clean copies must never outlive the data on the backend.
+    /// clean copies must never outlive the data on the backend. An image
+    /// stays marked until its sync succeeded.
     pub(crate) fn sync_backends(&self, st: &mut State) -> Result<()> {
-        for id in std::mem::take(&mut st.unsynced) {
-            let Some(rec) = st.images.get(id as usize) else {
-                continue;
-            };
-            if let Some(b) = &rec.backend {
-                b.flush().map_err(CacheError::device("sync backend"))?;
-                bump(&self.stats.disk(rec.disk).backend_syncs, 1);
+        for m in marked_backends(st) {
+            self.sync_backend(&m)?;
+            st.unsynced.remove(&m.id);
+        }
+        // What is left has no open store to sync.
+        st.unsynced.clear();
+        Ok(())
+    }
+
+    /// [`Self::sync_backends`] without the lock (a backend sync may cross
+    /// the network, and every disk would wait for it). An image stays
+    /// marked unless nothing was written through to it since the snapshot,
+    /// so a commit meanwhile still syncs it itself.
+    fn sync_backends_unlocked<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+    ) -> Result<MutexGuard<'a, State>> {
+        let marked = marked_backends(&st);
+        if marked.is_empty() {
+            return Ok(st);
+        }
+        drop(st);
+        for m in &marked {
+            self.sync_backend(m)?;
+        }
+        let mut st = self.lock();
+        for m in marked {
+            if st.unsynced.get(&m.id) == Some(&m.mark) {
+                st.unsynced.remove(&m.id);
             }
         }
-        Ok(())
+        Ok(st)
+    }
+
+    /// Returns once a backend sync that started after the image's mark
+    /// ran: this one, or one another flush started meanwhile.
+    fn sync_backend(&self, m: &Marked) -> Result<()> {
+        m.syncs
+            .sync_through(m.mark, || {
+                m.backend.flush()?;
+                bump(&self.stats.disk(m.disk).backend_syncs, 1);
+                Ok(())
+            })
+            .map_err(CacheError::device("sync backend"))
     }
 
     /// Writes pending journal entries and syncs the cache device, under the
@@ -43,10 +80,17 @@ impl FlashCache {
     /// flight before the batch.
     fn write_commit(&self, st: &mut State) -> Result<bool> {
         self.sync_backends(st)?;
+        let all = st.journal.pushed();
+        self.write_commit_through(st, all)
+    }
+
+    /// [`Self::write_commit`] once the backends of the write-through data
+    /// recorded before journal position `through` are synced.
+    fn write_commit_through(&self, st: &mut State, through: u64) -> Result<bool> {
         // Summaries ride along with this commit's sync (they need none).
         self.write_summaries(st)?;
         let started_before = st.checkpoint_running;
-        self.append_journal(st)?;
+        self.append_journal_through(st, through)?;
         Ok(started_before)
     }
 
@@ -60,12 +104,18 @@ impl FlashCache {
         Ok(())
     }
 
-    /// A guest flush: the batch is written under the lock, the sync runs
-    /// outside it and is shared with flushes arriving meanwhile (see
-    /// `group_sync`). Dirty blocks stay marked uncommitted: a write
-    /// bypassing the log may not rely on a sync still running.
-    fn guest_commit(&self, mut st: MutexGuard<'_, State>) -> Result<()> {
-        let started_before = self.write_commit(&mut st)?;
+    /// A guest flush: backends of write-through data are synced outside
+    /// the lock, the batch is written under it, and the cache device's sync
+    /// runs outside it again, shared with flushes arriving meanwhile (see
+    /// `group_sync`). The batch reaches only the entries recorded before
+    /// the flush began: those of data written through while the backends
+    /// synced stay pending, so this flush costs no second backend sync.
+    /// Dirty blocks stay marked uncommitted: a write bypassing the log may
+    /// not rely on a sync still running.
+    fn guest_commit(&self, st: MutexGuard<'_, State>) -> Result<()> {
+        let through = st.journal.pushed();
+        let mut st = self.sync_backends_unlocked(st)?;
+        let started_before = self.write_commit_through(&mut st, through)?;
         let written = st.journal.next_seq;
         drop(st);
         self.group_sync.publish(written);
@@ -93,14 +143,9 @@ impl FlashCache {
             FlushKind::Barrier => {
                 // The journal keeps order by itself; only data that went to
                 // the backend needs the backend's own barrier.
-                if let Some(id) = id.filter(|id| st.unsynced.contains(id)) {
-                    st.unsynced.remove(&id);
-                    image
-                        .backend
-                        .flush()
-                        .map_err(CacheError::device("sync backend"))?;
-                    let disk = st.images[id as usize].disk;
-                    bump(&self.stats.disk(disk).backend_syncs, 1);
+                if let Some(m) = id.and_then(|id| marked(&st, id)) {
+                    self.sync_backend(&m)?;
+                    st.unsynced.remove(&m.id);
                 }
                 Ok(())
             }
@@ -115,4 +160,34 @@ impl FlashCache {
             }
         }
     }
+}
+
+/// An image marked unsynced, as the mark stood.
+struct Marked {
+    id: u16,
+    mark: u64,
+    disk: DiskId,
+    backend: BackendRef,
+    syncs: Arc<GroupSync>,
+}
+
+/// Image `id`, if marked unsynced and with an open store.
+fn marked(st: &State, id: u16) -> Option<Marked> {
+    let mark = *st.unsynced.get(&id)?;
+    let rec = st.images.get(id as usize)?;
+    Some(Marked {
+        id,
+        mark,
+        disk: rec.disk,
+        backend: rec.backend.clone()?,
+        syncs: rec.backend_syncs.clone(),
+    })
+}
+
+/// The images marked unsynced that have an open store.
+fn marked_backends(st: &State) -> Vec<Marked> {
+    st.unsynced
+        .keys()
+        .filter_map(|&id| marked(st, id))
+        .collect()
 }

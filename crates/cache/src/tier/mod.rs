@@ -32,7 +32,7 @@ use crate::journal::{CheckpointMark, Entry, ImageIdentity, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
 use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -56,6 +56,9 @@ pub(crate) struct ImageRecord {
     /// End of the highest block written through the cache: the image is
     /// at least this long even before write-back extends the file.
     pub end: u64,
+    /// Syncs of the backend for write-through data, shared by the flushes
+    /// that need one at the same time (numbered by `State::unsynced` marks).
+    pub backend_syncs: Arc<GroupSync>,
 }
 
 /// A recent write, so a read miss does not admit data it overtook.
@@ -87,8 +90,12 @@ pub(crate) struct State {
     pub policies: HashMap<u32, DiskPolicy>,
     pub hot: HotFilter,
     pub runs: HashMap<u32, SequentialRun>,
-    /// Images with write-through data not yet synced on the backend.
-    pub unsynced: BTreeSet<u16>,
+    /// Images with write-through data not yet synced on the backend, each
+    /// with the number of the last write that marked it (numbered across
+    /// images and never reused, so an unchanged number proves nothing was
+    /// written through since).
+    pub unsynced: BTreeMap<u16, u64>,
+    write_through_marks: u64,
     /// Lines holding dirty blocks, in write-back order.
     pub dirty_lines: BTreeSet<u64>,
     recent: VecDeque<RecentWrite>,
@@ -113,6 +120,15 @@ pub(crate) struct State {
 impl State {
     fn policy(&self, disk: DiskId, default: DiskPolicy) -> DiskPolicy {
         self.policies.get(&disk.0).copied().unwrap_or(default)
+    }
+
+    /// Image `id` took write-through data its backend has not synced.
+    fn mark_unsynced(&mut self, id: u16) {
+        self.write_through_marks += 1;
+        self.unsynced.insert(id, self.write_through_marks);
+        if let Some(rec) = self.images.get(id as usize) {
+            rec.backend_syncs.publish(self.write_through_marks);
+        }
     }
 
     /// Records a write of `[start, end)` of an image.
@@ -298,7 +314,8 @@ impl FlashCache {
             policies: HashMap::new(),
             hot: HotFilter::new(HOT_FILTER_ENTRIES),
             runs: HashMap::new(),
-            unsynced: BTreeSet::new(),
+            unsynced: BTreeMap::new(),
+            write_through_marks: 0,
             dirty_lines: BTreeSet::new(),
             recent: VecDeque::new(),
             write_seq: 0,
@@ -404,6 +421,7 @@ impl FlashCache {
             disk,
             shared_by_disks: false,
             end: 0,
+            backend_syncs: Arc::default(),
         });
         st.by_name.insert(image.name.to_string(), id);
         st.journal.push(&Entry::Image {

@@ -436,6 +436,7 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
                 disk: vdcache_image::DiskId::default(),
                 shared_by_disks: false,
                 end: 0,
+                backend_syncs: Default::default(),
             };
             if i == st.images.len() {
                 st.images.push(rec);

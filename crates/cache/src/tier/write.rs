@@ -531,7 +531,7 @@ impl FlashCache {
         let cached = cacheable_ranges(off, segments, keep_copy);
         let whole: Vec<u64> = {
             let mut st = self.lock();
-            st.unsynced.insert(id);
+            st.mark_unsynced(id);
             st.note_write(id, off, off + len);
             self.validate_written(&mut st, id, off, len);
             (first..=last)
