@@ -709,16 +709,21 @@ mod tests {
         )
     }
 
-    #[test]
-    fn a_batch_through_a_position_leaves_later_entries_pending() {
-        let (dev, l, uuid) = setup();
-        let mut w = JournalWriter::new(&l, &uuid, 5, 1, 0);
+    /// A writer appending after checkpoint 5, and that checkpoint's mark.
+    fn after_checkpoint_5(l: &Layout, uuid: &[u8; 16]) -> (JournalWriter, CheckpointMark) {
         let mark = CheckpointMark {
             generation: 5,
             slot: 0,
             journal_seq: 1,
             journal_pos: 0,
         };
+        (JournalWriter::new(l, uuid, 5, 1, 0), mark)
+    }
+
+    #[test]
+    fn a_batch_through_a_position_leaves_later_entries_pending() {
+        let (dev, l, uuid) = setup();
+        let (mut w, mark) = after_checkpoint_5(&l, &uuid);
         w.push(&Entry::Unmap { key: 1, slot: 0 });
         let through = w.pushed();
         w.push(&Entry::Unmap { key: 2, slot: 0 });
@@ -748,13 +753,7 @@ mod tests {
     #[test]
     fn batches_replay_in_order_and_stop_at_a_torn_one() {
         let (dev, l, uuid) = setup();
-        let mut w = JournalWriter::new(&l, &uuid, 5, 1, 0);
-        let mark = CheckpointMark {
-            generation: 5,
-            slot: 0,
-            journal_seq: 1,
-            journal_pos: 0,
-        };
+        let (mut w, mark) = after_checkpoint_5(&l, &uuid);
         for i in 0..5u64 {
             w.push(&Entry::Unmap { key: i, slot: 1 });
             w.push(&Entry::Map {
@@ -793,13 +792,7 @@ mod tests {
     #[test]
     fn replay_follows_the_journal_into_the_next_epoch_only() {
         let (dev, l, uuid) = setup();
-        let mut w = JournalWriter::new(&l, &uuid, 5, 1, 0);
-        let mark = CheckpointMark {
-            generation: 5,
-            slot: 0,
-            journal_seq: 1,
-            journal_pos: 0,
-        };
+        let (mut w, mark) = after_checkpoint_5(&l, &uuid);
         let batch = |w: &mut JournalWriter, key| {
             w.push(&Entry::Unmap { key, slot: 0 });
             assert!(w.write_pending(&dev).unwrap());
