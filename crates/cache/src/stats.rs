@@ -183,8 +183,9 @@ pub struct DeviceStats {
     /// writer had to wait for the checkpoint in flight.
     pub checkpoints: u64,
     pub checkpoint_waits: u64,
-    /// Guest flushes that waited for a sync another flush had started, and
-    /// were covered by it or by the next one (group commit).
+    /// Commits (guest flushes, write-through writes dropping cached copies)
+    /// that waited for a sync another had started, and were covered by it
+    /// or by the next one (group commit).
     pub sync_waits: u64,
 }
 

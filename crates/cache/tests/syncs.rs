@@ -440,17 +440,21 @@ impl StoreOpener for GatedFiles {
     }
 }
 
-/// Write-through: a guest flush syncs the image's backend without the
-/// cache's lock, so requests go on meanwhile. What they write through
-/// during that sync is not covered by it: their journal records stay
-/// pending rather than cost the flush a second backend sync, and a crash
-/// right after the flush keeps only the flushed writes' clean copies.
-#[test]
-fn write_through_backend_syncs_run_outside_the_lock() {
+/// A write-through cache on a recording device, and a raw disk on it whose
+/// backend syncs from the thread called `thread` wait at the returned gate.
+fn write_through_rig(
+    thread: &'static str,
+) -> (
+    Arc<Log>,
+    CacheConfig,
+    Arc<GatedFiles>,
+    Arc<FlashCache>,
+    Arc<Gate>,
+) {
     let gate = Arc::new(Gate::default());
     let opener = Arc::new(GatedFiles {
         files: image_files(),
-        thread: "first-flush",
+        thread,
         gate: gate.clone(),
     });
     let mut config = config(false, None);
@@ -458,6 +462,17 @@ fn write_through_backend_syncs_run_outside_the_lock() {
     let log = Log::new();
     let device: BackendRef = Arc::new(RecordingBackend::fixed(&log, "cache", DEVICE));
     let cache = FlashCache::format(device, config.clone()).expect("format");
+    (log, config, opener, cache, gate)
+}
+
+/// Write-through: a guest flush syncs the image's backend without the
+/// cache's lock, so requests go on meanwhile. What they write through
+/// during that sync is not covered by it: their journal records stay
+/// pending rather than cost the flush a second backend sync, and a crash
+/// right after the flush keeps only the flushed writes' clean copies.
+#[test]
+fn write_through_backend_syncs_run_outside_the_lock() {
+    let (log, config, opener, cache, gate) = write_through_rig("first-flush");
     let disk = open_disk(opener.clone(), &cache, IMAGE_NAME, ImageFormat::Raw);
     let mut model = HashMap::new();
     let (lock_was_free, flushed_at) = std::thread::scope(|s| {
@@ -491,4 +506,48 @@ fn write_through_backend_syncs_run_outside_the_lock() {
     );
     disk.flush().expect("flush");
     assert_eq!(cache.report().total.backend_syncs, 2);
+}
+
+/// Write-through: overwriting a cached block drops the clean copy durably
+/// before the backend write, and the syncs that takes (of the backend for
+/// other data written through, and of the cache device) run without the
+/// cache's lock.
+#[test]
+fn write_through_overwrites_sync_outside_the_lock() {
+    let (_log, _config, opener, cache, gate) = write_through_rig("overwriter");
+    let disk = open_disk(opener, &cache, IMAGE_NAME, ImageFormat::Raw);
+    for b in 0..4 {
+        disk.write(b * BLOCK, &content(b, 0), false).expect("write");
+    }
+    disk.flush().expect("flush");
+    // Written through and not yet synced: the overwrite's commit syncs it.
+    // (Away from block 0: reads near it wait for the overwrite, a backend
+    // write in flight.)
+    let mut model = HashMap::from([(1000, 0)]);
+    disk.write(1000 * BLOCK, &content(1000, 0), false)
+        .expect("write");
+    let lock_was_free = std::thread::scope(|s| {
+        let overwriter = std::thread::Builder::new()
+            .name("overwriter".into())
+            .spawn_scoped(s, || {
+                disk.write(0, &content(0, 1), false).expect("overwrite");
+            })
+            .expect("spawn");
+        assert!(
+            eventually(|| gate.held() > 0),
+            "the overwrite never synced the backend"
+        );
+        write_round(&disk, &mut Blocks(0xfeed), &mut model, 2);
+        check(&disk, &model, "during the overwrite's backend sync");
+        let lock_was_free = !gate.is_open();
+        gate.release();
+        overwriter.join().expect("overwriter");
+        lock_was_free
+    });
+    assert!(
+        lock_was_free,
+        "requests waited for an overwrite's backend sync"
+    );
+    model.extend([(0, 1), (1, 0), (2, 0), (3, 0)]);
+    check(&disk, &model, "after the overwrite");
 }

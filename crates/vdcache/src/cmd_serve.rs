@@ -198,7 +198,7 @@ fn print_stats(d: &serde_json::Value) {
         );
         let dev = &c["device"];
         println!(
-            "device: data zone written {} metadata zone written {} read {} syncs {} (guest flushes waited for one in flight {} times) discarded {}; checkpoints {} (writers waited for one {} times)",
+            "device: data zone written {} metadata zone written {} read {} syncs {} (commits waited for one in flight {} times) discarded {}; checkpoints {} (writers waited for one {} times)",
             n(&dev["data_bytes_written"]),
             n(&dev["meta_bytes_written"]),
             n(&dev["bytes_read"]),

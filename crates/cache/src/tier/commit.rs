@@ -29,7 +29,7 @@ impl FlashCache {
     /// the network, and every disk would wait for it). An image stays
     /// marked unless nothing was written through to it since the snapshot,
     /// so a commit meanwhile still syncs it itself.
-    fn sync_backends_unlocked<'a>(
+    pub(crate) fn sync_backends_unlocked<'a>(
         &'a self,
         st: MutexGuard<'a, State>,
     ) -> Result<MutexGuard<'a, State>> {
@@ -104,15 +104,16 @@ impl FlashCache {
         Ok(())
     }
 
-    /// A guest flush: backends of write-through data are synced outside
-    /// the lock, the batch is written under it, and the cache device's sync
-    /// runs outside it again, shared with flushes arriving meanwhile (see
-    /// `group_sync`). The batch reaches only the entries recorded before
-    /// the flush began: those of data written through while the backends
-    /// synced stay pending, so this flush costs no second backend sync.
-    /// Dirty blocks stay marked uncommitted: a write bypassing the log may
-    /// not rely on a sync still running.
-    fn guest_commit(&self, st: MutexGuard<'_, State>) -> Result<()> {
+    /// A commit that takes the lock and gives it up for its syncs: a guest
+    /// flush, or a write-through write's unmaps. Backends of write-through
+    /// data are synced outside the lock, the batch is written under it, and
+    /// the cache device's sync runs outside it again, shared with commits
+    /// arriving meanwhile (see `group_sync`). The batch reaches only the
+    /// entries recorded before the call: those of data written through
+    /// while the backends synced stay pending, so it costs no second
+    /// backend sync. Dirty blocks stay marked uncommitted: a write bypassing
+    /// the log may not rely on a sync still running.
+    pub(crate) fn commit_unlocked(&self, st: MutexGuard<'_, State>) -> Result<()> {
         let through = st.journal.pushed();
         let mut st = self.sync_backends_unlocked(st)?;
         let started_before = self.write_commit_through(&mut st, through)?;
@@ -156,7 +157,7 @@ impl FlashCache {
                         1,
                     );
                 }
-                self.guest_commit(st)
+                self.commit_unlocked(st)
             }
         }
     }

@@ -519,7 +519,9 @@ impl FlashCache {
                 }
             }
             if dropped {
-                self.commit(&mut st)?;
+                // The unmaps must be durable before the backend write; the
+                // syncs that take need no lock.
+                self.commit_unlocked(st)?;
             }
         }
         let bufs: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
