@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use vdcache_image::DiskId;
 
 /// Counters of one disk.
@@ -191,9 +191,16 @@ pub struct DeviceStats {
 
 /// The cache device with counters around it. Every I/O the tier issues
 /// after opening goes through one of these.
+///
+/// A failed sync latches: the kernel may have dropped the pages it could
+/// not write, so no later sync can vouch for what was written before it
+/// (QEMU's file-posix does the same after a failed fdatasync). Every later
+/// sync fails until the cache is opened again and recovers from what is
+/// durable.
 #[derive(Debug)]
 pub struct CountedDevice {
     inner: vdcache_backend::BackendRef,
+    sync_failed: AtomicBool,
     data_offset: u64,
     data_written: AtomicU64,
     meta_written: AtomicU64,
@@ -209,6 +216,7 @@ impl CountedDevice {
     pub fn new(inner: vdcache_backend::BackendRef, data_offset: u64) -> CountedDevice {
         CountedDevice {
             inner,
+            sync_failed: AtomicBool::new(false),
             data_offset,
             data_written: AtomicU64::new(0),
             meta_written: AtomicU64::new(0),
@@ -270,8 +278,18 @@ impl vdcache_backend::Backend for CountedDevice {
     }
 
     fn flush(&self) -> std::io::Result<()> {
+        if self.sync_failed.load(Ordering::Acquire) {
+            return Err(std::io::Error::other(
+                "an earlier sync of the cache device failed, so data written before it may be \
+                 lost: stop the server and open the cache again to recover what is durable",
+            ));
+        }
         bump(&self.syncs, 1);
-        self.inner.flush()
+        let result = self.inner.flush();
+        if result.is_err() {
+            self.sync_failed.store(true, Ordering::Release);
+        }
+        result
     }
 
     fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {

@@ -551,3 +551,36 @@ fn write_through_overwrites_sync_outside_the_lock() {
     model.extend([(0, 1), (1, 0), (2, 0), (3, 0)]);
     check(&disk, &model, "after the overwrite");
 }
+
+/// A failed sync of the cache device fails every later guest flush too:
+/// the pages it could not write may be gone, and a later sync that
+/// succeeds would vouch for them.
+#[test]
+fn a_failed_device_sync_fails_every_later_flush() {
+    let failing = Arc::new(AtomicBool::new(false));
+    let fail = failing.clone();
+    let device = HookedBackend::new(Arc::new(MemBackend::fixed("cache", DEVICE))).on_flush(
+        move || match fail.load(Ordering::SeqCst) {
+            true => Err(std::io::Error::other("injected sync failure")),
+            false => Ok(()),
+        },
+    );
+    let files = image_files();
+    let cache = FlashCache::format(Arc::new(device), config(false, None)).expect("format");
+    let disk = disk_on(&files, &cache);
+    let mut model = HashMap::new();
+    write_round(&disk, &mut Blocks(1), &mut model, 0);
+    disk.flush().expect("flush");
+    failing.store(true, Ordering::SeqCst);
+    write_round(&disk, &mut Blocks(2), &mut model, 1);
+    assert!(
+        disk.flush().is_err(),
+        "the injected failure was not reported"
+    );
+    failing.store(false, Ordering::SeqCst);
+    write_round(&disk, &mut Blocks(3), &mut model, 2);
+    let err = disk
+        .flush()
+        .expect_err("a flush after a failed sync succeeded");
+    assert!(err.to_string().contains("earlier sync"), "{err}");
+}
