@@ -72,7 +72,10 @@ impl FlashCache {
             .flush()
             .map_err(CacheError::device("sync cache device"))?;
         self.group_sync.note_durable(st.journal.next_seq);
-        self.finish_inline_checkpoint(st, started_before)
+        if self.inline_checkpoint_due(started_before) {
+            self.finish_checkpoint(st)?;
+        }
+        Ok(())
     }
 
     /// What a commit writes before its sync: backend syncs for write-through
@@ -97,11 +100,8 @@ impl FlashCache {
     /// No thread writes a started checkpoint in inline mode (see the
     /// checkpoint module): one in flight before a commit's batch is written
     /// after the commit's sync.
-    fn finish_inline_checkpoint(&self, st: &mut State, started_before: bool) -> Result<()> {
-        if self.config.inline_background && started_before {
-            self.finish_checkpoint(st)?;
-        }
-        Ok(())
+    fn inline_checkpoint_due(&self, started_before: bool) -> bool {
+        self.config.inline_background && started_before
     }
 
     /// A commit that takes the lock and gives it up for its syncs: a guest
@@ -123,7 +123,10 @@ impl FlashCache {
         self.group_sync
             .sync_through(written, || self.device.flush())
             .map_err(CacheError::device("sync cache device"))?;
-        self.finish_inline_checkpoint(&mut self.lock(), started_before)
+        if self.inline_checkpoint_due(started_before) {
+            self.finish_checkpoint(&mut self.lock())?;
+        }
+        Ok(())
     }
 
     /// Makes recorded dirty blocks durable before a write that bypasses the

@@ -91,11 +91,10 @@ pub(crate) struct State {
     pub hot: HotFilter,
     pub runs: HashMap<u32, SequentialRun>,
     /// Images with write-through data not yet synced on the backend, each
-    /// with the number of the last write that marked it (numbered across
-    /// images and never reused, so an unchanged number proves nothing was
-    /// written through since).
+    /// with the `write_seq` of the last such write (numbered across images
+    /// and never reused, so an unchanged number proves nothing was written
+    /// through since).
     pub unsynced: BTreeMap<u16, u64>,
-    write_through_marks: u64,
     /// Lines holding dirty blocks, in write-back order.
     pub dirty_lines: BTreeSet<u64>,
     recent: VecDeque<RecentWrite>,
@@ -122,12 +121,13 @@ impl State {
         self.policies.get(&disk.0).copied().unwrap_or(default)
     }
 
-    /// Image `id` took write-through data its backend has not synced.
-    fn mark_unsynced(&mut self, id: u16) {
-        self.write_through_marks += 1;
-        self.unsynced.insert(id, self.write_through_marks);
+    /// Records a write of `[start, end)` of image `id` that went to its
+    /// backend, not yet synced there.
+    fn note_write_through(&mut self, id: u16, start: u64, end: u64) {
+        self.note_write(id, start, end);
+        self.unsynced.insert(id, self.write_seq);
         if let Some(rec) = self.images.get(id as usize) {
-            rec.backend_syncs.publish(self.write_through_marks);
+            rec.backend_syncs.publish(self.write_seq);
         }
     }
 
@@ -315,7 +315,6 @@ impl FlashCache {
             hot: HotFilter::new(HOT_FILTER_ENTRIES),
             runs: HashMap::new(),
             unsynced: BTreeMap::new(),
-            write_through_marks: 0,
             dirty_lines: BTreeSet::new(),
             recent: VecDeque::new(),
             write_seq: 0,

@@ -533,8 +533,7 @@ impl FlashCache {
         let cached = cacheable_ranges(off, segments, keep_copy);
         let whole: Vec<u64> = {
             let mut st = self.lock();
-            st.mark_unsynced(id);
-            st.note_write(id, off, off + len);
+            st.note_write_through(id, off, off + len);
             self.validate_written(&mut st, id, off, len);
             (first..=last)
                 .filter(|&b| {

@@ -92,11 +92,12 @@ pub(crate) struct Meta {
     /// Frees ever applied: `pending_frees[0]` is free number
     /// `frees_applied` (a flush applies those queued before its sync).
     pub(crate) frees_applied: u64,
-    /// Guest data or new tables were written since the last barrier.
-    unsynced_writes: bool,
-    /// Times `unsynced_writes` was set (a sync outside the lock clears it
-    /// only when nothing was written meanwhile).
+    /// Guest data or new tables written, and how many of those writes the
+    /// last barrier covered: metadata pointing at them needs a barrier
+    /// first while the two differ (a sync outside the lock covers only the
+    /// writes counted when it started).
     unsynced_marks: u64,
+    synced_marks: u64,
     /// The dirty bit is set on disk (lazy refcounts in use).
     pub(crate) dirty_on_disk: bool,
     pub(crate) snapshots: Vec<Snapshot>,
@@ -264,8 +265,8 @@ impl Qcow2Image {
             file_end,
             pending_frees: Vec::new(),
             frees_applied: 0,
-            unsynced_writes: false,
             unsynced_marks: 0,
+            synced_marks: 0,
             dirty_on_disk: header.is_dirty(),
             snapshots,
             bitmaps,
@@ -565,19 +566,18 @@ impl Locked<'_> {
             .io
             .flush(&self.img.handle, kind)
             .map_err(|e| ImageError::io(self.name(), "flush", e))?;
-        self.m.unsynced_writes = false;
+        self.m.synced_marks = self.m.unsynced_marks;
         Ok(())
     }
 
     /// Guest data or a new table was written: metadata pointing at it needs
     /// a barrier first.
     pub(crate) fn mark_unsynced(&mut self) {
-        self.m.unsynced_writes = true;
         self.m.unsynced_marks += 1;
     }
 
     pub(crate) fn has_unsynced_writes(&self) -> bool {
-        self.m.unsynced_writes
+        self.m.unsynced_marks != self.m.synced_marks
     }
 
     pub(crate) fn write_header_field(&self, offset: u64, bytes: &[u8]) -> Result<()> {

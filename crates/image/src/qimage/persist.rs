@@ -211,11 +211,9 @@ impl Locked<'_> {
 
     /// The second half of a flush, after its durable sync (which may have
     /// run without the lock): the frees it covers are applied, and the
-    /// unsynced mark is cleared unless something was written meanwhile.
+    /// writes counted when it started count as synced.
     pub(crate) fn sync_done(&mut self, ticket: SyncTicket) -> Result<()> {
-        if self.m.unsynced_marks == ticket.unsynced_marks {
-            self.m.unsynced_writes = false;
-        }
+        self.m.synced_marks = self.m.synced_marks.max(ticket.unsynced_marks);
         self.apply_pending_frees(ticket)
     }
 
