@@ -19,7 +19,8 @@ each vdcache contender to qemu-nbd measured in the same run. Results go to
 a Markdown table on stdout and to --out.
 
 Usage: bench/nbd_bench.py [--runtime S] [--size SIZE] [--delay MS]
-                          [--with-cache] [--with-ceiling] [--rows a,b,...]
+                          [--with-cache] [--admission POLICY] [--with-ceiling]
+                          [--rows a,b,...]
                           [--out FILE]
 """
 
@@ -63,6 +64,8 @@ def main():
     ap.add_argument("--with-ceiling", action="store_true",
                     help="also run nbdkit's memory plugin: the client's ceiling on this machine")
     ap.add_argument("--cache-size", default="2g")
+    ap.add_argument("--admission", default="all",
+                    help="admission policy of the cached contender (all, hot, sequential-bypass)")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows")
     ap.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
     ap.add_argument("--out", default=str(REPO / "results" / "nbd-bench.md"))
@@ -83,7 +86,7 @@ def main():
     if a.with_cache:
         contenders.append(Contender("vdcache+cache", work, a.vdcache,
                                     ["--cache", "{cache}", "--cache-size", a.cache_size,
-                                     "--cache-mode", "writeback"]))
+                                     "--cache-mode", "writeback", "--admission", a.admission]))
     if a.with_ceiling:
         contenders.append(Contender("ram-ceiling", work, a.vdcache, [str(size)]))
     results = {}

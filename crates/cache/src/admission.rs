@@ -34,23 +34,61 @@ impl HotFilter {
     }
 }
 
-/// Tracks one stream of consecutive requests.
+/// Streams one disk's detector follows at a time.
+const STREAMS: usize = 4;
+/// A request continues a stream when it starts within this many of its
+/// own lengths of the stream's end: with several requests in flight they
+/// reach the cache a little out of order.
+const REORDER: u64 = 8;
+
+/// One stream: where it ends and how long it has run.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct SequentialRun {
-    next: u64,
+struct Stream {
+    end: u64,
     run: u64,
+    used: u64,
 }
 
-impl SequentialRun {
-    /// Feeds a request; returns the length of the run it continues.
+/// Detects sequential streams of one disk (a few at once, as from several
+/// guest threads), tolerating requests that overtake each other.
+#[derive(Debug, Default, Clone)]
+pub struct SequentialRuns {
+    streams: [Stream; STREAMS],
+    clock: u64,
+}
+
+impl SequentialRuns {
+    /// Feeds a request of `len` bytes; returns the length of the run it
+    /// continues (its own length when it starts a new one).
     pub fn observe(&mut self, offset: u64, len: u64) -> u64 {
-        if offset == self.next {
-            self.run += len;
-        } else {
-            self.run = len;
-        }
-        self.next = offset + len;
-        self.run
+        self.observe_at(offset, len, len)
+    }
+
+    /// [`Self::observe`] with the position in other units than bytes (such
+    /// as guest clusters): the request spans `[offset, offset + span)`.
+    pub fn observe_at(&mut self, offset: u64, span: u64, len: u64) -> u64 {
+        self.clock += 1;
+        let slack = span.saturating_mul(REORDER);
+        let near = |s: &Stream| {
+            s.run > 0
+                && offset.saturating_add(slack) >= s.end
+                && offset <= s.end.saturating_add(slack)
+        };
+        let i = match self.streams.iter().position(near) {
+            Some(i) => i,
+            None => {
+                let lru = (0..STREAMS)
+                    .min_by_key(|&i| self.streams[i].used)
+                    .unwrap_or(0);
+                self.streams[lru] = Stream::default();
+                lru
+            }
+        };
+        let s = &mut self.streams[i];
+        s.run = s.run.saturating_add(len);
+        s.end = s.end.max(offset.saturating_add(span));
+        s.used = self.clock;
+        s.run
     }
 }
 
@@ -68,9 +106,61 @@ mod tests {
 
     #[test]
     fn runs_grow_only_when_consecutive() {
-        let mut s = SequentialRun::default();
+        let mut s = SequentialRuns::default();
         assert_eq!(s.observe(0, 4096), 4096);
         assert_eq!(s.observe(4096, 4096), 8192);
-        assert_eq!(s.observe(0, 4096), 4096);
+        assert_eq!(s.observe(1 << 30, 4096), 4096);
+        assert_eq!(s.observe(8192, 4096), 12288);
+    }
+
+    #[test]
+    fn requests_that_overtake_each_other_stay_in_their_stream() {
+        let mut s = SequentialRuns::default();
+        let mb = 1 << 20;
+        for (i, at) in [0, 2, 1, 3, 5, 4, 7, 6].into_iter().enumerate() {
+            assert_eq!(s.observe(at * mb, mb), (i as u64 + 1) * mb);
+        }
+    }
+
+    #[test]
+    fn streams_interleave_and_the_least_recent_gives_way() {
+        let mut s = SequentialRuns::default();
+        let gb = 1 << 30;
+        for i in 0..4 {
+            for stream in 0..STREAMS as u64 {
+                assert_eq!(s.observe(stream * gb + i * 4096, 4096), (i + 1) * 4096);
+            }
+        }
+        // A fifth stream replaces the first, which then starts over; the
+        // others go on.
+        assert_eq!(s.observe(9 * gb, 4096), 4096);
+        assert_eq!(s.observe(2 * gb + 4 * 4096, 4096), 5 * 4096);
+        assert_eq!(s.observe(4 * 4096, 4096), 4096);
+    }
+
+    #[test]
+    fn runs_in_clusters_count_bytes() {
+        let mut s = SequentialRuns::default();
+        // Four 16 KiB writes in cluster 7, then two clusters from 8.
+        for i in 1..=4 {
+            assert_eq!(s.observe_at(7, 1, 16 << 10), i * (16 << 10));
+        }
+        assert_eq!(s.observe_at(8, 2, 128 << 10), 192 << 10);
+        assert_eq!(s.observe_at(1000, 1, 4096), 4096);
+    }
+
+    #[test]
+    fn scattered_small_requests_do_not_make_a_run() {
+        let mut s = SequentialRuns::default();
+        let mut x = 0x2545_f491_u64;
+        let mut longest = 0;
+        for _ in 0..10_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let block = x % (64 << 8); // a 64 MiB working set of 4 KiB blocks
+            longest = longest.max(s.observe(block * 4096, 4096));
+        }
+        assert!(longest < 64 << 10, "random writes ran to {longest} bytes");
     }
 }

@@ -25,6 +25,7 @@
 //!
 //! This module must not interpret the index beyond encoding it.
 
+use super::commit::Unsynced;
 use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
 use crate::journal::{CheckpointMark, Reader, write_checkpoint};
@@ -248,7 +249,7 @@ impl FlashCache {
     /// from the older checkpoint needs every entry before it), then the
     /// snapshot and the mark.
     fn begin_checkpoint(&self, st: &mut State) -> Result<Job> {
-        self.sync_backends(st)?;
+        self.sync_backends(st, Unsynced::Described)?;
         if st.journal.has_room() {
             st.journal.write_pending(&*self.device)?;
         } else {

@@ -12,16 +12,20 @@ use vdcache_backend::BackendRef;
 use vdcache_image::{DiskId, FlushKind, ImageHandle};
 
 impl FlashCache {
-    /// Syncs images holding write-through data: journal records of their
-    /// clean copies must never outlive the data on the backend. An image
-    /// stays marked until its sync succeeded.
-    pub(crate) fn sync_backends(&self, st: &mut State) -> Result<()> {
-        for m in marked_backends(st) {
+    /// Syncs images holding write-through data (`which`: all of them, or
+    /// those the journal describes: its records of their clean copies must
+    /// never outlive the data on the backend). An image stays marked until
+    /// its sync succeeded.
+    pub(crate) fn sync_backends(&self, st: &mut State, which: Unsynced) -> Result<()> {
+        for m in marked_backends(st, which) {
             self.sync_backend(&m)?;
-            st.unsynced.remove(&m.id);
+            m.synced(st);
         }
-        // What is left has no open store to sync.
-        st.unsynced.clear();
+        if which == Unsynced::All {
+            // What is left has no open store to sync.
+            st.unsynced.clear();
+            st.journal_deps.clear();
+        }
         Ok(())
     }
 
@@ -32,8 +36,9 @@ impl FlashCache {
     pub(crate) fn sync_backends_unlocked<'a>(
         &'a self,
         st: MutexGuard<'a, State>,
+        which: Unsynced,
     ) -> Result<MutexGuard<'a, State>> {
-        let marked = marked_backends(&st);
+        let marked = marked_backends(&st, which);
         if marked.is_empty() {
             return Ok(st);
         }
@@ -43,9 +48,7 @@ impl FlashCache {
         }
         let mut st = self.lock();
         for m in marked {
-            if st.unsynced.get(&m.id) == Some(&m.mark) {
-                st.unsynced.remove(&m.id);
-            }
+            m.synced(&mut st);
         }
         Ok(st)
     }
@@ -82,7 +85,7 @@ impl FlashCache {
     /// data, summaries, the journal batch. Whether a checkpoint was in
     /// flight before the batch.
     fn write_commit(&self, st: &mut State) -> Result<bool> {
-        self.sync_backends(st)?;
+        self.sync_backends(st, Unsynced::All)?;
         let all = st.journal.pushed();
         self.write_commit_through(st, all)
     }
@@ -115,7 +118,7 @@ impl FlashCache {
     /// the log may not rely on a sync still running.
     pub(crate) fn commit_unlocked(&self, st: MutexGuard<'_, State>) -> Result<()> {
         let through = st.journal.pushed();
-        let mut st = self.sync_backends_unlocked(st)?;
+        let mut st = self.sync_backends_unlocked(st, Unsynced::All)?;
         let started_before = self.write_commit_through(&mut st, through)?;
         let written = st.journal.next_seq;
         drop(st);
@@ -149,7 +152,7 @@ impl FlashCache {
                 // the backend needs the backend's own barrier.
                 if let Some(m) = id.and_then(|id| marked(&st, id)) {
                     self.sync_backend(&m)?;
-                    st.unsynced.remove(&m.id);
+                    m.synced(&mut st);
                 }
                 Ok(())
             }
@@ -188,10 +191,36 @@ fn marked(st: &State, id: u16) -> Option<Marked> {
     })
 }
 
+impl Marked {
+    /// After its backend synced: unmarked unless written through since.
+    fn synced(&self, st: &mut State) {
+        if st.unsynced.get(&self.id) == Some(&self.mark) {
+            st.unsynced.remove(&self.id);
+        }
+        if st
+            .journal_deps
+            .get(&self.id)
+            .is_some_and(|&d| d <= self.mark)
+        {
+            st.journal_deps.remove(&self.id);
+        }
+    }
+}
+
+/// Which images with unsynced write-through data to sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unsynced {
+    /// All: a guest flush makes everything durable.
+    All,
+    /// Those the journal describes: before a batch or a checkpoint.
+    Described,
+}
+
 /// The images marked unsynced that have an open store.
-fn marked_backends(st: &State) -> Vec<Marked> {
-    st.unsynced
-        .keys()
-        .filter_map(|&id| marked(st, id))
-        .collect()
+fn marked_backends(st: &State, which: Unsynced) -> Vec<Marked> {
+    let ids = match which {
+        Unsynced::All => &st.unsynced,
+        Unsynced::Described => &st.journal_deps,
+    };
+    ids.keys().filter_map(|&id| marked(st, id)).collect()
 }

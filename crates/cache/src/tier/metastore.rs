@@ -14,6 +14,7 @@
 //! This module must not interpret the sectors: qcow2 belongs to the COW
 //! layer.
 
+use super::commit::Unsynced;
 use super::read::copy_overlap;
 use super::{FlashCache, State};
 use crate::config::{CowMode, DiskPolicy, WriteMode};
@@ -561,7 +562,7 @@ impl FlashCache {
             return Ok(());
         }
         let through = st.journal.pushed();
-        let mut st = self.sync_backends_unlocked(st)?;
+        let mut st = self.sync_backends_unlocked(st, Unsynced::Described)?;
         st.journal_written = Instant::now();
         self.append_journal_through(&mut st, through)
     }
@@ -570,7 +571,7 @@ impl FlashCache {
     /// guest flush adds the sync): backends holding write-through data the
     /// records describe are synced first.
     fn write_journal_buffer(&self, st: &mut State) -> Result<()> {
-        self.sync_backends(st)?;
+        self.sync_backends(st, Unsynced::Described)?;
         st.journal_written = Instant::now();
         self.append_journal(st)
     }

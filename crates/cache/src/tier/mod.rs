@@ -23,7 +23,7 @@ mod space;
 mod write;
 mod writeback;
 
-use crate::admission::{HotFilter, SequentialRun};
+use crate::admission::{HotFilter, SequentialRuns};
 use crate::config::{CacheConfig, DiskPolicy};
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
@@ -89,12 +89,22 @@ pub(crate) struct State {
     pub by_name: HashMap<String, u16>,
     pub policies: HashMap<u32, DiskPolicy>,
     pub hot: HotFilter,
-    pub runs: HashMap<u32, SequentialRun>,
+    /// Sequential streams per disk: of read misses (host offsets) and of
+    /// guest writes (guest clusters: a qcow2 image allocates host clusters
+    /// for every writer alike, so a guest's stream is not one on the host).
+    pub read_runs: HashMap<u32, SequentialRuns>,
+    pub write_runs: HashMap<u32, SequentialRuns>,
     /// Images with write-through data not yet synced on the backend, each
     /// with the `write_seq` of the last such write (numbered across images
     /// and never reused, so an unchanged number proves nothing was written
     /// through since).
     pub unsynced: BTreeMap<u16, u64>,
+    /// Of those, images that pending journal entries (or the next
+    /// checkpoint) describe data of: clean copies, sectors made valid. The
+    /// entries must not reach flash before the backend has the data; a
+    /// journal batch syncs these backends only, a guest flush all of them.
+    /// Each with the mark of the last such write.
+    pub journal_deps: BTreeMap<u16, u64>,
     /// Lines holding dirty blocks, in write-back order.
     pub dirty_lines: BTreeSet<u64>,
     recent: VecDeque<RecentWrite>,
@@ -122,10 +132,14 @@ impl State {
     }
 
     /// Records a write of `[start, end)` of image `id` that went to its
-    /// backend, not yet synced there.
-    fn note_write_through(&mut self, id: u16, start: u64, end: u64) {
+    /// backend, not yet synced there; `described`: journal entries describe
+    /// its data.
+    fn note_write_through(&mut self, id: u16, start: u64, end: u64, described: bool) {
         self.note_write(id, start, end);
         self.unsynced.insert(id, self.write_seq);
+        if described {
+            self.journal_deps.insert(id, self.write_seq);
+        }
         if let Some(rec) = self.images.get(id as usize) {
             rec.backend_syncs.publish(self.write_seq);
         }
@@ -313,8 +327,10 @@ impl FlashCache {
             by_name: HashMap::new(),
             policies: HashMap::new(),
             hot: HotFilter::new(HOT_FILTER_ENTRIES),
-            runs: HashMap::new(),
+            read_runs: HashMap::new(),
+            write_runs: HashMap::new(),
             unsynced: BTreeMap::new(),
+            journal_deps: BTreeMap::new(),
             dirty_lines: BTreeSet::new(),
             recent: VecDeque::new(),
             write_seq: 0,

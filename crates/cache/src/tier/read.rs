@@ -224,7 +224,7 @@ impl FlashCache {
             Admission::Hot => st.hot.missed((u64::from(tag.disk.0) << 56) ^ first_block),
             Admission::SequentialBypass => {
                 let run = st
-                    .runs
+                    .read_runs
                     .entry(tag.disk.0)
                     .or_default()
                     .observe(first_block * BLOCK, blocks * BLOCK);

@@ -2,8 +2,8 @@
 //! stream (partial blocks are completed from their current content first)
 //! and records them dirty; write-through writes the backend and keeps a
 //! clean copy; write-around writes the backend and drops cached copies.
-//! A block that is dirty in flash is never bypassed by a partial write,
-//! since the backend does not hold its current content.
+//! A block that is dirty in flash is never bypassed: the backend does not
+//! hold its current content, so a write over it also goes over it in flash.
 
 use super::metastore::{keeps_sectors, overlay};
 use super::{FlashCache, State};
@@ -54,6 +54,18 @@ enum Keep {
     /// (a table just created: the COW layer knows it is empty without
     /// reading it, so a flash copy would only cost flash writes).
     NotFiller,
+}
+
+/// Ascending block numbers as runs `[first, end)` of consecutive ones.
+fn consecutive_runs(blocks: &[u64]) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &b in blocks {
+        match runs.last_mut() {
+            Some(run) if run.1 == b => run.1 = b + 1,
+            _ => runs.push((b, b + 1)),
+        }
+    }
+    runs
 }
 
 /// Byte ranges of a write whose blocks may be kept in flash.
@@ -166,11 +178,8 @@ impl FlashCache {
         let policy = self.lock().policy(tag.disk, self.config.default_policy);
         let filler_only = segments.iter().all(|s| s.tag.class == IoClass::CowFill);
         let bypass = (policy.cow == CowMode::CowAware && filler_only)
-            || policy.admission == Admission::SequentialBypass && {
-                let mut st = self.lock();
-                st.runs.entry(tag.disk.0).or_default().observe(off, len)
-                    >= policy.sequential_threshold
-            };
+            || policy.admission == Admission::SequentialBypass
+                && self.continues_long_run(tag, segments, len, policy.sequential_threshold);
         match policy.mode {
             WriteMode::WriteBack if !bypass => {
                 if keeps_sectors(policy, off, len, segments)
@@ -196,6 +205,29 @@ impl FlashCache {
                 self.write_through(image, id, off, len, segments, tag, keep)
             }
         }
+    }
+
+    /// Whether a write of guest data continues a sequential run of the
+    /// guest's at least `threshold` long. Metadata stays in flash however
+    /// it is written.
+    fn continues_long_run(
+        &self,
+        tag: IoTag,
+        segments: &[WriteSegment<'_>],
+        len: u64,
+        threshold: u64,
+    ) -> bool {
+        let mut clusters = segments
+            .iter()
+            .filter(|s| s.tag.class == IoClass::GuestData)
+            .filter_map(|s| s.tag.guest_cluster);
+        let Some(first) = clusters.next() else {
+            return false;
+        };
+        let (low, high) = clusters.fold((first, first), |(l, h), c| (l.min(c), h.max(c)));
+        let mut st = self.lock();
+        let runs = st.write_runs.entry(tag.disk.0).or_default();
+        runs.observe_at(low, high - low + 1, len) >= threshold
     }
 
     /// Counts the guest's blocks of a write that flash already held.
@@ -485,19 +517,17 @@ impl FlashCache {
         let first = off / BLOCK;
         let last = (off + len - 1) / BLOCK;
         let _range = self.ranges.lock(&[(id, first * BLOCK, (last + 1) * BLOCK)]);
-        // Partial blocks that are dirty in flash must be completed there.
-        let dirty_edges: Vec<u64> = {
+        // Blocks dirty in flash are the only current copies: the write
+        // goes over them in flash too, and they stay mapped. (Dropping one
+        // before the backend write is durable would let a crash bring back
+        // what the backend held before it was flushed.)
+        let dirty: Vec<u64> = {
             let st = self.lock();
-            [first, last]
-                .into_iter()
+            (first..=last)
                 .filter(|&b| {
-                    let partial = b * BLOCK < off || (b + 1) * BLOCK > off + len;
-                    let key = line_key(id, b / LINE_BLOCKS);
-                    partial
-                        && st
-                            .index
-                            .get(key)
-                            .is_some_and(|l| l.dirty & (1 << (b % LINE_BLOCKS)) != 0)
+                    st.index
+                        .get(line_key(id, b / LINE_BLOCKS))
+                        .is_some_and(|l| l.dirty & (1 << (b % LINE_BLOCKS)) != 0)
                 })
                 .collect()
         };
@@ -506,11 +536,18 @@ impl FlashCache {
         // stale clean copy must never be served instead.
         {
             let mut st = self.lock();
-            self.supersede_sectors(&mut st, id, off, len, Some(segments));
-            self.commit_before_bypass(&mut st)?;
+            let superseded = self.supersede_sectors(&mut st, id, off, len, Some(segments));
+            // Only metadata points at other data: guest data and filler
+            // may reach the backend before dirty blocks are durable.
+            let points_elsewhere = segments
+                .iter()
+                .any(|s| matches!(s.tag.class, IoClass::Metadata(_)));
+            if superseded || points_elsewhere {
+                self.commit_before_bypass(&mut st)?;
+            }
             let mut dropped = false;
             for b in first..=last {
-                if !dirty_edges.contains(&b) {
+                if dirty.binary_search(&b).is_err() {
                     dropped |= self.unmap_block(
                         &mut st,
                         line_key(id, b / LINE_BLOCKS),
@@ -531,24 +568,27 @@ impl FlashCache {
             .map_err(CacheError::device("write backend"))?;
         bump(&self.stats.disk(tag.disk).backend_bytes_written, len);
         let cached = cacheable_ranges(off, segments, keep_copy);
-        let whole: Vec<u64> = {
-            let mut st = self.lock();
-            st.note_write_through(id, off, off + len);
-            self.validate_written(&mut st, id, off, len);
-            (first..=last)
-                .filter(|&b| {
-                    cached
+        let whole: Vec<u64> = (first..=last)
+            .filter(|&b| {
+                dirty.binary_search(&b).is_err()
+                    && cached
                         .iter()
                         .any(|&(s, e)| b * BLOCK >= s && (b + 1) * BLOCK <= e)
-                })
-                .collect()
-        };
-        for b in dirty_edges {
-            let (s, e) = ((b * BLOCK).max(off), ((b + 1) * BLOCK).min(off + len));
+            })
+            .collect();
+        {
+            let mut st = self.lock();
+            let entries = st.journal.pushed();
+            self.validate_written(&mut st, id, off, len);
+            let described = !whole.is_empty() || st.journal.pushed() != entries;
+            st.note_write_through(id, off, off + len, described);
+        }
+        for (b0, b1) in consecutive_runs(&dirty) {
+            let (s, e) = ((b0 * BLOCK).max(off), (b1 * BLOCK).min(off + len));
             let part = sub_segments(off, segments, s, e);
             if !self.write_back(image, id, s, e - s, &part, tag)? {
                 return Err(CacheError::Config(
-                    "no flash space to complete a dirty block".into(),
+                    "no flash space to update a dirty block".into(),
                 ));
             }
         }
@@ -670,5 +710,19 @@ impl FlashCache {
         // Advisory: a store that cannot discard keeps its bytes.
         let _ = image.backend.discard(off, len);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::consecutive_runs;
+
+    #[test]
+    fn runs_of_consecutive_blocks() {
+        assert_eq!(consecutive_runs(&[]), vec![]);
+        assert_eq!(
+            consecutive_runs(&[3, 4, 5, 7, 9, 10]),
+            vec![(3, 6), (7, 8), (9, 11)]
+        );
     }
 }
