@@ -115,6 +115,40 @@ fn qemu_io_writes_and_verifies_patterns() {
     );
 }
 
+/// Write payload buffers are reused across requests: a short write into
+/// a buffer a long one used writes only its own bytes, and a long one
+/// after short ones all of its bytes.
+#[test]
+fn writes_of_changing_sizes_write_exactly_their_bytes() {
+    require_tool("qemu-io");
+    let (s, disk) = mem_server(16 << 20);
+    let out = run(Command::new("qemu-io")
+        .args(["-f", "raw"])
+        .args(["-c", "write -P 0x44 0 1M"])
+        .args(["-c", "write -P 0x55 2M 4k"])
+        .args(["-c", "write -P 0x66 3M 512"])
+        .args(["-c", "write -P 0x77 4M 2M"])
+        .args(["-c", "write -P 0x88 7M 4k"])
+        .arg(s.uri("")));
+    assert!(!out.contains("failed"), "{out}");
+    let c = disk.contents();
+    let mib = 1 << 20;
+    let expect = |from: usize, to: usize, byte: u8| {
+        let first = c[from..to].iter().position(|&b| b != byte);
+        assert_eq!(first, None, "[{from}, {to}) should hold {byte:#x}");
+    };
+    expect(0, mib, 0x44);
+    expect(mib, 2 * mib, 0);
+    expect(2 * mib, 2 * mib + 4096, 0x55);
+    expect(2 * mib + 4096, 3 * mib, 0);
+    expect(3 * mib, 3 * mib + 512, 0x66);
+    expect(3 * mib + 512, 4 * mib, 0);
+    expect(4 * mib, 6 * mib, 0x77);
+    expect(6 * mib, 7 * mib, 0);
+    expect(7 * mib, 7 * mib + 4096, 0x88);
+    expect(7 * mib + 4096, 16 * mib, 0);
+}
+
 #[test]
 fn qemu_io_sees_read_only_export_errors() {
     require_tool("qemu-io");

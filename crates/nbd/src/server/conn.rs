@@ -26,6 +26,7 @@ use std::thread::JoinHandle;
 use tracing::{debug, warn};
 
 use super::handshake::{self, Negotiated};
+use super::payloads::Payload;
 use super::{ConnInfo, ExportEntry, ServerInner};
 use crate::export::{Export, ExportError, Extent, ZeroFlags};
 use crate::proto::{self, Request};
@@ -129,7 +130,7 @@ thread_local! {
 /// One validated request waiting for a worker.
 struct Job {
     req: Request,
-    payload: Vec<u8>,
+    payload: Payload,
     /// Set when validation already failed: reply with this error.
     error: Option<ExportError>,
     /// Budget units held until the reply is sent.
@@ -199,7 +200,7 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
         if req.kind == proto::CMD_DISC {
             return LoopEnd::Disc;
         }
-        let mut payload = Vec::new();
+        let mut payload = Payload::default();
         let mut cost = 0u64;
         if req.kind == proto::CMD_WRITE {
             if req.length > max_payload {
@@ -212,17 +213,13 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
             }
             cost = u64::from(req.length);
             s.budget.acquire(cost);
-            // Read into spare capacity: zeroing a buffer the payload then
-            // overwrites costs as much as copying it.
-            payload = Vec::with_capacity(req.length as usize);
-            let got = r.by_ref().take(cost).read_to_end(&mut payload);
-            if let Err(e) = got {
+            payload = s.inner.payloads.take(req.length as usize);
+            if let Err(e) = r.read_exact(payload.as_mut_slice()) {
                 s.budget.release(cost);
-                return LoopEnd::Abuse(format!("read failed: {e}"));
-            }
-            if payload.len() as u64 != cost {
-                s.budget.release(cost);
-                return LoopEnd::Abuse("client vanished mid-request".into());
+                return LoopEnd::Abuse(match e.kind() {
+                    io::ErrorKind::UnexpectedEof => "client vanished mid-request".into(),
+                    _ => format!("read failed: {e}"),
+                });
             }
         } else if req.kind == proto::CMD_READ && req.length <= max_payload {
             cost = u64::from(req.length);
@@ -484,6 +481,7 @@ fn run_job(s: &Session, job: Job) {
         Some(e) => send_error(s, &req, &e),
         None => execute(s, &req, &job.payload),
     }
+    s.inner.payloads.give_back(job.payload);
     s.budget.release(job.cost);
 }
 

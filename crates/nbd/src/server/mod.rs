@@ -12,6 +12,7 @@
 
 mod conn;
 mod handshake;
+mod payloads;
 
 use std::collections::HashMap;
 use std::fs;
@@ -204,6 +205,7 @@ pub(crate) struct ServerInner {
     refused: AtomicU64,
     listeners: Mutex<Vec<Listener>>,
     shutdown_done: Mutex<bool>,
+    payloads: payloads::PayloadPool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -470,6 +472,7 @@ impl ServerBuilder {
                 refused: AtomicU64::new(0),
                 listeners: Mutex::new(Vec::new()),
                 shutdown_done: Mutex::new(false),
+                payloads: payloads::PayloadPool::default(),
             }),
         })
     }
