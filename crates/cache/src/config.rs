@@ -48,7 +48,7 @@ pub enum Admission {
     All,
     /// Writes, and reads missed twice recently (lazy promotion, SVD).
     Hot,
-    /// Everything except long sequential runs.
+    /// Everything except read misses in long sequential runs.
     SequentialBypass,
 }
 
@@ -127,8 +127,13 @@ impl CowMode {
 pub struct DiskPolicy {
     pub mode: WriteMode,
     pub admission: Admission,
-    /// Bytes of consecutive I/O after which sequential bypass starts.
+    /// Bytes of consecutive read misses after which `sequential-bypass`
+    /// stops promoting them.
     pub sequential_threshold: u64,
+    /// Once a guest's sequential write run reaches this many bytes, it goes
+    /// straight to the backend, whatever the admission policy (0: never). Flash would
+    /// only hold it until written back, at twice the device traffic.
+    pub sequential_write_cutoff: u64,
     pub cow: CowMode,
 }
 
@@ -138,6 +143,7 @@ impl Default for DiskPolicy {
             mode: WriteMode::WriteBack,
             admission: Admission::All,
             sequential_threshold: 4 << 20,
+            sequential_write_cutoff: 4 << 20,
             cow: CowMode::CowAware,
         }
     }

@@ -232,11 +232,13 @@ fn policy() -> impl Strategy<Value = DiskPolicy> {
             Admission::SequentialBypass,
         ]),
         prop::sample::select(vec![CowMode::Stacked, CowMode::CowAware]),
+        prop::sample::select(vec![0, 256 << 10]),
     )
-        .prop_map(|(mode, admission, cow)| DiskPolicy {
+        .prop_map(|(mode, admission, cow, cutoff)| DiskPolicy {
             mode,
             admission,
             sequential_threshold: 256 << 10,
+            sequential_write_cutoff: cutoff,
             cow,
         })
 }
@@ -285,6 +287,7 @@ fn writethrough_crash_after_recovery_keeps_flushed_metadata() {
         mode: WriteMode::WriteThrough,
         admission: Admission::Hot,
         sequential_threshold: 262144,
+        sequential_write_cutoff: 0,
         cow: CowMode::Stacked,
     };
     let ops = vec![

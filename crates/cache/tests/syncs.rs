@@ -16,7 +16,7 @@ use vdcache_backend::LockMode;
 use vdcache_backend::inject::{Gate, HookedBackend, eventually};
 use vdcache_backend::recording::{Log, LogOp, RecordingBackend, StateKind};
 use vdcache_backend::{BackendRef, MemBackend};
-use vdcache_cache::{Admission, WriteMode};
+use vdcache_cache::WriteMode;
 use vdcache_cache::{CacheConfig, FlashCache};
 use vdcache_image::{
     CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, StoreOpener, VirtualDisk,
@@ -588,8 +588,8 @@ fn a_failed_device_sync_fails_every_later_flush() {
     assert!(err.to_string().contains("earlier sync"), "{err}");
 }
 
-/// Write-back with sequential bypass: a long run goes to the backend once
-/// it passes the threshold, even with its requests arriving out of order,
+/// Write-back with a sequential write cutoff: a long run goes to the
+/// backend once it reaches the cutoff, even with its requests arriving out of order,
 /// and costs no sync of either device until the guest flushes: the dirty
 /// blocks written meanwhile (small writes elsewhere, journaled in batches
 /// between the writes) do not describe data that went to the backend.
@@ -598,8 +598,7 @@ fn sequential_runs_bypass_without_syncs() {
     const CHUNK: u64 = 256 << 10;
     const THRESHOLD: u64 = 1 << 20;
     let mut config = config(false, None);
-    config.default_policy.admission = Admission::SequentialBypass;
-    config.default_policy.sequential_threshold = THRESHOLD;
+    config.default_policy.sequential_write_cutoff = THRESHOLD;
     config.journal_buffer_bytes = 512;
     for (files, name, format) in [
         (image_files(), IMAGE_NAME, ImageFormat::Raw),

@@ -1,12 +1,12 @@
-//! Writes that bypass a write-back cache (sequential runs past the
-//! threshold) over blocks that are dirty in flash: the flushed dirty copy
+//! Writes that bypass a write-back cache (sequential runs past the write
+//! cutoff) over blocks that are dirty in flash: the flushed dirty copy
 //! is the only current one, so a crash before the bypassing write is
 //! durable must still read it (or the new data), never what the backend
 //! held before it.
 
 use std::sync::Arc;
 use vdcache_backend::BackendRef;
-use vdcache_cache::{Admission, CacheConfig, DiskPolicy, FlashCache, WriteMode};
+use vdcache_cache::{CacheConfig, DiskPolicy, FlashCache, WriteMode};
 use vdcache_crash::{Log, RecordingFiles, StateKind, mem_files};
 use vdcache_image::{
     DiskId, HostIo, ImageFormat, OpenOptions, StoreOpener, VirtualDisk, open_chain,
@@ -31,8 +31,7 @@ fn config() -> CacheConfig {
         low_watermark: 1.0,
         default_policy: DiskPolicy {
             mode: WriteMode::WriteBack,
-            admission: Admission::SequentialBypass,
-            sequential_threshold: THRESHOLD,
+            sequential_write_cutoff: THRESHOLD,
             ..CacheConfig::default().default_policy
         },
         ..CacheConfig::default()

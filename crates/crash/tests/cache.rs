@@ -24,6 +24,8 @@ fn cache_config(mode: WriteMode, admission: Admission, replacement: Replacement)
             mode,
             admission,
             sequential_threshold: 1 << 20,
+            // The mixed test bypasses sequential writes.
+            sequential_write_cutoff: 0,
             cow: CowMode::Stacked,
         },
         // Write-back only when a region is reclaimed or on a drain; the
@@ -101,6 +103,7 @@ fn mixed_background_writeback_arc() {
         Admission::SequentialBypass,
         Replacement::Arc,
     );
+    c.default_policy.sequential_write_cutoff = 1 << 20;
     c.high_watermark = 0.1;
     c.low_watermark = 0.05;
     let t = target("mixed", c);

@@ -26,6 +26,7 @@ fn cache_config(mode: WriteMode) -> CacheConfig {
             mode,
             admission: Admission::All,
             sequential_threshold: 1 << 20,
+            sequential_write_cutoff: 1 << 20,
             cow: CowMode::CowAware,
         },
         high_watermark: 1.0,

@@ -114,6 +114,8 @@ fn check(class: WorkloadClass, requests: u64, working_set: u64, cache: u64, seed
             policy: DiskPolicy {
                 mode: WriteMode::WriteBack,
                 admission: Admission::All,
+                // Every write enters flash, as in the model.
+                sequential_write_cutoff: 0,
                 ..DiskPolicy::default()
             },
             ..RigConfig::default()

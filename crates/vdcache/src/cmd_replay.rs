@@ -42,6 +42,10 @@ pub struct Args {
     /// Admission: all, hot, sequential-bypass.
     #[arg(long, default_value = "all")]
     admission: String,
+    /// Guest sequential write runs reaching this size bypass flash (0:
+    /// never).
+    #[arg(long, default_value = "4M", value_name = "SIZE")]
+    sequential_write_cutoff: String,
     /// writeback, writethrough, writearound.
     #[arg(long, default_value = "writeback")]
     cache_mode: String,
@@ -114,6 +118,8 @@ fn options(a: &Args) -> Result<(Option<Format>, ReplayOptions)> {
     let policy = DiskPolicy {
         mode: a.cache_mode.parse::<WriteMode>().context("--cache-mode")?,
         admission: a.admission.parse::<Admission>().context("--admission")?,
+        sequential_write_cutoff: parse_size(&a.sequential_write_cutoff)
+            .context("--sequential-write-cutoff")?,
         cow: a.cow.parse::<CowMode>().context("--cow")?,
         ..DiskPolicy::default()
     };

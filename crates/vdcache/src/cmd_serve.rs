@@ -52,9 +52,14 @@ pub struct ServeArgs {
     /// writeback (default), writethrough or writearound.
     #[arg(long)]
     cache_mode: Option<String>,
-    /// all (default), hot or sequential-bypass.
+    /// all (default), hot or sequential-bypass (read misses in long runs
+    /// are not promoted).
     #[arg(long)]
     admission: Option<String>,
+    /// Guest sequential write runs reaching this size go straight to the
+    /// backend (default 4M; 0: cache every write).
+    #[arg(long)]
+    sequential_write_cutoff: Option<String>,
     /// lru (default), clock or arc.
     #[arg(long)]
     replacement: Option<String>,
@@ -90,6 +95,7 @@ impl ServeArgs {
             size: self.cache_size,
             mode: self.cache_mode,
             admission: self.admission,
+            sequential_write_cutoff: self.sequential_write_cutoff,
             replacement: self.replacement,
             region_size: self.region_size,
             cow: self.cow,

@@ -7,7 +7,7 @@
 
 use super::metastore::{keeps_sectors, overlay};
 use super::{FlashCache, State};
-use crate::config::{Admission, CowMode, WriteMode};
+use crate::config::{CowMode, WriteMode};
 use crate::error::{CacheError, Result};
 use crate::index::{Cbn, line_key};
 use crate::journal::Entry;
@@ -177,9 +177,9 @@ impl FlashCache {
         }
         let policy = self.lock().policy(tag.disk, self.config.default_policy);
         let filler_only = segments.iter().all(|s| s.tag.class == IoClass::CowFill);
+        let cutoff = policy.sequential_write_cutoff;
         let bypass = (policy.cow == CowMode::CowAware && filler_only)
-            || policy.admission == Admission::SequentialBypass
-                && self.continues_long_run(tag, segments, len, policy.sequential_threshold);
+            || cutoff > 0 && self.continues_long_run(tag, segments, len, cutoff);
         match policy.mode {
             WriteMode::WriteBack if !bypass => {
                 if keeps_sectors(policy, off, len, segments)
@@ -208,14 +208,14 @@ impl FlashCache {
     }
 
     /// Whether a write of guest data continues a sequential run of the
-    /// guest's at least `threshold` long. Metadata stays in flash however
+    /// guest's that reached `cutoff` bytes. Metadata stays in flash however
     /// it is written.
     fn continues_long_run(
         &self,
         tag: IoTag,
         segments: &[WriteSegment<'_>],
         len: u64,
-        threshold: u64,
+        cutoff: u64,
     ) -> bool {
         let mut clusters = segments
             .iter()
@@ -227,7 +227,7 @@ impl FlashCache {
         let (low, high) = clusters.fold((first, first), |(l, h), c| (l.min(c), h.max(c)));
         let mut st = self.lock();
         let runs = st.write_runs.entry(tag.disk.0).or_default();
-        runs.observe_at(low, high - low + 1, len) >= threshold
+        runs.observe_at(low, high - low + 1, len) >= cutoff
     }
 
     /// Counts the guest's blocks of a write that flash already held.

@@ -53,6 +53,8 @@ pub struct CacheSection {
     pub size: Option<String>,
     pub mode: Option<String>,
     pub admission: Option<String>,
+    /// Sequential write runs reaching this size bypass flash ("0": never).
+    pub sequential_write_cutoff: Option<String>,
     pub replacement: Option<String>,
     pub region_size: Option<String>,
     /// stacked | cow-aware (the default)
@@ -75,6 +77,7 @@ pub struct ExportConfig {
     /// Per-disk cache mode, admission and metadata cache settings.
     pub cache_mode: Option<String>,
     pub admission: Option<String>,
+    pub sequential_write_cutoff: Option<String>,
     /// stacked | cow-aware; overrides [cache] cow for this export.
     pub cow: Option<String>,
     pub l2_cache_size: Option<String>,

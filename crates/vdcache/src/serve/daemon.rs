@@ -45,6 +45,10 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     if let Some(a) = &c.admission {
         cfg.default_policy.admission = a.parse().context("[cache] admission")?;
     }
+    if let Some(s) = &c.sequential_write_cutoff {
+        cfg.default_policy.sequential_write_cutoff =
+            parse_size(s).context("[cache] sequential_write_cutoff")?;
+    }
     if let Some(c) = &c.cow {
         cfg.default_policy.cow = c.parse().context("[cache] cow")?;
     }
@@ -120,6 +124,10 @@ fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
         p.admission = a
             .parse()
             .with_context(|| format!("export '{}': admission", e.name))?;
+    }
+    if let Some(s) = &e.sequential_write_cutoff {
+        p.sequential_write_cutoff = parse_size(s)
+            .with_context(|| format!("export '{}': sequential_write_cutoff", e.name))?;
     }
     if let Some(c) = &e.cow {
         p.cow = c
