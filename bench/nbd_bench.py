@@ -35,7 +35,7 @@ from datacenter import (REPO, Contender, StorageServer, fio, fresh_delta, log, p
 
 ROWS = {
     # name: (fio rw, block size, queue depth, image, working set or None
-    # for the whole image, warm the working set up first)
+    # for the whole image, warm the working set up first[, connections])
     "randread-4k-qd1": ("randread", "4k", 1, "disk", None, False),
     "randread-4k-qd16": ("randread", "4k", 16, "disk", None, False),
     "randwrite-4k-qd1": ("randwrite", "4k", 1, "disk", None, False),
@@ -45,6 +45,9 @@ ROWS = {
     "cow-randwrite-4k-qd16": ("randwrite", "4k", 16, "delta", None, False),
     # A working set that fits the flash cache, read once before measuring.
     "warm-randread-4k-qd16": ("randread", "4k", 16, "disk", "64m", True),
+    # The same 16 requests in flight over two connections (as a multi-conn
+    # client): one fio nbd connection is bound by its own CPU on 2 cores.
+    "warm-randread-4k-2x8": ("randread", "4k", 8, "disk", "64m", True, 2),
 }
 
 def make_images(images, size):
@@ -91,7 +94,9 @@ def main():
         contenders.append(Contender("ram-ceiling", work, a.vdcache, [str(size)]))
     results = {}
     for row in rows:
-        rw, bs, depth, image, working_set, warm = ROWS[row]
+        rw, bs, depth, image, working_set, warm, *conns = ROWS[row]
+        connections = conns[0] if conns else 1
+        spread = ("--numjobs", str(connections), "--group_reporting") if connections > 1 else ()
         span = working_set or a.size
         for c in contenders:
             # Start every contender without the previous one's dirty pages
@@ -107,7 +112,7 @@ def main():
                     # The warm-up's traffic stays in the server's counts and
                     # its bytes count as guest bytes too.
                     warm_bytes = fio(c.uri(), "read", "1m", 4, span, None, work)[2]
-                iops, p99, guest, _, _ = fio(c.uri(), rw, bs, depth, span, a.runtime, work)
+                iops, p99, guest, _, _ = fio(c.uri(), rw, bs, depth, span, a.runtime, work, spread)
                 guest += warm_bytes
                 flash = flash_written(c.stats())
             finally:
