@@ -45,8 +45,31 @@ const REORDER: u64 = 8;
 #[derive(Debug, Default, Clone, Copy)]
 struct Stream {
     end: u64,
-    run: u64,
+    run: Run,
     used: u64,
+}
+
+/// How long a stream has run, in bytes and requests, and how large its
+/// recent requests were.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub bytes: u64,
+    pub requests: u64,
+    /// Request size, averaged with weight 1/4 on the newest: the run's
+    /// present, not its start.
+    pub recent_request: u64,
+}
+
+impl Run {
+    fn add(&mut self, len: u64) {
+        self.bytes = self.bytes.saturating_add(len);
+        self.recent_request = if self.requests == 0 {
+            len
+        } else {
+            (self.recent_request * 3 / 4).saturating_add(len / 4)
+        };
+        self.requests += 1;
+    }
 }
 
 /// Detects sequential streams of one disk (a few at once, as from several
@@ -61,16 +84,16 @@ impl SequentialRuns {
     /// Feeds a request of `len` bytes; returns the length of the run it
     /// continues (its own length when it starts a new one).
     pub fn observe(&mut self, offset: u64, len: u64) -> u64 {
-        self.observe_at(offset, len, len)
+        self.observe_at(offset, len, len).bytes
     }
 
     /// [`Self::observe`] with the position in other units than bytes (such
     /// as guest clusters): the request spans `[offset, offset + span)`.
-    pub fn observe_at(&mut self, offset: u64, span: u64, len: u64) -> u64 {
+    pub fn observe_at(&mut self, offset: u64, span: u64, len: u64) -> Run {
         self.clock += 1;
         let slack = span.saturating_mul(REORDER);
         let near = |s: &Stream| {
-            s.run > 0
+            s.run.requests > 0
                 && offset.saturating_add(slack) >= s.end
                 && offset <= s.end.saturating_add(slack)
         };
@@ -85,7 +108,7 @@ impl SequentialRuns {
             }
         };
         let s = &mut self.streams[i];
-        s.run = s.run.saturating_add(len);
+        s.run.add(len);
         s.end = s.end.max(offset.saturating_add(span));
         s.used = self.clock;
         s.run
@@ -143,10 +166,13 @@ mod tests {
         let mut s = SequentialRuns::default();
         // Four 16 KiB writes in cluster 7, then two clusters from 8.
         for i in 1..=4 {
-            assert_eq!(s.observe_at(7, 1, 16 << 10), i * (16 << 10));
+            assert_eq!(s.observe_at(7, 1, 16 << 10).bytes, i * (16 << 10));
         }
-        assert_eq!(s.observe_at(8, 2, 128 << 10), 192 << 10);
-        assert_eq!(s.observe_at(1000, 1, 4096), 4096);
+        let run = s.observe_at(8, 2, 128 << 10);
+        assert_eq!((run.bytes, run.requests), (192 << 10, 5));
+        // 16 KiB requests, then one of 128 KiB: a quarter of the way there.
+        assert_eq!(run.recent_request, (12 << 10) + (32 << 10));
+        assert_eq!(s.observe_at(1000, 1, 4096).requests, 1);
     }
 
     #[test]

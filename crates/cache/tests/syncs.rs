@@ -648,3 +648,28 @@ fn sequential_runs_bypass_without_syncs() {
         assert_eq!(first, None, "{what}: the disk differs from the model");
     }
 }
+
+/// A sequential run of small writes (a log appended 4 KiB at a time) stays
+/// in flash past the cutoff: its writes wait on latency, not bandwidth.
+#[test]
+fn small_sequential_writes_stay_in_flash() {
+    let mut config = config(false, None);
+    config.default_policy.sequential_write_cutoff = 1 << 20;
+    let device: BackendRef = Arc::new(MemBackend::fixed("cache", DEVICE));
+    let cache = FlashCache::format(device, config).expect("format");
+    let disk = disk_on(&image_files(), &cache);
+    let mut model = HashMap::new();
+    // 4 MiB: four times the cutoff.
+    let blocks = 1024;
+    for b in 0..blocks {
+        disk.write(b * BLOCK, &content(b, 1), false).expect("write");
+        model.insert(b, 1);
+    }
+    // (Some of it is written back as regions are reclaimed.)
+    assert_eq!(
+        cache.report().total.flash_bytes_written,
+        blocks * BLOCK,
+        "small writes bypassed flash"
+    );
+    check(&disk, &model, "after the run");
+}

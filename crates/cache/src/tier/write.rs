@@ -56,6 +56,14 @@ enum Keep {
     NotFiller,
 }
 
+/// A sequential run of smaller writes than this (lately, on average) stays in
+/// flash: such writes are bound by latency (a log appended by small
+/// synchronous writes), which flash answers far sooner than the backend.
+/// Measured in host writes, which the COW layer cuts where clusters are
+/// not contiguous in the image (at 64 KiB by default), and an unaligned
+/// write at its first and last cluster.
+const BYPASS_MEAN_REQUEST: u64 = 32 << 10;
+
 /// Ascending block numbers as runs `[first, end)` of consecutive ones.
 fn consecutive_runs(blocks: &[u64]) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
@@ -208,7 +216,8 @@ impl FlashCache {
     }
 
     /// Whether a write of guest data continues a sequential run of the
-    /// guest's that reached `cutoff` bytes. Metadata stays in flash however
+    /// guest's that reached `cutoff` bytes, in requests of at least
+    /// [`BYPASS_MEAN_REQUEST`] on average lately. Metadata stays in flash however
     /// it is written.
     fn continues_long_run(
         &self,
@@ -227,7 +236,8 @@ impl FlashCache {
         let (low, high) = clusters.fold((first, first), |(l, h), c| (l.min(c), h.max(c)));
         let mut st = self.lock();
         let runs = st.write_runs.entry(tag.disk.0).or_default();
-        runs.observe_at(low, high - low + 1, len) >= cutoff
+        let run = runs.observe_at(low, high - low + 1, len);
+        run.bytes >= cutoff && run.recent_request >= BYPASS_MEAN_REQUEST
     }
 
     /// Counts the guest's blocks of a write that flash already held.
