@@ -137,19 +137,23 @@ struct Job {
     cost: u64,
 }
 
-/// A request slower than this is not run on the reading thread again for
-/// a while.
+/// An inline request slower than this counts as slow.
 const INLINE_SLOW: std::time::Duration = std::time::Duration::from_micros(200);
-/// Requests handed to workers after a slow inline one, before trying again.
+/// Slow inline requests in a row before requests go to workers: one alone
+/// is as likely the reading thread preempted (client and server share the
+/// cores) as a request that waits for a backend.
+const INLINE_SLOW_STREAK: u32 = 2;
+/// Requests handed to workers after a slow streak, before trying again.
 const INLINE_BACKOFF: u32 = 256;
 
 /// Decides where a request runs. Handing a request to a worker costs two
 /// thread switches, which dominate when the export answers from memory or
 /// flash; so requests run on the reading thread while they are fast, and
-/// go to workers (which overlap slow ones) after one was slow.
+/// go to workers (which overlap slow ones) after a streak of slow ones.
 #[derive(Default)]
 struct Placement {
     dispatch_left: u32,
+    slow_in_a_row: u32,
 }
 
 impl Placement {
@@ -172,7 +176,19 @@ impl Placement {
         HOLD_REPLY.set(more);
         run_job(s, job);
         HOLD_REPLY.set(false);
-        if start.elapsed() > INLINE_SLOW {
+        self.ran_inline(start.elapsed() > INLINE_SLOW);
+    }
+
+    /// Counts an inline request; a streak of slow ones sends the next
+    /// [`INLINE_BACKOFF`] requests to workers.
+    fn ran_inline(&mut self, slow: bool) {
+        if !slow {
+            self.slow_in_a_row = 0;
+            return;
+        }
+        self.slow_in_a_row += 1;
+        if self.slow_in_a_row >= INLINE_SLOW_STREAK {
+            self.slow_in_a_row = 0;
             self.dispatch_left = INLINE_BACKOFF;
         }
     }
@@ -914,6 +930,17 @@ fn descriptors(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_streak_of_slow_inline_requests_moves_requests_to_workers() {
+        let mut p = super::Placement::default();
+        p.ran_inline(true);
+        p.ran_inline(false);
+        p.ran_inline(true);
+        assert_eq!(p.dispatch_left, 0, "one slow request at a time moved work");
+        p.ran_inline(true);
+        assert_eq!(p.dispatch_left, super::INLINE_BACKOFF);
+    }
+
     use super::*;
 
     fn ext(length: u64, zero: bool) -> Extent {
