@@ -71,25 +71,27 @@ fn nbdinfo_lists_exports_and_maps_allocation() {
 fn qemu_io_writes_and_verifies_patterns() {
     require_tool("qemu-io");
     let (s, disk) = mem_server(16 << 20);
-    let out = run(Command::new("qemu-io")
-        .args(["-f", "raw"])
-        .args(["-c", "write -P 0xab 0 1M"])
-        .args(["-c", "write -P 0xcd 4095k 66k"])
-        .args(["-c", "write -P 0x11 -f 12M 64k"])
-        .args(["-c", "aio_write -P 0x22 8M 256k"])
-        .args(["-c", "aio_write -P 0x33 9M 256k"])
-        .args(["-c", "aio_flush"])
-        .args(["-c", "flush"])
-        .args(["-c", "read -P 0xab 0 1M"])
-        .args(["-c", "read -P 0xcd 4095k 66k"])
-        .args(["-c", "read -P 0x11 12M 64k"])
-        .args(["-c", "read -P 0x22 8M 256k"])
-        .args(["-c", "read -P 0x33 9M 256k"])
-        .args(["-c", "read -P 0 2M 1M"])
-        .args(["-c", "write -z 0 64k"])
-        .args(["-c", "read -P 0 0 64k"])
-        .args(["-c", "discard 12M 64k"])
-        .arg(s.uri("")));
+    let out = qemu_io(
+        &s.uri(""),
+        &[
+            "write -P 0xab 0 1M",
+            "write -P 0xcd 4095k 66k",
+            "write -P 0x11 -f 12M 64k",
+            "aio_write -P 0x22 8M 256k",
+            "aio_write -P 0x33 9M 256k",
+            "aio_flush",
+            "flush",
+            "read -P 0xab 0 1M",
+            "read -P 0xcd 4095k 66k",
+            "read -P 0x11 12M 64k",
+            "read -P 0x22 8M 256k",
+            "read -P 0x33 9M 256k",
+            "read -P 0 2M 1M",
+            "write -z 0 64k",
+            "read -P 0 0 64k",
+            "discard 12M 64k",
+        ],
+    );
     assert!(!out.contains("failed"), "{out}");
     let c = disk.contents();
     assert!(c[..64 << 10].iter().all(|&b| b == 0));
@@ -122,14 +124,16 @@ fn qemu_io_writes_and_verifies_patterns() {
 fn writes_of_changing_sizes_write_exactly_their_bytes() {
     require_tool("qemu-io");
     let (s, disk) = mem_server(16 << 20);
-    let out = run(Command::new("qemu-io")
-        .args(["-f", "raw"])
-        .args(["-c", "write -P 0x44 0 1M"])
-        .args(["-c", "write -P 0x55 2M 4k"])
-        .args(["-c", "write -P 0x66 3M 512"])
-        .args(["-c", "write -P 0x77 4M 2M"])
-        .args(["-c", "write -P 0x88 7M 4k"])
-        .arg(s.uri("")));
+    let out = qemu_io(
+        &s.uri(""),
+        &[
+            "write -P 0x44 0 1M",
+            "write -P 0x55 2M 4k",
+            "write -P 0x66 3M 512",
+            "write -P 0x77 4M 2M",
+            "write -P 0x88 7M 4k",
+        ],
+    );
     assert!(!out.contains("failed"), "{out}");
     let c = disk.contents();
     let mib = 1 << 20;

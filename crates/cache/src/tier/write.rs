@@ -64,6 +64,30 @@ enum Keep {
 /// write at its first and last cluster.
 const BYPASS_MEAN_REQUEST: u64 = 32 << 10;
 
+/// Whether a write of guest data continues a sequential run of the guest's
+/// that reached `cutoff` bytes, in requests of at least
+/// [`BYPASS_MEAN_REQUEST`] on average lately. Metadata stays in flash
+/// however it is written.
+fn continues_long_run(
+    st: &mut State,
+    tag: IoTag,
+    segments: &[WriteSegment<'_>],
+    len: u64,
+    cutoff: u64,
+) -> bool {
+    let mut clusters = segments
+        .iter()
+        .filter(|s| s.tag.class == IoClass::GuestData)
+        .filter_map(|s| s.tag.guest_cluster);
+    let Some(first) = clusters.next() else {
+        return false;
+    };
+    let (low, high) = clusters.fold((first, first), |(l, h), c| (l.min(c), h.max(c)));
+    let runs = st.write_runs.entry(tag.disk.0).or_default();
+    let run = runs.observe_at(low, high - low + 1, len);
+    run.bytes >= cutoff && run.recent_request >= BYPASS_MEAN_REQUEST
+}
+
 /// Ascending block numbers as runs `[first, end)` of consecutive ones.
 fn consecutive_runs(blocks: &[u64]) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
@@ -183,11 +207,16 @@ impl FlashCache {
             bump(&counters.guest_write_bytes, guest_bytes);
             self.count_write_hits(id, off, segments, &counters);
         }
-        let policy = self.lock().policy(tag.disk, self.config.default_policy);
+        // One lock for the policy and the run detector: every write takes it.
+        let (policy, long_run) = {
+            let mut st = self.lock();
+            let policy = st.policy(tag.disk, self.config.default_policy);
+            let cutoff = policy.sequential_write_cutoff;
+            let long = cutoff > 0 && continues_long_run(&mut st, tag, segments, len, cutoff);
+            (policy, long)
+        };
         let filler_only = segments.iter().all(|s| s.tag.class == IoClass::CowFill);
-        let cutoff = policy.sequential_write_cutoff;
-        let bypass = (policy.cow == CowMode::CowAware && filler_only)
-            || cutoff > 0 && self.continues_long_run(tag, segments, len, cutoff);
+        let bypass = (policy.cow == CowMode::CowAware && filler_only) || long_run;
         match policy.mode {
             WriteMode::WriteBack if !bypass => {
                 if keeps_sectors(policy, off, len, segments)
@@ -213,31 +242,6 @@ impl FlashCache {
                 self.write_through(image, id, off, len, segments, tag, keep)
             }
         }
-    }
-
-    /// Whether a write of guest data continues a sequential run of the
-    /// guest's that reached `cutoff` bytes, in requests of at least
-    /// [`BYPASS_MEAN_REQUEST`] on average lately. Metadata stays in flash however
-    /// it is written.
-    fn continues_long_run(
-        &self,
-        tag: IoTag,
-        segments: &[WriteSegment<'_>],
-        len: u64,
-        cutoff: u64,
-    ) -> bool {
-        let mut clusters = segments
-            .iter()
-            .filter(|s| s.tag.class == IoClass::GuestData)
-            .filter_map(|s| s.tag.guest_cluster);
-        let Some(first) = clusters.next() else {
-            return false;
-        };
-        let (low, high) = clusters.fold((first, first), |(l, h), c| (l.min(c), h.max(c)));
-        let mut st = self.lock();
-        let runs = st.write_runs.entry(tag.disk.0).or_default();
-        let run = runs.observe_at(low, high - low + 1, len);
-        run.bytes >= cutoff && run.recent_request >= BYPASS_MEAN_REQUEST
     }
 
     /// Counts the guest's blocks of a write that flash already held.

@@ -35,6 +35,17 @@ pub fn run(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Runs qemu-io on a raw NBD export with one `-c` per command; asserts
+/// success and returns stdout.
+pub fn qemu_io(uri: &str, commands: &[&str]) -> String {
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["-f", "raw"]);
+    for c in commands {
+        cmd.args(["-c", c]);
+    }
+    run(cmd.arg(uri))
+}
+
 pub fn output(cmd: &mut Command) -> Output {
     cmd.stdin(Stdio::null())
         .output()
