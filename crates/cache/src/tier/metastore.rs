@@ -9,7 +9,9 @@
 //! metadata write to a block that is dirty in flash takes the block path
 //! instead, and the block path absorbs the sectors of every block it
 //! writes), so the sectors always win over flash, and the clean copies
-//! they superseded are dropped once they reach the backend.
+//! they superseded are dropped once they reach the backend. A write that
+//! goes straight to the backend over dirty sectors updates them instead of
+//! dropping them: until it is durable they are the only flushed copy.
 //!
 //! This module must not interpret the sectors: qcow2 belongs to the COW
 //! layer.
@@ -121,6 +123,10 @@ impl MetaStore {
                 dirty: true,
             },
         );
+    }
+
+    pub fn is_dirty(&self, image: u16, offset: u64) -> bool {
+        self.dirty.contains(&(image, offset))
     }
 
     /// Drops a sector; returns whether it was dirty.
@@ -388,55 +394,69 @@ impl FlashCache {
         Ok(true)
     }
 
-    /// Drops the sectors a write of `[off, off + len)` that does not go
-    /// through the store supersedes; sectors it covers only partly take
-    /// its bytes (`segments`, when given) and stay. Returns whether any
-    /// changed; callers commit before the write reaches a backend.
-    pub(crate) fn supersede_sectors(
+    /// Drops the sectors overlapping `[off, off + len)`: a block written
+    /// dirty to flash absorbed them, or their space was discarded. Returns
+    /// whether any dirty one went; callers commit before a backend sees
+    /// the range.
+    pub(crate) fn drop_sectors(&self, st: &mut State, id: u16, off: u64, len: u64) -> bool {
+        if st.meta.is_empty() {
+            return false;
+        }
+        let hit: Vec<u64> = st.meta.overlapping(id, off, off + len).map(|(a, _)| a).collect();
+        let mut dropped_dirty = false;
+        for at in hit {
+            if st.meta.remove(id, at) {
+                dropped_dirty = true;
+                st.journal.push(&Entry::MetaClean {
+                    image: id,
+                    offset: at,
+                });
+                st.uncommitted_dirty = true;
+            }
+        }
+        dropped_dirty
+    }
+
+    /// A write of `segments` from `off` that goes to the backend, not
+    /// through the store: sectors it overlaps take its bytes and stay,
+    /// dirty, so whichever of the two survives a crash holds the flushed
+    /// or the new bytes (dropping a dirty sector before the write is
+    /// durable would bring back what the backend held before it). Clean
+    /// sectors it covers whole are only dropped: they do not outlive a
+    /// restart, so nothing needs to be durable first.
+    pub(crate) fn absorb_bypassing_write(
         &self,
         st: &mut State,
         id: u16,
         off: u64,
-        len: u64,
-        segments: Option<&[WriteSegment<'_>]>,
-    ) -> bool {
+        segments: &[WriteSegment<'_>],
+    ) {
         if st.meta.is_empty() {
-            return false;
+            return;
         }
-        let end = off + len;
-        let hit: Vec<u64> = st.meta.overlapping(id, off, end).map(|(a, _)| a).collect();
-        let changed = !hit.is_empty();
-        for at in hit {
+        let end = off + segments.iter().map(|s| s.data.len() as u64).sum::<u64>();
+        let hit: Vec<(u64, Box<[u8]>)> = st
+            .meta
+            .overlapping(id, off, end)
+            .map(|(at, d)| (at, d.into()))
+            .collect();
+        for (at, mut sector) in hit {
             let whole = at >= off && at + SECTOR <= end;
-            match segments {
-                Some(segments) if !whole => {
-                    let mut sector: Box<[u8]> = st
-                        .meta
-                        .overlapping(id, at, at + 1)
-                        .next()
-                        .map_or_else(|| ZERO_SECTOR.into(), |(_, d)| d.into());
-                    let mut seg_at = off;
-                    for s in segments {
-                        copy_overlap(s.data, seg_at, &mut sector, at);
-                        seg_at += s.data.len() as u64;
-                    }
-                    for e in sector_entries(id, at, &sector) {
-                        st.journal.push(&e);
-                    }
-                    st.meta.insert(id, at, &sector);
-                }
-                _ => {
-                    if st.meta.remove(id, at) {
-                        st.journal.push(&Entry::MetaClean {
-                            image: id,
-                            offset: at,
-                        });
-                    }
-                }
+            if whole && !st.meta.is_dirty(id, at) {
+                st.meta.remove(id, at);
+                continue;
             }
+            let mut seg_at = off;
+            for s in segments {
+                copy_overlap(s.data, seg_at, &mut sector, at);
+                seg_at += s.data.len() as u64;
+            }
+            for e in sector_entries(id, at, &sector) {
+                st.journal.push(&e);
+            }
+            st.meta.insert(id, at, &sector);
             st.uncommitted_dirty = true;
         }
-        changed
     }
 
     /// Whether the store needs write-back now.

@@ -483,7 +483,7 @@ impl FlashCache {
     ) {
         let blocks: u64 = runs.iter().map(|r| u64::from(r.1)).sum();
         // The blocks absorbed the sectors (edges were read through them).
-        self.supersede_sectors(st, id, first * BLOCK, blocks * BLOCK, None);
+        self.drop_sectors(st, id, first * BLOCK, blocks * BLOCK);
         let mut i = 0usize;
         for &(cbn0, k) in runs {
             for j in 0..k {
@@ -545,18 +545,18 @@ impl FlashCache {
                 })
                 .collect()
         };
-        // Cached copies the backend write supersedes are forgotten durably
-        // first: after a crash the backend may hold the new bytes, and a
-        // stale clean copy must never be served instead.
+        // Clean flash copies the backend write supersedes are forgotten
+        // durably first: after a crash the backend may hold the new bytes,
+        // and a stale clean copy must never be served instead.
         {
             let mut st = self.lock();
-            let superseded = self.supersede_sectors(&mut st, id, off, len, Some(segments));
+            self.absorb_bypassing_write(&mut st, id, off, segments);
             // Only metadata points at other data: guest data and filler
             // may reach the backend before dirty blocks are durable.
-            let points_elsewhere = segments
+            if segments
                 .iter()
-                .any(|s| matches!(s.tag.class, IoClass::Metadata(_)));
-            if superseded || points_elsewhere {
+                .any(|s| matches!(s.tag.class, IoClass::Metadata(_)))
+            {
                 self.commit_before_bypass(&mut st)?;
             }
             let mut dropped = false;
@@ -717,7 +717,7 @@ impl FlashCache {
             st.note_write(id, off, off + len);
             // Sectors of discarded metadata must not come back over what
             // the space holds next.
-            if self.supersede_sectors(&mut st, id, off, len, None) {
+            if self.drop_sectors(&mut st, id, off, len) {
                 self.commit_before_bypass(&mut st)?;
             }
         }
