@@ -748,8 +748,9 @@ fn unix_socket_file_handling() {
     );
 }
 
-/// An export that cannot zero natively and has no trim.
-struct NoZero(MemExport);
+/// An export that cannot zero natively, has no trim, and fails every read
+/// that touches `bad`.
+struct NoZero(MemExport, std::ops::Range<u64>);
 
 impl Export for NoZero {
     fn size(&self) -> u64 {
@@ -759,6 +760,9 @@ impl Export for NoZero {
         false
     }
     fn read(&self, o: u64, b: &mut [u8]) -> Result<(), ExportError> {
+        if o < self.1.end && o + b.len() as u64 > self.1.start {
+            return Err(ExportError::Io("bad sector".into()));
+        }
         self.0.read(o, b)
     }
     fn write(&self, o: u64, d: &[u8], f: bool) -> Result<(), ExportError> {
@@ -777,7 +781,7 @@ impl Export for NoZero {
 
 #[test]
 fn unsupported_zeroing_falls_back_and_fast_zero_fails_fast() {
-    let disk = Arc::new(NoZero(MemExport::with_data(&vec![0xeeu8; 4 << 20])));
+    let disk = Arc::new(NoZero(MemExport::with_data(&vec![0xeeu8; 4 << 20]), 0..0));
     let b = Server::builder().export("", disk.clone());
     let server = b.build().unwrap();
     // Served over a socketpair, no listener.
@@ -808,4 +812,63 @@ fn unsupported_zeroing_falls_back_and_fast_zero_fails_fast() {
     assert_eq!(simple(&mut s), (0, 3));
     drop(s);
     server.shutdown();
+}
+
+#[test]
+fn a_failed_read_in_a_burst_gets_an_error_and_the_other_replies_stay_whole() {
+    // Replies in a burst are held and written together; a read that fails
+    // after its reply was begun must leave nothing of it behind.
+    let data = pattern(64 << 10, 9);
+    let disk = Arc::new(NoZero(MemExport::with_data(&data), 20 << 10..24 << 10));
+    let t = TestServer::start(vec![("", disk as Arc<dyn Export>)]);
+    for structured_replies in [false, true] {
+        let mut s = session(&t.socket, "", structured_replies);
+        // (offset, length, fails)
+        let reads = [
+            (0u64, 4096u32, false),
+            (16 << 10, 16 << 10, true),
+            (4096, 8192, false),
+            (20 << 10, 512, true),
+            (32 << 10, 32 << 10, false),
+        ];
+        let mut burst = Vec::new();
+        for (i, &(offset, length, _)) in reads.iter().enumerate() {
+            let r = Request {
+                flags: 0,
+                kind: CMD_READ,
+                cookie: i as u64,
+                offset,
+                length,
+            };
+            burst.extend_from_slice(&r.encode());
+        }
+        s.write_all(&burst).unwrap();
+        let mut answered = std::collections::HashSet::new();
+        for _ in 0..reads.len() {
+            let (cookie, error, got) = if structured_replies {
+                let (flags, kind, cookie, payload) = chunk(&mut s);
+                assert_eq!(flags & REPLY_FLAG_DONE, REPLY_FLAG_DONE, "one chunk per reply");
+                match kind {
+                    REPLY_TYPE_OFFSET_DATA => (cookie, 0, payload[8..].to_vec()),
+                    REPLY_TYPE_ERROR => (cookie, be32(&payload[0..4]), Vec::new()),
+                    k => panic!("chunk type {k}"),
+                }
+            } else {
+                let (error, cookie) = simple(&mut s);
+                let (_, length, _) = reads[cookie as usize];
+                let mut got = vec![0u8; if error == 0 { length as usize } else { 0 }];
+                s.read_exact(&mut got).unwrap();
+                (cookie, error, got)
+            };
+            assert!(answered.insert(cookie), "cookie {cookie} answered twice");
+            let (offset, length, fails) = reads[cookie as usize];
+            if fails {
+                assert_eq!(error, EIO, "cookie {cookie}");
+            } else {
+                assert_eq!(error, 0, "cookie {cookie}");
+                let at = offset as usize;
+                assert!(got == data[at..at + length as usize], "cookie {cookie}");
+            }
+        }
+    }
 }

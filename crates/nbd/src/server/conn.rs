@@ -3,10 +3,12 @@
 //! The connection thread reads requests and validates them; a small pool of
 //! worker threads (started on demand, at most `workers_per_connection`)
 //! executes them against the export and writes replies under one writer
-//! lock, so replies may leave out of order. A reply to a request run on
-//! the reading thread while the next request is already received is held
-//! and sent with the next one that is not: one write for a burst of
-//! replies. Held replies are sent before the reading thread waits.
+//! lock, so replies may leave out of order. Each thread encodes its replies
+//! in its own [`Outbox`], reading data straight into it. A reply to a
+//! request run on the reading thread while the next request is already
+//! received is held there and sent with the next one that is not: one
+//! write for a burst of replies. Held replies are sent before the reading
+//! thread waits.
 //!
 //! Owns: request validation (magic, flags, bounds, alignment, payload
 //! limits, read-only), reply encoding (simple and structured), the
@@ -17,7 +19,7 @@
 
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read};
+use std::io::{self, Read};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -26,6 +28,7 @@ use std::thread::JoinHandle;
 use tracing::{debug, warn};
 
 use super::handshake::{self, Negotiated};
+use super::outbox::Outbox;
 use super::payloads::Payload;
 use super::{ConnInfo, ExportEntry, ServerInner};
 use crate::export::{Export, ExportError, Extent, ZeroFlags};
@@ -65,10 +68,7 @@ pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<
         export: entry.export.clone(),
         size: entry.export.size(),
         neg,
-        writer: Mutex::new(Replies {
-            conn: writer,
-            held: Vec::new(),
-        }),
+        writer: Mutex::new(writer),
         broken: AtomicBool::new(false),
         info: info.clone(),
         inner: inner.clone(),
@@ -91,7 +91,7 @@ pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<
     pool.finish();
     drop(reader);
     send_held(&session);
-    lock(&session.writer).conn.close();
+    lock(&session.writer).close();
     entry.connection_ended();
 }
 
@@ -105,17 +105,11 @@ struct Session {
     export: Arc<dyn Export>,
     size: u64,
     neg: Negotiated,
-    writer: Mutex<Replies>,
+    writer: Mutex<ConnWriter>,
     broken: AtomicBool,
     info: Arc<ConnInfo>,
     inner: Arc<ServerInner>,
     budget: Budget,
-}
-
-/// The connection's writing half, and replies held for the next write.
-struct Replies {
-    conn: ConnWriter,
-    held: Vec<u8>,
 }
 
 /// Held replies beyond this many bytes are sent at once.
@@ -550,7 +544,7 @@ fn execute(s: &Session, req: &Request, payload: &[u8]) {
         Ok(()) => {
             let hdr = proto::simple_reply(req.cookie, 0);
             let written = if req.kind == CMD_WRITE { len } else { 0 };
-            send(s, Stat::ok(0, written), &mut [IoSlice::new(&hdr)]);
+            send(s, Stat::ok(0, written), &[&hdr]);
         }
         Err(err) => send_error(s, req, &err),
     }
@@ -597,50 +591,49 @@ impl Stat {
     }
 }
 
-/// Counts the request, then writes its (one) reply under the writer lock
-/// (counting first, so a client that saw the reply sees the counters). A
-/// failed write ends the connection (the stream is unusable after a
-/// partial reply).
-fn send(s: &Session, stat: Stat, bufs: &mut [IoSlice<'_>]) {
+/// Counts the request whose reply was just put in this thread's outbox,
+/// then writes the outbox under the writer lock, unless the reply may be
+/// held (counting first, so a client that saw the reply sees the
+/// counters). A failed write ends the connection (the stream is unusable
+/// after a partial reply).
+fn finish_reply(s: &Session, stat: Stat, out: &mut Outbox) {
     record(s, stat.read, stat.written, stat.error);
-    if s.broken.load(Ordering::Relaxed) {
+    if HOLD_REPLY.get() && out.len() < MAX_HELD {
         return;
     }
-    let mut w = lock(&s.writer);
-    if HOLD_REPLY.get() && w.held.len() < MAX_HELD {
-        for b in bufs.iter() {
-            w.held.extend_from_slice(b);
+    write_out(s, out);
+}
+
+/// Puts a reply made of `parts` in this thread's outbox and finishes it.
+fn send(s: &Session, stat: Stat, parts: &[&[u8]]) {
+    Outbox::with(|out| {
+        for p in parts {
+            out.push(p);
         }
-        return;
-    }
-    write_out(s, &mut w, bufs);
+        finish_reply(s, stat, out);
+    });
 }
 
 /// Sends the replies held back, if any.
 fn send_held(s: &Session) {
-    let mut w = lock(&s.writer);
-    if !w.held.is_empty() && !s.broken.load(Ordering::Relaxed) {
-        write_out(s, &mut w, &mut []);
-    }
+    Outbox::with(|out| {
+        if out.len() > 0 {
+            write_out(s, out);
+        }
+    });
 }
 
-/// Writes the held replies and `bufs` in one go.
-fn write_out(s: &Session, w: &mut Replies, bufs: &mut [IoSlice<'_>]) {
-    let Replies { conn, held } = w;
-    let result = if held.is_empty() {
-        conn.write_all_vectored(bufs)
-    } else {
-        let mut all: Vec<IoSlice<'_>> = Vec::with_capacity(bufs.len() + 1);
-        all.push(IoSlice::new(held));
-        all.extend(bufs.iter().map(|b| IoSlice::new(b)));
-        conn.write_all_vectored(&mut all)
-    };
-    held.clear();
-    if let Err(e) = result {
-        debug!("nbd: reply write failed: {e}");
-        s.broken.store(true, Ordering::Relaxed);
-        conn.abort();
+/// Writes the outbox in one go.
+fn write_out(s: &Session, out: &mut Outbox) {
+    if !s.broken.load(Ordering::Relaxed) {
+        let mut conn = lock(&s.writer);
+        if let Err(e) = conn.write_all(out.pending()) {
+            debug!("nbd: reply write failed: {e}");
+            s.broken.store(true, Ordering::Relaxed);
+            conn.abort();
+        }
     }
+    out.clear();
 }
 
 fn send_error(s: &Session, req: &Request, err: &ExportError) {
@@ -661,14 +654,10 @@ fn send_error(s: &Session, req: &Request, err: &ExportError) {
         let mut body = [0u8; 6];
         body[0..4].copy_from_slice(&code.to_be_bytes());
         body[4..6].copy_from_slice(&(msg.len() as u16).to_be_bytes());
-        send(
-            s,
-            Stat::err(),
-            &mut [IoSlice::new(&hdr), IoSlice::new(&body), IoSlice::new(msg)],
-        );
+        send(s, Stat::err(), &[&hdr, &body, msg]);
     } else {
         let hdr = proto::simple_reply(req.cookie, code);
-        send(s, Stat::err(), &mut [IoSlice::new(&hdr)]);
+        send(s, Stat::err(), &[&hdr]);
     }
 }
 
@@ -736,32 +725,25 @@ fn read(s: &Session, req: &Request) {
     let len = u64::from(req.length);
     let e = &s.export;
     if !s.neg.structured {
-        let mut buf = vec![0u8; req.length as usize];
-        match guarded(|| e.read(req.offset, &mut buf)) {
-            Ok(()) => {
-                let hdr = proto::simple_reply(req.cookie, 0);
-                send(
-                    s,
-                    Stat::ok(len, 0),
-                    &mut [IoSlice::new(&hdr), IoSlice::new(&buf)],
-                );
+        let result = Outbox::with(|out| {
+            let mark = out.len();
+            out.push(&proto::simple_reply(req.cookie, 0));
+            let result = guarded(|| e.read(req.offset, out.grow(req.length as usize)));
+            match result {
+                Ok(()) => finish_reply(s, Stat::ok(len, 0), out),
+                Err(_) => out.truncate(mark),
             }
-            Err(err) => send_error(s, req, &err),
+            result
+        });
+        if let Err(err) = result {
+            send_error(s, req, &err);
         }
         return;
     }
-    if len == 0 {
-        let hdr = proto::chunk_header(
-            req.cookie,
-            proto::REPLY_FLAG_DONE,
-            proto::REPLY_TYPE_NONE,
-            0,
-        );
-        send(s, Stat::ok(0, 0), &mut [IoSlice::new(&hdr)]);
-        return;
-    }
     let df = req.flags & proto::CMD_FLAG_DF != 0;
-    let runs = if df || len < 2 * MIN_HOLE {
+    let runs = if len == 0 {
+        Vec::new()
+    } else if df || len < 2 * MIN_HOLE {
         vec![Run {
             start: 0,
             len,
@@ -777,57 +759,67 @@ fn read(s: &Session, req: &Request) {
             }],
         }
     };
-    // Read every data run into one buffer, packed back to back.
-    let data_len: u64 = runs.iter().filter(|r| !r.zero).map(|r| r.len).sum();
-    let mut buf = vec![0u8; data_len as usize];
-    let mut at = 0usize;
-    for r in runs.iter().filter(|r| !r.zero) {
-        let dst = &mut buf[at..at + r.len as usize];
-        if let Err(err) = guarded(|| e.read(req.offset + r.start, dst)) {
-            send_error(s, req, &err);
-            return;
+    let result = Outbox::with(|out| {
+        let mark = out.len();
+        let result = encode_runs(s, req, &runs, out);
+        match result {
+            Ok(()) => finish_reply(s, Stat::ok(len, 0), out),
+            Err(_) => out.truncate(mark),
         }
-        at += r.len as usize;
+        result
+    });
+    if let Err(err) = result {
+        send_error(s, req, &err);
     }
-    // Encode: per run a header plus an 8-byte offset (and 4-byte hole size).
-    let mut meta: Vec<[u8; 32]> = Vec::with_capacity(runs.len());
+}
+
+/// Encodes a structured read reply into the outbox, one chunk per run
+/// (`NONE` for an empty read), data read straight into place.
+fn encode_runs(
+    s: &Session,
+    req: &Request,
+    runs: &[Run],
+    out: &mut Outbox,
+) -> Result<(), ExportError> {
+    if runs.is_empty() {
+        let hdr = proto::chunk_header(
+            req.cookie,
+            proto::REPLY_FLAG_DONE,
+            proto::REPLY_TYPE_NONE,
+            0,
+        );
+        out.push(&hdr);
+        return Ok(());
+    }
     for (i, r) in runs.iter().enumerate() {
         let flags = if i + 1 == runs.len() {
             proto::REPLY_FLAG_DONE
         } else {
             0
         };
-        let mut m = [0u8; 32];
         let off = req.offset + r.start;
         if r.zero {
-            let h = proto::chunk_header(req.cookie, flags, proto::REPLY_TYPE_OFFSET_HOLE, 12);
-            m[..20].copy_from_slice(&h);
-            m[20..28].copy_from_slice(&off.to_be_bytes());
-            m[28..32].copy_from_slice(&(r.len as u32).to_be_bytes());
+            out.push(&proto::chunk_header(
+                req.cookie,
+                flags,
+                proto::REPLY_TYPE_OFFSET_HOLE,
+                12,
+            ));
+            out.push(&off.to_be_bytes());
+            out.push(&(r.len as u32).to_be_bytes());
         } else {
-            let h = proto::chunk_header(
+            out.push(&proto::chunk_header(
                 req.cookie,
                 flags,
                 proto::REPLY_TYPE_OFFSET_DATA,
                 (8 + r.len) as u32,
-            );
-            m[..20].copy_from_slice(&h);
-            m[20..28].copy_from_slice(&off.to_be_bytes());
-        }
-        meta.push(m);
-    }
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(runs.len() * 2);
-    let mut at = 0usize;
-    for (r, m) in runs.iter().zip(meta.iter()) {
-        if r.zero {
-            slices.push(IoSlice::new(&m[..32]));
-        } else {
-            slices.push(IoSlice::new(&m[..28]));
-            slices.push(IoSlice::new(&buf[at..at + r.len as usize]));
-            at += r.len as usize;
+            ));
+            out.push(&off.to_be_bytes());
+            let dst = out.grow(r.len as usize);
+            guarded(|| s.export.read(off, dst))?;
         }
     }
-    send(s, Stat::ok(len, 0), &mut slices);
+    Ok(())
 }
 
 /// Largest extent length we put in one descriptor (u32, 4 KiB aligned).
@@ -868,11 +860,7 @@ fn block_status(s: &Session, req: &Request) {
         proto::REPLY_TYPE_BLOCK_STATUS,
         body.len() as u32,
     );
-    send(
-        s,
-        Stat::ok(0, 0),
-        &mut [IoSlice::new(&hdr), IoSlice::new(&body)],
-    );
+    send(s, Stat::ok(0, 0), &[&hdr, &body]);
 }
 
 /// Turns export extents into valid wire descriptors: nonzero u32 lengths,

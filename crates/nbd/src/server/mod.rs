@@ -12,6 +12,7 @@
 
 mod conn;
 mod handshake;
+mod outbox;
 mod payloads;
 
 use std::collections::HashMap;
