@@ -847,7 +847,11 @@ fn a_failed_read_in_a_burst_gets_an_error_and_the_other_replies_stay_whole() {
         for _ in 0..reads.len() {
             let (cookie, error, got) = if structured_replies {
                 let (flags, kind, cookie, payload) = chunk(&mut s);
-                assert_eq!(flags & REPLY_FLAG_DONE, REPLY_FLAG_DONE, "one chunk per reply");
+                assert_eq!(
+                    flags & REPLY_FLAG_DONE,
+                    REPLY_FLAG_DONE,
+                    "one chunk per reply"
+                );
                 match kind {
                     REPLY_TYPE_OFFSET_DATA => (cookie, 0, payload[8..].to_vec()),
                     REPLY_TYPE_ERROR => (cookie, be32(&payload[0..4]), Vec::new()),

@@ -118,6 +118,9 @@ pub struct ReplayReport {
     pub flash_profile: &'static str,
     pub backend_profile: &'static str,
     pub index_memory_bytes: u64,
+    /// See `CacheReport`: the part sized by the device, and the rest as a
+    /// fraction of the cached bytes.
+    pub index_memory_fixed_bytes: u64,
     pub index_memory_ratio: f64,
     pub ftl_erases: u64,
     pub ftl_write_amplification: Option<f64>,
@@ -349,6 +352,9 @@ impl Run {
             flash_profile: cfg.flash.name,
             backend_profile: cfg.backend.name,
             index_memory_bytes: cache_report.as_ref().map_or(0, |r| r.index_memory_bytes),
+            index_memory_fixed_bytes: cache_report
+                .as_ref()
+                .map_or(0, |r| r.index_memory_fixed_bytes),
             index_memory_ratio: cache_report.as_ref().map_or(0.0, |r| r.index_memory_ratio),
             ftl_erases: ftl.map_or(0, |f| f.erases),
             ftl_write_amplification: ftl.and_then(|f| f.write_amplification),

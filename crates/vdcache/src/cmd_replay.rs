@@ -332,8 +332,9 @@ fn print_human(r: &ReplayReport) {
         r.backend_profile
     );
     println!(
-        "index memory    {} bytes ({:.3}% of cached bytes)",
+        "index memory    {} bytes ({} fixed for the device, the rest {:.3}% of cached bytes)",
         r.index_memory_bytes,
+        r.index_memory_fixed_bytes,
         r.index_memory_ratio * 100.0
     );
     if let Some(wa) = r.ftl_write_amplification {

@@ -180,7 +180,7 @@ fn print_stats(d: &serde_json::Value) {
     if let Some(c) = d.get("cache").filter(|c| !c.is_null()) {
         let t = &c["total"];
         println!(
-            "cache: {} of {} bytes cached, {} dirty; regions free {} open {} full {}; index memory {} bytes ({:.3}% of cached)",
+            "cache: {} of {} bytes cached, {} dirty; regions free {} open {} full {}; index memory {} bytes ({} fixed for the device, the rest {:.3}% of cached)",
             n(&c["cached_bytes"]),
             n(&c["data_bytes"]),
             n(&c["dirty_bytes"]),
@@ -188,6 +188,7 @@ fn print_stats(d: &serde_json::Value) {
             n(&c["regions_open"]),
             n(&c["regions_full"]),
             n(&c["index_memory_bytes"]),
+            n(&c["index_memory_fixed_bytes"]),
             c["index_memory_ratio"].as_f64().unwrap_or(0.0) * 100.0
         );
         println!(

@@ -340,6 +340,8 @@ pub struct Index {
     live_lines: usize,
     dirty_blocks: u64,
     present_blocks: u64,
+    /// Memory sized by the device, held however little is cached.
+    fixed_bytes: u64,
 }
 
 impl std::fmt::Debug for Index {
@@ -355,7 +357,7 @@ impl std::fmt::Debug for Index {
 impl Index {
     pub fn new(regions: u32, blocks_per_region: u32) -> Index {
         let data_blocks = u64::from(regions) * u64::from(blocks_per_region);
-        Index {
+        let mut index = Index {
             lines: Slab::new(1, Line::empty(0, 0)),
             free_lines: Vec::new(),
             pool: BlockPool::new(),
@@ -369,7 +371,10 @@ impl Index {
             live_lines: 0,
             dirty_blocks: 0,
             present_blocks: 0,
-        }
+            fixed_bytes: 0,
+        };
+        index.fixed_bytes = index.memory_bytes();
+        index
     }
 
     fn hash(&self, key: u64) -> u64 {
@@ -863,6 +868,14 @@ impl Index {
 
     /// Bytes of memory the index uses (lines, block arrays, table,
     /// reference bits, shares, summaries not yet written).
+    /// The part of [`Self::memory_bytes`] sized by the device, not by what
+    /// is cached: a bit per cache block (referenced), the sparse table's
+    /// smallest size (its words must tell apart every cache block number),
+    /// and a summary epoch per region.
+    pub fn fixed_memory_bytes(&self) -> u64 {
+        self.fixed_bytes
+    }
+
     pub fn memory_bytes(&self) -> u64 {
         let lines = self.lines.bytes();
         let blocks = self.pool.bytes();
@@ -886,6 +899,25 @@ impl Index {
 mod tests {
     use super::*;
     use crate::summary::decode_entry;
+
+    #[test]
+    fn the_fixed_memory_is_under_a_hundredth_percent_of_the_device() {
+        // 2 MiB regions of 512 blocks, devices from 64 MiB to 1 TiB.
+        for regions in [32u32, 512, 8192, 1 << 19] {
+            let index = Index::new(regions, 512);
+            let device = u64::from(regions) << 21;
+            let fixed = index.fixed_memory_bytes();
+            assert!(
+                fixed > 0 && fixed * 10_000 <= device,
+                "{fixed} for {device}"
+            );
+            assert_eq!(
+                index.memory_bytes(),
+                fixed,
+                "an empty index holds only its fixed part"
+            );
+        }
+    }
 
     #[test]
     fn map_unmap_and_first_references() {

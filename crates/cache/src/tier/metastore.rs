@@ -402,7 +402,11 @@ impl FlashCache {
         if st.meta.is_empty() {
             return false;
         }
-        let hit: Vec<u64> = st.meta.overlapping(id, off, off + len).map(|(a, _)| a).collect();
+        let hit: Vec<u64> = st
+            .meta
+            .overlapping(id, off, off + len)
+            .map(|(a, _)| a)
+            .collect();
         let mut dropped_dirty = false;
         for at in hit {
             if st.meta.remove(id, at) {

@@ -185,7 +185,11 @@ pub struct CacheReport {
     pub cached_bytes: u64,
     pub dirty_bytes: u64,
     pub index_memory_bytes: u64,
-    /// Index memory as a fraction of the cached bytes.
+    /// The part of the index memory sized by the device (held even when
+    /// nothing is cached).
+    pub index_memory_fixed_bytes: u64,
+    /// Index memory beyond the fixed part, as a fraction of the cached
+    /// bytes.
     pub index_memory_ratio: f64,
     /// Dirty metadata sectors held (cow-aware write-back), and their memory.
     pub meta_sectors: u64,
@@ -519,6 +523,7 @@ impl FlashCache {
         let counts: RegionCounts = st.regions.counts();
         let cached = st.index.present_blocks() * BLOCK;
         let memory = st.index.memory_bytes();
+        let fixed = st.index.fixed_memory_bytes();
         let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.images.len()];
         let mut dirty_by_disk: HashMap<u32, u64> = HashMap::new();
         for l in st.index.lines() {
@@ -564,10 +569,11 @@ impl FlashCache {
             cached_bytes: cached,
             dirty_bytes: dirty,
             index_memory_bytes: memory,
+            index_memory_fixed_bytes: fixed,
             index_memory_ratio: if cached == 0 {
                 0.0
             } else {
-                memory as f64 / cached as f64
+                memory.saturating_sub(fixed) as f64 / cached as f64
             },
             meta_sectors,
             meta_sector_memory_bytes,
