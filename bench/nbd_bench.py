@@ -19,7 +19,8 @@ each vdcache contender to qemu-nbd measured in the same run. Results go to
 a Markdown table on stdout and to --out.
 
 Usage: bench/nbd_bench.py [--runtime S] [--size SIZE] [--delay MS]
-                          [--with-cache] [--admission POLICY] [--with-ceiling]
+                          [--with-cache] [--cache-mode MODE] [--admission POLICY]
+                          [--with-ceiling]
                           [--rows a,b,...]
                           [--out FILE]
 """
@@ -45,6 +46,9 @@ ROWS = {
     "cow-randwrite-4k-qd16": ("randwrite", "4k", 16, "delta", None, False),
     # A working set that fits the flash cache, read once before measuring.
     "warm-randread-4k-qd16": ("randread", "4k", 16, "disk", "64m", True),
+    # Overwrites of a working set that is cached: in write-through every
+    # one supersedes a clean flash copy.
+    "warm-randwrite-4k-qd16": ("randwrite", "4k", 16, "disk", "64m", True),
     # The same 16 requests in flight over two connections (as a multi-conn
     # client): one fio nbd connection is bound by its own CPU on 2 cores.
     "warm-randread-4k-2x8": ("randread", "4k", 8, "disk", "64m", True, 2),
@@ -67,6 +71,9 @@ def main():
     ap.add_argument("--with-ceiling", action="store_true",
                     help="also run nbdkit's memory plugin: the client's ceiling on this machine")
     ap.add_argument("--cache-size", default="2g")
+    ap.add_argument("--cache-mode", default="writeback",
+                    choices=["writeback", "writethrough", "writearound"],
+                    help="write mode of the cached contender")
     ap.add_argument("--admission", default="all",
                     help="admission policy of the cached contender (all, hot, sequential-bypass)")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows")
@@ -89,7 +96,7 @@ def main():
     if a.with_cache:
         contenders.append(Contender("vdcache+cache", work, a.vdcache,
                                     ["--cache", "{cache}", "--cache-size", a.cache_size,
-                                     "--cache-mode", "writeback", "--admission", a.admission]))
+                                     "--cache-mode", a.cache_mode, "--admission", a.admission]))
     if a.with_ceiling:
         contenders.append(Contender("ram-ceiling", work, a.vdcache, [str(size)]))
     results = {}

@@ -249,7 +249,7 @@ impl FlashCache {
     /// from the older checkpoint needs every entry before it), then the
     /// snapshot and the mark.
     fn begin_checkpoint(&self, st: &mut State) -> Result<Job> {
-        self.sync_backends(st, Unsynced::Described)?;
+        self.sync_backends(st, Unsynced::Indexed)?;
         if st.journal.has_room() {
             st.journal.write_pending(&*self.device)?;
         } else {

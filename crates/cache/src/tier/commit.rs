@@ -3,10 +3,12 @@
 //! the flushes of other disks arriving meanwhile and run outside the state
 //! lock, plus a backend sync only for images that took write-through data).
 
-use super::{FlashCache, State};
+use super::{FlashCache, State, UnjournaledClean};
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
+use crate::journal::Entry;
 use crate::stats::bump;
+use std::collections::BTreeSet;
 use std::sync::{Arc, MutexGuard};
 use vdcache_backend::BackendRef;
 use vdcache_image::{DiskId, FlushKind, ImageHandle};
@@ -25,6 +27,7 @@ impl FlashCache {
             // What is left has no open store to sync.
             st.unsynced.clear();
             st.journal_deps.clear();
+            st.unjournaled_clean.clear();
         }
         Ok(())
     }
@@ -108,17 +111,26 @@ impl FlashCache {
     }
 
     /// A commit that takes the lock and gives it up for its syncs: a guest
-    /// flush, or a write-through write's unmaps. Backends of write-through
-    /// data are synced outside the lock, the batch is written under it, and
+    /// flush (`which`: all backends of write-through data), or a
+    /// write-through write's unmaps (those the journal describes). Backends
+    /// are synced outside the lock, the batch is written under it, and
     /// the cache device's sync runs outside it again, shared with commits
-    /// arriving meanwhile (see `group_sync`). The batch reaches only the
-    /// entries recorded before the call: those of data written through
-    /// while the backends synced stay pending, so it costs no second
-    /// backend sync. Dirty blocks stay marked uncommitted: a write bypassing
-    /// the log may not rely on a sync still running.
-    pub(crate) fn commit_unlocked(&self, st: MutexGuard<'_, State>) -> Result<()> {
+    /// arriving meanwhile (see `group_sync`). Entries recorded while the
+    /// backends synced that describe data written through meanwhile stay
+    /// pending (the batch then reaches only the entries recorded before the
+    /// call), so it costs no second backend sync. Dirty blocks stay marked
+    /// uncommitted: a write bypassing the log may not rely on a sync still
+    /// running.
+    pub(crate) fn commit_unlocked(&self, st: MutexGuard<'_, State>, which: Unsynced) -> Result<()> {
         let through = st.journal.pushed();
-        let mut st = self.sync_backends_unlocked(st, Unsynced::All)?;
+        let mut st = self.sync_backends_unlocked(st, which)?;
+        // The sync journaled the clean copies it covered. Unless what was
+        // recorded meanwhile depends on a backend, the batch takes all.
+        let through = if st.journal_deps.is_empty() {
+            st.journal.pushed()
+        } else {
+            through
+        };
         let started_before = self.write_commit_through(&mut st, through)?;
         let written = st.journal.next_seq;
         drop(st);
@@ -163,7 +175,7 @@ impl FlashCache {
                         1,
                     );
                 }
-                self.commit_unlocked(st)
+                self.commit_unlocked(st, Unsynced::All)
             }
         }
     }
@@ -192,7 +204,8 @@ fn marked(st: &State, id: u16) -> Option<Marked> {
 }
 
 impl Marked {
-    /// After its backend synced: unmarked unless written through since.
+    /// After its backend synced: unmarked unless written through since;
+    /// the clean copies of data the sync covered are journaled.
     fn synced(&self, st: &mut State) {
         if st.unsynced.get(&self.id) == Some(&self.mark) {
             st.unsynced.remove(&self.id);
@@ -204,6 +217,40 @@ impl Marked {
         {
             st.journal_deps.remove(&self.id);
         }
+        self.journal_clean_copies(st);
+    }
+
+    fn journal_clean_copies(&self, st: &mut State) {
+        let covered = |c: &UnjournaledClean| c.image == self.id && c.mark <= self.mark;
+        if !st.unjournaled_clean.values().any(covered) {
+            return;
+        }
+        let mut ready: Vec<((u64, u8), UnjournaledClean)> = Vec::new();
+        st.unjournaled_clean.retain(|&at, c| {
+            if covered(c) {
+                ready.push((at, *c));
+                false
+            } else {
+                true
+            }
+        });
+        // In the order written, so the journal reads like the index grew.
+        ready.sort_unstable_by_key(|(_, c)| c.mark);
+        for ((key, slot), c) in ready {
+            // Overwritten, evicted or moved since: the index's own record
+            // (an unmap, a relocation) already says what holds.
+            if st.index.block(key, slot as usize) != Some(c.cbn) {
+                continue;
+            }
+            st.journal.push(&Entry::Map {
+                key,
+                slot,
+                cbn: c.cbn,
+                guest: c.guest,
+                dirty: false,
+                crc: c.crc,
+            });
+        }
     }
 }
 
@@ -212,15 +259,24 @@ impl Marked {
 pub(crate) enum Unsynced {
     /// All: a guest flush makes everything durable.
     All,
-    /// Those the journal describes: before a batch or a checkpoint.
+    /// Those the journal describes: before a batch.
     Described,
+    /// Those the index describes (the journal's, and those of clean copies
+    /// not journaled yet): before a checkpoint, which records the index.
+    Indexed,
 }
 
 /// The images marked unsynced that have an open store.
 fn marked_backends(st: &State, which: Unsynced) -> Vec<Marked> {
-    let ids = match which {
-        Unsynced::All => &st.unsynced,
-        Unsynced::Described => &st.journal_deps,
+    let ids: BTreeSet<u16> = match which {
+        Unsynced::All => st.unsynced.keys().copied().collect(),
+        Unsynced::Described => st.journal_deps.keys().copied().collect(),
+        Unsynced::Indexed => st
+            .journal_deps
+            .keys()
+            .copied()
+            .chain(st.unjournaled_clean.values().map(|c| c.image))
+            .collect(),
     };
-    ids.keys().filter_map(|&id| marked(st, id)).collect()
+    ids.into_iter().filter_map(|id| marked(st, id)).collect()
 }

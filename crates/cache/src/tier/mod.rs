@@ -27,7 +27,7 @@ use crate::admission::{HotFilter, SequentialRuns};
 use crate::config::{CacheConfig, DiskPolicy};
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
-use crate::index::Index;
+use crate::index::{Cbn, Index};
 use crate::journal::{CheckpointMark, Entry, ImageIdentity, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
@@ -59,6 +59,18 @@ pub(crate) struct ImageRecord {
     /// Syncs of the backend for write-through data, shared by the flushes
     /// that need one at the same time (numbered by `State::unsynced` marks).
     pub backend_syncs: Arc<GroupSync>,
+}
+
+/// A clean copy of write-through data waiting for its backend sync before
+/// it is journaled (see `State::unjournaled_clean`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct UnjournaledClean {
+    pub image: u16,
+    /// The write's mark: a sync through it covers the data.
+    pub mark: u64,
+    pub cbn: Cbn,
+    pub guest: u64,
+    pub crc: u32,
 }
 
 /// A recent write, so a read miss does not admit data it overtook.
@@ -100,11 +112,19 @@ pub(crate) struct State {
     /// through since).
     pub unsynced: BTreeMap<u16, u64>,
     /// Of those, images that pending journal entries (or the next
-    /// checkpoint) describe data of: clean copies, sectors made valid. The
+    /// checkpoint) describe data of: sectors made valid, clean copies
+    /// promoted or relocated while the image had unsynced data. The
     /// entries must not reach flash before the backend has the data; a
     /// journal batch syncs these backends only, a guest flush all of them.
     /// Each with the mark of the last such write.
     pub journal_deps: BTreeMap<u16, u64>,
+    /// Clean copies of write-through data, mapped in the index but held
+    /// out of the journal until a backend sync covers their data (then
+    /// journaled, if still mapped). Recorded at once they would make every
+    /// journal batch, and every commit an overwrite of a cached block waits
+    /// for, sync the backend first. A crash forgets them: reads go to the
+    /// backend, which holds the same bytes or older ones.
+    pub unjournaled_clean: HashMap<(u64, u8), UnjournaledClean>,
     /// Lines holding dirty blocks, in write-back order.
     pub dirty_lines: BTreeSet<u64>,
     recent: VecDeque<RecentWrite>,
@@ -133,8 +153,8 @@ impl State {
 
     /// Records a write of `[start, end)` of image `id` that went to its
     /// backend, not yet synced there; `described`: journal entries describe
-    /// its data.
-    fn note_write_through(&mut self, id: u16, start: u64, end: u64, described: bool) {
+    /// its data. Returns the write's mark (see `unsynced`).
+    fn note_write_through(&mut self, id: u16, start: u64, end: u64, described: bool) -> u64 {
         self.note_write(id, start, end);
         self.unsynced.insert(id, self.write_seq);
         if described {
@@ -142,6 +162,16 @@ impl State {
         }
         if let Some(rec) = self.images.get(id as usize) {
             rec.backend_syncs.publish(self.write_seq);
+        }
+        self.write_seq
+    }
+
+    /// Before journaling a clean copy of image `id` read from its backend
+    /// (a promotion, a relocation): the backend may not have synced what
+    /// it returned, so the record waits for the sync as well.
+    pub(crate) fn clean_copy_needs_sync(&mut self, id: u16) {
+        if let Some(&mark) = self.unsynced.get(&id) {
+            self.journal_deps.insert(id, mark);
         }
     }
 
@@ -335,6 +365,7 @@ impl FlashCache {
             write_runs: HashMap::new(),
             unsynced: BTreeMap::new(),
             journal_deps: BTreeMap::new(),
+            unjournaled_clean: HashMap::new(),
             dirty_lines: BTreeSet::new(),
             recent: VecDeque::new(),
             write_seq: 0,

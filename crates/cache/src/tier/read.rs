@@ -294,6 +294,7 @@ impl FlashCache {
                     }
                     let guest = tag.guest_cluster.unwrap_or(u64::MAX);
                     st.index.map(key, guest, slot, cbn, false);
+                    st.clean_copy_needs_sync(id);
                     st.journal.push(&Entry::Map {
                         key,
                         slot: slot as u8,

@@ -5,8 +5,9 @@
 //! A block that is dirty in flash is never bypassed: the backend does not
 //! hold its current content, so a write over it also goes over it in flash.
 
+use super::commit::Unsynced;
 use super::metastore::{keeps_sectors, overlay};
-use super::{FlashCache, State};
+use super::{FlashCache, State, UnjournaledClean};
 use crate::config::{CowMode, WriteMode};
 use crate::error::{CacheError, Result};
 use crate::index::{Cbn, line_key};
@@ -86,6 +87,24 @@ fn continues_long_run(
     let runs = st.write_runs.entry(tag.disk.0).or_default();
     let run = runs.observe_at(low, high - low + 1, len);
     run.bytes >= cutoff && run.recent_request >= BYPASS_MEAN_REQUEST
+}
+
+/// Clean copies held out of the journal (see `State::unjournaled_clean`)
+/// before the writer syncs the backends itself: 16 MiB of 4 KiB blocks.
+const UNJOURNALED_LIMIT: usize = 4096;
+
+/// Drops the record of a clean copy held out of the journal, if the block
+/// is still mapped to it; true if it was.
+fn forget_unjournaled(st: &mut State, key: u64, slot: usize) -> bool {
+    let at = (key, slot as u8);
+    let current = st
+        .unjournaled_clean
+        .get(&at)
+        .is_some_and(|c| st.index.block(key, slot) == Some(c.cbn));
+    if current {
+        st.unjournaled_clean.remove(&at);
+    }
+    current
 }
 
 /// Ascending block numbers as runs `[first, end)` of consecutive ones.
@@ -562,17 +581,18 @@ impl FlashCache {
             let mut dropped = false;
             for b in first..=last {
                 if dirty.binary_search(&b).is_err() {
-                    dropped |= self.unmap_block(
-                        &mut st,
-                        line_key(id, b / LINE_BLOCKS),
-                        (b % LINE_BLOCKS) as usize,
-                    );
+                    let (key, slot) = (line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize);
+                    // A clean copy never journaled is unknown to recovery:
+                    // dropping it needs nothing made durable first.
+                    let journaled = !forget_unjournaled(&mut st, key, slot);
+                    dropped |= self.unmap_block(&mut st, key, slot) && journaled;
                 }
             }
             if dropped {
                 // The unmaps must be durable before the backend write; the
-                // syncs that take need no lock.
-                self.commit_unlocked(st)?;
+                // syncs that take need no lock, and no backend sync but for
+                // what the journal describes.
+                self.commit_unlocked(st, Unsynced::Described)?;
             }
         }
         let bufs: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
@@ -590,13 +610,13 @@ impl FlashCache {
                         .any(|&(s, e)| b * BLOCK >= s && (b + 1) * BLOCK <= e)
             })
             .collect();
-        {
+        let mark = {
             let mut st = self.lock();
             let entries = st.journal.pushed();
             self.validate_written(&mut st, id, off, len);
-            let described = !whole.is_empty() || st.journal.pushed() != entries;
-            st.note_write_through(id, off, off + len, described);
-        }
+            let described = st.journal.pushed() != entries;
+            st.note_write_through(id, off, off + len, described)
+        };
         for (b0, b1) in consecutive_runs(&dirty) {
             let (s, e) = ((b0 * BLOCK).max(off), (b1 * BLOCK).min(off + len));
             let part = sub_segments(off, segments, s, e);
@@ -607,12 +627,13 @@ impl FlashCache {
             }
         }
         if !whole.is_empty() {
-            self.keep_clean_copies(id, off, segments, &whole, tag)?;
+            self.keep_clean_copies(id, off, segments, &whole, tag, mark)?;
         }
         Ok(())
     }
 
-    /// Stores clean copies of whole written blocks (write-through).
+    /// Stores clean copies of whole written blocks (write-through), to be
+    /// journaled once the backend sync through `mark` ran.
     fn keep_clean_copies(
         &self,
         id: u16,
@@ -620,6 +641,7 @@ impl FlashCache {
         segments: &[WriteSegment<'_>],
         whole: &[u64],
         tag: IoTag,
+        mark: u64,
     ) -> Result<()> {
         let blocks = Blocks {
             pieces: segments.iter().map(|s| s.data).collect(),
@@ -678,16 +700,23 @@ impl FlashCache {
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
                 st.dirty_lines.remove(&key);
             }
-            st.journal.push(&Entry::Map {
-                key,
-                slot: slot as u8,
-                cbn,
-                guest,
-                dirty: false,
-                crc,
-            });
+            st.unjournaled_clean.insert(
+                (key, slot as u8),
+                UnjournaledClean {
+                    image: id,
+                    mark,
+                    cbn,
+                    guest,
+                    crc,
+                },
+            );
         }
-        self.keep_reserve(&mut st)
+        self.keep_reserve(&mut st)?;
+        if st.unjournaled_clean.len() >= UNJOURNALED_LIMIT {
+            // Bounds the memory when the guest never flushes.
+            drop(self.sync_backends_unlocked(st, Unsynced::All)?);
+        }
+        Ok(())
     }
 
     /// Drops cached blocks wholly inside the range and passes the discard on.
