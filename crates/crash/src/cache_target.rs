@@ -18,6 +18,26 @@ use vdcache_cache::{CacheConfig, FlashCache};
 use vdcache_image::chain::StoreOpener;
 use vdcache_image::{DiskId, HostIo, ImageFormat, OpenOptions, VirtualDisk, open_chain};
 
+/// Opens raw image `name` as disk 1 through `cache`: for tests that drive
+/// a cache over recorded devices step by step, without a workload.
+pub fn open_raw_through(
+    opener: Arc<dyn StoreOpener>,
+    cache: &Arc<FlashCache>,
+    name: &str,
+) -> Result<VirtualDisk, BoxError> {
+    let io: Arc<dyn HostIo> = cache.clone();
+    Ok(open_chain(
+        name,
+        &OpenOptions {
+            opener,
+            io: Some(io),
+            disk: DiskId(1),
+            format: Some(ImageFormat::Raw),
+            ..OpenOptions::default()
+        },
+    )?)
+}
+
 /// Name of the cache device among the recorded devices.
 pub const CACHE_DEVICE: &str = "cache.dev";
 

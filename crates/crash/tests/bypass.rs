@@ -7,10 +7,9 @@
 use std::sync::Arc;
 use vdcache_backend::BackendRef;
 use vdcache_cache::{CacheConfig, DiskPolicy, FlashCache, WriteMode};
-use vdcache_crash::{Log, RecordingFiles, StateKind, mem_files};
+use vdcache_crash::{Log, RecordingFiles, StateKind, mem_files, open_raw_through};
 use vdcache_image::{
-    DiskId, FlushKind, HostIo, ImageFormat, IoTag, MetaTable, OpenOptions, StoreOpener,
-    VirtualDisk, WriteSegment, open_chain,
+    DiskId, FlushKind, HostIo, IoTag, MetaTable, StoreOpener, VirtualDisk, WriteSegment,
 };
 use vdcache_qcow2::HostOffset;
 
@@ -41,18 +40,7 @@ fn config() -> CacheConfig {
 }
 
 fn open_disk(opener: Arc<dyn StoreOpener>, cache: &Arc<FlashCache>) -> VirtualDisk {
-    let io: Arc<dyn HostIo> = cache.clone();
-    open_chain(
-        IMAGE,
-        &OpenOptions {
-            opener,
-            io: Some(io),
-            disk: DiskId(1),
-            format: Some(ImageFormat::Raw),
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open disk")
+    open_raw_through(opener, cache, IMAGE).expect("open disk")
 }
 
 fn read_range(disk: &VirtualDisk, start: u64, end: u64) -> Vec<u8> {

@@ -10,10 +10,8 @@
 use std::sync::Arc;
 use vdcache_backend::BackendRef;
 use vdcache_cache::{CacheConfig, DiskPolicy, FlashCache, WriteMode};
-use vdcache_crash::{Log, RecordingFiles, StateKind, mem_files};
-use vdcache_image::{
-    DiskId, HostIo, ImageFormat, OpenOptions, StoreOpener, VirtualDisk, open_chain,
-};
+use vdcache_crash::{Log, RecordingFiles, StateKind, mem_files, open_raw_through};
+use vdcache_image::{StoreOpener, VirtualDisk};
 
 const BLOCK: u64 = 4096;
 const IMAGE: &str = "disk.raw";
@@ -36,18 +34,7 @@ fn config() -> CacheConfig {
 }
 
 fn open_disk(opener: Arc<dyn StoreOpener>, cache: &Arc<FlashCache>) -> VirtualDisk {
-    let io: Arc<dyn HostIo> = cache.clone();
-    open_chain(
-        IMAGE,
-        &OpenOptions {
-            opener,
-            io: Some(io),
-            disk: DiskId(1),
-            format: Some(ImageFormat::Raw),
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open disk")
+    open_raw_through(opener, cache, IMAGE).expect("open disk")
 }
 
 fn block(fill: u8) -> Vec<u8> {

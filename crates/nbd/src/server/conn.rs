@@ -725,19 +725,10 @@ fn read(s: &Session, req: &Request) {
     let len = u64::from(req.length);
     let e = &s.export;
     if !s.neg.structured {
-        let result = Outbox::with(|out| {
-            let mark = out.len();
+        reply_in_outbox(s, req, Stat::ok(len, 0), |out| {
             out.push(&proto::simple_reply(req.cookie, 0));
-            let result = guarded(|| e.read(req.offset, out.grow(req.length as usize)));
-            match result {
-                Ok(()) => finish_reply(s, Stat::ok(len, 0), out),
-                Err(_) => out.truncate(mark),
-            }
-            result
+            guarded(|| e.read(req.offset, out.grow(req.length as usize)))
         });
-        if let Err(err) = result {
-            send_error(s, req, &err);
-        }
         return;
     }
     let df = req.flags & proto::CMD_FLAG_DF != 0;
@@ -759,11 +750,25 @@ fn read(s: &Session, req: &Request) {
             }],
         }
     };
+    reply_in_outbox(s, req, Stat::ok(len, 0), |out| {
+        encode_runs(s, req, &runs, out)
+    });
+}
+
+/// Encodes a reply into this thread's outbox with `encode` and finishes
+/// it; if `encode` fails, what it wrote is dropped and an error reply
+/// goes instead.
+fn reply_in_outbox(
+    s: &Session,
+    req: &Request,
+    stat: Stat,
+    encode: impl FnOnce(&mut Outbox) -> Result<(), ExportError>,
+) {
     let result = Outbox::with(|out| {
         let mark = out.len();
-        let result = encode_runs(s, req, &runs, out);
+        let result = encode(out);
         match result {
-            Ok(()) => finish_reply(s, Stat::ok(len, 0), out),
+            Ok(()) => finish_reply(s, stat, out),
             Err(_) => out.truncate(mark),
         }
         result
