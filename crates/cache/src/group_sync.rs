@@ -6,7 +6,9 @@
 //! asks for a sync covering that number. For an image's backend, each
 //! write-through write publishes its unsynced mark (see `State::unsynced`).
 //! One sync at a time runs; it covers every number published before it
-//! started (their writes completed before the publication).
+//! started (their writes completed before the publication). A caller that
+//! would write while a sync runs may wait for it first ([`GroupSync::wait_idle`]),
+//! so that the writes of everyone who waited go out as one.
 //!
 //! Owns: the published and durable numbers, the one-sync-at-a-time rule,
 //! the count of callers that waited for another's sync.
@@ -68,6 +70,18 @@ impl GroupSync {
         }
         self.finished.notify_all();
         result
+    }
+
+    /// Returns once no sync runs (a write made now would wait for the
+    /// next one anyway; made after this, it can share it with others).
+    pub fn wait_idle(&self) {
+        let mut round = self.lock();
+        if round.running {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+        }
+        while round.running {
+            round = self.finished.wait(round).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// Every write before `seq` became durable by a sync run elsewhere

@@ -565,6 +565,67 @@ fn write_through_overwrites_sync_only_the_cache_device() {
     );
 }
 
+/// Overwrites block `b` with the contents of round 1, on a thread called
+/// `name`.
+fn overwrite_on<'s>(
+    s: &'s std::thread::Scope<'s, '_>,
+    disk: &'s VirtualDisk,
+    name: &str,
+    b: u64,
+) -> std::thread::ScopedJoinHandle<'s, ()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn_scoped(s, move || {
+            disk.write(b * BLOCK, &content(b, 1), false)
+                .expect("overwrite");
+        })
+        .expect("spawn")
+}
+
+/// Write-through overwrites arriving while another's cache-device sync
+/// runs share the next sync and write one journal batch between them.
+#[test]
+fn write_through_overwrites_share_one_batch_and_one_sync() {
+    let (device, gate) = gated_device("first");
+    let mut config = config(false, None);
+    config.default_policy.mode = WriteMode::WriteThrough;
+    let cache = FlashCache::format(device, config).expect("format");
+    let disk = disk_on(&image_files(), &cache);
+    // One block per 64 KiB: the disk's writes lock whole clusters.
+    let blocks = [0, 16, 32, 48];
+    for b in blocks {
+        disk.write(b * BLOCK, &content(b, 0), false).expect("write");
+    }
+    disk.flush().expect("flush");
+    let before = cache.device_stats();
+    std::thread::scope(|s| {
+        let first = overwrite_on(s, &disk, "first", 0);
+        assert!(eventually(|| gate.held() > 0), "the overwrite never synced");
+        let others = [
+            overwrite_on(s, &disk, "second", 16),
+            overwrite_on(s, &disk, "third", 32),
+        ];
+        assert!(
+            eventually(|| cache.device_stats().sync_waits - before.sync_waits == 2),
+            "{:?}",
+            cache.device_stats()
+        );
+        gate.release();
+        for t in others.into_iter().chain([first]) {
+            t.join().expect("overwriter");
+        }
+    });
+    let after = cache.device_stats();
+    assert_eq!(after.syncs - before.syncs, 2, "{after:?}");
+    assert_eq!(
+        after.meta_bytes_written - before.meta_bytes_written,
+        2 * 4096,
+        "one journal block for the first overwrite, one for the two that waited"
+    );
+    let model = HashMap::from([(0, 1), (16, 1), (32, 1), (48, 0)]);
+    check(&disk, &model, "after the overwrites");
+}
+
 /// A failed sync of the cache device fails every later guest flush too:
 /// the pages it could not write may be gone, and a later sync that
 /// succeeds would vouch for them.

@@ -123,9 +123,16 @@ impl FlashCache {
     /// running.
     pub(crate) fn commit_unlocked(&self, st: MutexGuard<'_, State>, which: Unsynced) -> Result<()> {
         let through = st.journal.pushed();
-        let mut st = self.sync_backends_unlocked(st, which)?;
-        // The sync journaled the clean copies it covered. Unless what was
-        // recorded meanwhile depends on a backend, the batch takes all.
+        let st = self.sync_backends_unlocked(st, which)?;
+        // A batch written while the device syncs waits for the next sync
+        // anyway: wait first, so that the commits arriving meanwhile write
+        // one batch between them, not one block each.
+        drop(st);
+        self.group_sync.wait_idle();
+        let mut st = self.lock();
+        // The backend sync journaled the clean copies it covered. Unless
+        // what was recorded meanwhile depends on a backend, the batch takes
+        // every pending entry.
         let through = if st.journal_deps.is_empty() {
             st.journal.pushed()
         } else {
