@@ -626,6 +626,42 @@ fn write_through_overwrites_share_one_batch_and_one_sync() {
     check(&disk, &model, "after the overwrites");
 }
 
+/// Write-through without guest flushes: clean copies wait out of the
+/// journal for a backend sync, and once 4096 of them wait, the cache syncs
+/// the backend itself and journals them (memory stays bounded).
+#[test]
+fn write_through_clean_copies_wait_for_a_backend_sync_at_most_4096_blocks() {
+    const BLOCKS: u64 = 4096;
+    let files = MemFiles::new();
+    files.insert(IMAGE_NAME, vec![0u8; ((BLOCKS + 16) * BLOCK) as usize]);
+    let mut config = config(true, None);
+    config.default_policy.mode = WriteMode::WriteThrough;
+    let device: BackendRef = Arc::new(MemBackend::fixed("cache", 64 << 20));
+    let cache = FlashCache::format(device, config).expect("format");
+    let disk = disk_on(&files, &cache);
+    let journal = || cache.device_stats().meta_bytes_written;
+    let journal_before = journal();
+    // Backwards, one block per write: no sequential run bypasses flash.
+    for b in (1..BLOCKS).rev() {
+        disk.write(b * BLOCK, &content(b, 0), false).expect("write");
+    }
+    assert_eq!(cache.report().total.backend_syncs, 0);
+    assert_eq!(
+        journal(),
+        journal_before,
+        "clean copies journaled before a backend sync"
+    );
+    disk.write(0, &content(0, 0), false).expect("write");
+    assert_eq!(cache.report().total.backend_syncs, 1);
+    assert_eq!(cache.report().cached_bytes, BLOCKS * BLOCK);
+    assert!(
+        journal() > journal_before,
+        "the synced clean copies were not journaled"
+    );
+    let model: HashMap<u64, u64> = (0..BLOCKS).map(|b| (b, 0)).collect();
+    check(&disk, &model, "after the sync");
+}
+
 /// A failed sync of the cache device fails every later guest flush too:
 /// the pages it could not write may be gone, and a later sync that
 /// succeeds would vouch for them.

@@ -18,7 +18,7 @@
 
 use super::commit::Unsynced;
 use super::read::copy_overlap;
-use super::{FlashCache, State};
+use super::{FlashCache, State, UNJOURNALED_LIMIT};
 use crate::config::{CowMode, DiskPolicy, WriteMode};
 use crate::error::{CacheError, Result};
 use crate::index::line_key;
@@ -589,6 +589,21 @@ impl FlashCache {
         let mut st = self.sync_backends_unlocked(st, Unsynced::Described)?;
         st.journal_written = Instant::now();
         self.append_journal_through(&mut st, through)
+    }
+
+    /// Journals the clean copies of write-through data held out of the
+    /// journal once they are a second old or many, syncing their backends
+    /// first (without the lock: a sync may cross the network).
+    pub(crate) fn clean_copies_check(&self) -> Result<()> {
+        let mut st = self.lock();
+        let held = st.unjournaled_clean.len();
+        if held == 0 || (held < UNJOURNALED_LIMIT && st.clean_copies_synced.elapsed() < JOURNAL_AGE)
+        {
+            return Ok(());
+        }
+        st.clean_copies_synced = Instant::now();
+        let mut st = self.sync_backends_unlocked(st, Unsynced::Indexed)?;
+        self.journal_buffer_check(&mut st)
     }
 
     /// Writes the journal buffer to the metadata zone without a sync (a

@@ -7,7 +7,7 @@
 
 use super::commit::Unsynced;
 use super::metastore::{keeps_sectors, overlay};
-use super::{FlashCache, State, UnjournaledClean};
+use super::{FlashCache, State, UNJOURNALED_LIMIT, UnjournaledClean};
 use crate::config::{CowMode, WriteMode};
 use crate::error::{CacheError, Result};
 use crate::index::{Cbn, line_key};
@@ -88,10 +88,6 @@ fn continues_long_run(
     let run = runs.observe_at(low, high - low + 1, len);
     run.bytes >= cutoff && run.recent_request >= BYPASS_MEAN_REQUEST
 }
-
-/// Clean copies held out of the journal (see `State::unjournaled_clean`)
-/// before the writer syncs the backends itself: 16 MiB of 4 KiB blocks.
-const UNJOURNALED_LIMIT: usize = 4096;
 
 /// Drops the record of a clean copy held out of the journal, if the block
 /// is still mapped to it; true if it was.
@@ -713,8 +709,12 @@ impl FlashCache {
         }
         self.keep_reserve(&mut st)?;
         if st.unjournaled_clean.len() >= UNJOURNALED_LIMIT {
-            // Bounds the memory when the guest never flushes.
-            drop(self.sync_backends_unlocked(st, Unsynced::All)?);
+            if self.config.inline_background {
+                drop(st);
+                self.clean_copies_check()?;
+            } else {
+                self.wake.notify();
+            }
         }
         Ok(())
     }

@@ -59,6 +59,9 @@ fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
             if cache.stop.load(Ordering::SeqCst) {
                 return;
             }
+            if let Err(e) = cache.clean_copies_check() {
+                tracing::error!("journaling clean copies failed: {e}");
+            }
             let round = cache
                 .writeback_round(&mut cursor)
                 .and_then(|data| Ok(cache.meta_writeback_round(false)? || data));
