@@ -72,6 +72,12 @@ impl GroupSync {
         result
     }
 
+    /// Whether a sync runs now (the state lock may be held: it is taken
+    /// before this one, as in [`GroupSync::note_durable`]).
+    pub fn is_running(&self) -> bool {
+        self.lock().running
+    }
+
     /// Returns once no sync runs (a write made now would wait for the
     /// next one anyway; made after this, it can share it with others).
     pub fn wait_idle(&self) {

@@ -514,7 +514,8 @@ fn write_through_backend_syncs_run_outside_the_lock() {
 /// Write-through: overwriting a cached block drops the clean copy durably
 /// before the backend write. That costs a sync of the cache device and no
 /// backend sync, even with other data written through and not synced:
-/// clean copies of it are journaled only once a backend sync covers it.
+/// clean copies of it are journaled only once a backend sync covers it,
+/// and overwriting such a copy costs no sync at all.
 #[test]
 fn write_through_overwrites_sync_only_the_cache_device() {
     let (log, config, opener, cache, _gate) = write_through_rig("nobody");
@@ -546,6 +547,14 @@ fn write_through_overwrites_sync_only_the_cache_device() {
         device_syncs + 4,
         "one device sync per overwrite"
     );
+    // Overwrites of clean copies never journaled need no sync at all.
+    for b in [1000, 1001] {
+        disk.write(b * BLOCK, &content(b, 1), false)
+            .expect("overwrite");
+        model.insert(b, 1);
+    }
+    assert_eq!(cache.report().device.syncs, device_syncs + 4);
+    assert_eq!(cache.report().total.backend_syncs, backend_syncs);
     check(&disk, &model, "after the overwrites");
     // A crash now: the overwritten blocks read from the backend (old or
     // new bytes), the unsynced clean copies are forgotten.

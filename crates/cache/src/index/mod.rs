@@ -866,8 +866,6 @@ impl Index {
             .chain(self.sparse.lines().map(LineRef::sparse))
     }
 
-    /// Bytes of memory the index uses (lines, block arrays, table,
-    /// reference bits, shares, summaries not yet written).
     /// The part of [`Self::memory_bytes`] sized by the device, not by what
     /// is cached: a bit per cache block (referenced), the sparse table's
     /// smallest size (its words must tell apart every cache block number),
@@ -876,6 +874,8 @@ impl Index {
         self.fixed_bytes
     }
 
+    /// Bytes of memory the index uses (lines, block arrays, table,
+    /// reference bits, shares, summaries not yet written).
     pub fn memory_bytes(&self) -> u64 {
         let lines = self.lines.bytes();
         let blocks = self.pool.bytes();

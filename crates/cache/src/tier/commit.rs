@@ -123,13 +123,15 @@ impl FlashCache {
     /// running.
     pub(crate) fn commit_unlocked(&self, st: MutexGuard<'_, State>, which: Unsynced) -> Result<()> {
         let through = st.journal.pushed();
-        let st = self.sync_backends_unlocked(st, which)?;
+        let mut st = self.sync_backends_unlocked(st, which)?;
         // A batch written while the device syncs waits for the next sync
         // anyway: wait first, so that the commits arriving meanwhile write
         // one batch between them, not one block each.
-        drop(st);
-        self.group_sync.wait_idle();
-        let mut st = self.lock();
+        if self.group_sync.is_running() {
+            drop(st);
+            self.group_sync.wait_idle();
+            st = self.lock();
+        }
         // The backend sync journaled the clean copies it covered. Unless
         // what was recorded meanwhile depends on a backend, the batch takes
         // every pending entry.
@@ -228,13 +230,9 @@ impl Marked {
     }
 
     fn journal_clean_copies(&self, st: &mut State) {
-        let covered = |c: &UnjournaledClean| c.image == self.id && c.mark <= self.mark;
-        if !st.unjournaled_clean.values().any(covered) {
-            return;
-        }
         let mut ready: Vec<((u64, u8), UnjournaledClean)> = Vec::new();
         st.unjournaled_clean.retain(|&at, c| {
-            if covered(c) {
+            if c.image == self.id && c.mark <= self.mark {
                 ready.push((at, *c));
                 false
             } else {
