@@ -56,6 +56,26 @@ impl FileBackend {
     }
 }
 
+/// Moves a fully written file `tmp` to `dest`, failing if `dest` exists,
+/// and makes the rename durable: a file appears under `dest` complete or
+/// not at all, and two processes racing to create it cannot replace each
+/// other's file.
+pub fn publish_new_file(tmp: &Path, dest: &Path) -> io::Result<()> {
+    rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        tmp,
+        rustix::fs::CWD,
+        dest,
+        rustix::fs::RenameFlags::NOREPLACE,
+    )
+    .map_err(io::Error::from)?;
+    let dir = match dest.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    File::open(dir)?.sync_all()
+}
+
 impl Backend for FileBackend {
     fn len(&self) -> io::Result<u64> {
         let meta = self.file.metadata()?;
@@ -131,6 +151,36 @@ impl Backend for FileBackend {
 
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn identity(&self) -> io::Result<crate::StoreIdentity> {
+        use rustix::fs::{AtFlags, StatxFlags, StatxTimestamp};
+        let ns = |t: StatxTimestamp| {
+            u64::try_from(t.tv_sec)
+                .unwrap_or(0)
+                .saturating_mul(1_000_000_000)
+                .saturating_add(u64::from(t.tv_nsec))
+        };
+        let st = rustix::fs::statx(
+            &self.file,
+            "",
+            AtFlags::EMPTY_PATH,
+            StatxFlags::BASIC_STATS | StatxFlags::BTIME,
+        )
+        .map_err(io::Error::from)?;
+        let birth_ns = if st.stx_mask & StatxFlags::BTIME.bits() != 0 {
+            ns(st.stx_btime)
+        } else {
+            0
+        };
+        Ok(crate::StoreIdentity {
+            dev: (u64::from(st.stx_dev_major) << 32) | u64::from(st.stx_dev_minor),
+            ino: st.stx_ino,
+            birth_ns,
+            size: self.len()?,
+            mtime_ns: ns(st.stx_mtime),
+            ctime_ns: ns(st.stx_ctime),
+        })
     }
 }
 

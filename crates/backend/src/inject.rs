@@ -155,6 +155,10 @@ impl Backend for HookedBackend {
     fn name(&self) -> &str {
         self.inner.name()
     }
+
+    fn identity(&self) -> io::Result<crate::StoreIdentity> {
+        self.inner.identity()
+    }
 }
 
 /// Polls `cond` every millisecond until it holds (true) or

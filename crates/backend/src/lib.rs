@@ -13,7 +13,7 @@ mod nbd;
 pub mod recording;
 mod sparse;
 
-pub use file::{FileBackend, FileOptions};
+pub use file::{FileBackend, FileOptions, publish_new_file};
 pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
 pub use nbd::{NbdBackend, is_nbd_uri};
@@ -66,6 +66,42 @@ pub trait Backend: Send + Sync + Debug {
 
     /// A name for messages: the path or URI.
     fn name(&self) -> &str;
+
+    /// What the store says about which file it is (see [`StoreIdentity`]);
+    /// all zeros for a store that cannot tell (memory).
+    fn identity(&self) -> io::Result<StoreIdentity> {
+        Ok(StoreIdentity::default())
+    }
+}
+
+/// Facts a store reports about itself that tell one file from another
+/// that took its place: the inode and its birth time (a file deleted and
+/// created again may get the same inode, never the same birth), and the
+/// size and change times (which any writer moves). A layer that keeps
+/// copies of a store's bytes across restarts compares them; zero means
+/// unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreIdentity {
+    pub dev: u64,
+    pub ino: u64,
+    /// Birth time in nanoseconds since the epoch (0 where the file system
+    /// does not record it).
+    pub birth_ns: u64,
+    pub size: u64,
+    pub mtime_ns: u64,
+    pub ctime_ns: u64,
+}
+
+impl StoreIdentity {
+    /// The same file, whatever was written to it since.
+    pub fn same_file(&self, other: &StoreIdentity) -> bool {
+        (self.dev, self.ino, self.birth_ns) == (other.dev, other.ino, other.birth_ns)
+    }
+
+    /// The same file, unchanged.
+    pub fn same_content(&self, other: &StoreIdentity) -> bool {
+        self == other
+    }
 }
 
 /// Shared handle to a backend.

@@ -32,7 +32,7 @@ pub enum LockError {
     #[error("cannot open {path}: {cause}")]
     Io { path: String, cause: std::io::Error },
     #[error(
-        "{path} is in use: failed to get the '{perm}' lock (another process, such as a VM, qemu-nbd or another vdcache, has it open; use --force-share to read it anyway)"
+        "{path} is in use: failed to get the '{perm}' lock (another process, such as a VM, qemu-nbd or another vdcache, has it open)"
     )]
     Conflict { path: String, perm: &'static str },
 }

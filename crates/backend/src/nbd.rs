@@ -131,4 +131,12 @@ impl Backend for NbdBackend {
     fn name(&self) -> &str {
         &self.name
     }
+
+    fn identity(&self) -> io::Result<crate::StoreIdentity> {
+        // An export says nothing of its file but its size.
+        Ok(crate::StoreIdentity {
+            size: self.size,
+            ..crate::StoreIdentity::default()
+        })
+    }
 }

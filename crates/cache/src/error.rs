@@ -3,8 +3,12 @@
 /// Why a cache operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    #[error("not a vdcache cache device (no superblock); format it first")]
+    #[error("not a vdcache cache device (no valid superblock)")]
     NotACache,
+    #[error(
+        "{device} has no vdcache superblock but holds {what}; refusing to format it (nothing was changed). If it is not needed, pass --format-cache to overwrite it"
+    )]
+    NotBlank { device: String, what: String },
     #[error("cache device is corrupt: {0}")]
     Corrupt(String),
     #[error("cache device {op} failed: {cause}")]
@@ -16,8 +20,14 @@ pub enum CacheError {
         "cache device belongs to host '{owner}', not this host '{this}'; write its dirty data back with `vdcache recover --full --cache PATH`, which then hands the device to this host"
     )]
     ForeignHost { owner: String, this: String },
-    #[error("image {name} does not match what the cache recorded: {reason}")]
-    WrongImage { name: String, reason: String },
+    #[error(
+        "{name} is not the image the cache {cache} holds unwritten data of: {reason}. Its data in the cache would be lost: put the original file back and serve it (or run `vdcache recover --full --cache {cache}`), or, to give up that data, remove the cache file"
+    )]
+    WrongImage {
+        name: String,
+        reason: String,
+        cache: String,
+    },
     #[error("invalid cache setting: {0}")]
     Config(String),
     #[error(transparent)]

@@ -8,20 +8,12 @@
 
 use crate::error::{CacheError, Result};
 use crate::layout::{BLOCK, Layout};
-use vdcache_backend::Backend;
+use vdcache_backend::{Backend, StoreIdentity};
+use vdcache_image::{ImageIdentity, MarkIdentity};
 
 const BATCH_MAGIC: u32 = 0x5644_4a52; // "VDJR"
 const CHECKPOINT_MAGIC: u32 = 0x5644_434b; // "VDCK"
 const HEADER: usize = 40;
-
-/// What identifies an image file, so a cache never serves another file's
-/// blocks under its name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ImageIdentity {
-    pub size: u64,
-    pub dev: u64,
-    pub ino: u64,
-}
 
 /// One change to the index.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,9 +152,7 @@ impl Entry {
                 let n = &n[..n.len().min(4096)];
                 put16(out, n.len() as u16);
                 out.extend_from_slice(n);
-                put64(out, identity.size);
-                put64(out, identity.dev);
-                put64(out, identity.ino);
+                encode_identity(out, identity);
             }
             Entry::Partial { key, mask, guest } => {
                 out.push(5);
@@ -233,11 +223,7 @@ impl Entry {
                 Entry::Image {
                     id,
                     name,
-                    identity: ImageIdentity {
-                        size: r.u64()?,
-                        dev: r.u64()?,
-                        ino: r.u64()?,
-                    },
+                    identity: decode_identity(r)?,
                 }
             }
             5 => Entry::Partial {
@@ -271,6 +257,57 @@ impl Entry {
             }
         })
     }
+}
+
+/// An image's identity: flags (bit 0: a cache mark follows; bit 1: the
+/// mark is coherent; bit 2: opened writable), the mark (image id,
+/// generation, cache id), then the store's six facts.
+fn encode_identity(out: &mut Vec<u8>, identity: &ImageIdentity) {
+    let mark = identity.mark.unwrap_or_default();
+    let flags = u8::from(identity.mark.is_some())
+        | u8::from(mark.coherent) << 1
+        | u8::from(identity.writable) << 2;
+    out.push(flags);
+    if identity.mark.is_some() {
+        out.extend_from_slice(&mark.image_id);
+        put64(out, mark.generation);
+        out.extend_from_slice(&mark.cache_id);
+    }
+    let s = &identity.store;
+    for v in [s.dev, s.ino, s.birth_ns, s.size, s.mtime_ns, s.ctime_ns] {
+        put64(out, v);
+    }
+}
+
+fn decode_identity(r: &mut Reader<'_>) -> Result<ImageIdentity> {
+    let flags = r.u8()?;
+    let mark = if flags & 1 != 0 {
+        let mut image_id = [0u8; 16];
+        image_id.copy_from_slice(r.take(16)?);
+        let generation = r.u64()?;
+        let mut cache_id = [0u8; 16];
+        cache_id.copy_from_slice(r.take(16)?);
+        Some(MarkIdentity {
+            image_id,
+            generation,
+            cache_id,
+            coherent: flags & 2 != 0,
+        })
+    } else {
+        None
+    };
+    Ok(ImageIdentity {
+        mark,
+        store: StoreIdentity {
+            dev: r.u64()?,
+            ino: r.u64()?,
+            birth_ns: r.u64()?,
+            size: r.u64()?,
+            mtime_ns: r.u64()?,
+            ctime_ns: r.u64()?,
+        },
+        writable: flags & 4 != 0,
+    })
 }
 
 fn uuid_tag(uuid: &[u8; 16]) -> u64 {
@@ -315,6 +352,11 @@ impl Frame {
     }
 
     fn decode(buf: &[u8], magic: u32, tag: u64) -> Option<Frame> {
+        Frame::decode_any_tag(buf, magic).filter(|f| f.tag == tag)
+    }
+
+    /// A frame with a valid header of any cache or epoch.
+    fn decode_any_tag(buf: &[u8], magic: u32) -> Option<Frame> {
         let h = buf.get(..HEADER)?;
         let mut r = Reader::new(h);
         let f = Frame {
@@ -326,7 +368,7 @@ impl Frame {
             payload_crc: r.u32().ok()?,
         };
         let crc = r.u32().ok()?;
-        (f.magic == magic && f.tag == tag && crc32c::crc32c(&h[..HEADER - 4]) == crc).then_some(f)
+        (f.magic == magic && crc32c::crc32c(&h[..HEADER - 4]) == crc).then_some(f)
     }
 }
 
@@ -649,6 +691,23 @@ pub fn write_checkpoint(
     device
         .write_at(&buf, layout.slot_offset(slot))
         .map_err(CacheError::device("write checkpoint"))
+}
+
+/// The newest generation of a checkpoint frame in either slot, whatever
+/// cache wrote it: a device with one is a cache even when its superblock
+/// is gone.
+pub fn stray_checkpoint_generation(device: &dyn Backend, layout: &Layout) -> Result<Option<u64>> {
+    let mut newest = None;
+    for slot in 0..2 {
+        let mut head = [0u8; HEADER];
+        device
+            .read_at(&mut head, layout.slot_offset(slot))
+            .map_err(CacheError::device("read checkpoint"))?;
+        if let Some(f) = Frame::decode_any_tag(&head, CHECKPOINT_MAGIC) {
+            newest = newest.max(Some(f.seq));
+        }
+    }
+    Ok(newest)
 }
 
 /// Reads the newest valid checkpoint.

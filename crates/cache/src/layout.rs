@@ -24,7 +24,8 @@ const MAGIC: &[u8; 8] = b"VDCACHE1";
 /// 3: regions end with a summary block (regions of 64 blocks or more).
 /// 4: partially valid blocks may have valid 512-byte sectors (journal
 /// entry 9, and a field of partially valid lines in checkpoints).
-const VERSION: u32 = 4;
+/// 5: images are recorded with their cache mark and store identity.
+const VERSION: u32 = 5;
 const SUPERBLOCK_BYTES: u64 = BLOCK;
 /// Room reserved in a checkpoint for the image registry.
 pub const REGISTRY_BYTES: u64 = 1 << 20;
@@ -232,7 +233,7 @@ impl Superblock {
         let version = c.u64()?;
         if version != u64::from(VERSION) {
             return Err(CacheError::Corrupt(format!(
-                "superblock version {version} is not supported (expected {VERSION})"
+                "superblock version {version} is not supported (expected {VERSION}): the cache was formatted by another vdcache version; write its dirty data back with that version's `vdcache recover --full`, then remove it"
             )));
         }
         let mut uuid = [0u8; 16];

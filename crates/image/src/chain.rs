@@ -6,6 +6,7 @@
 use crate::disk::{Layer, RawImage, VirtualDisk};
 use crate::error::{ImageError, Result};
 use crate::hostio::{DirectIo, DiskId, HostIo, ImageHandle};
+use crate::identity::read_identity;
 use crate::meta_cache::MetaCacheConfig;
 use crate::qimage::{self, ImageOptions, Qcow2Image};
 use std::path::Path;
@@ -180,6 +181,9 @@ pub struct OpenOptions {
     pub force_share: bool,
     /// Open only the named image, not its backing chain (for check).
     pub no_backing: bool,
+    /// Only look at the chain (info): an image whose newest data is in a
+    /// cache this open does not go through is opened anyway (read-only).
+    pub inspect: bool,
     pub io: Option<Arc<dyn HostIo>>,
     pub opener: Arc<dyn StoreOpener>,
 }
@@ -193,6 +197,7 @@ impl Default for OpenOptions {
             disk: DiskId(0),
             force_share: false,
             no_backing: false,
+            inspect: false,
             io: None,
             opener: Arc::new(LocalFiles),
         }
@@ -323,6 +328,7 @@ fn open_layer(
         depth: depth as u32,
         backend,
     };
+    attach(io, &handle, opts.disk, writable)?;
     let format = match format {
         Some(f) => f,
         None if probe_is_qcow2(&handle.backend, name)? => ImageFormat::Qcow2,
@@ -342,11 +348,13 @@ fn open_layer(
         (Some(file), true) => {
             let path = opts.opener.resolve(&canonical, file);
             let backend = opts.opener.open(&path, writable, lock)?;
-            Some(ImageHandle {
+            let data = ImageHandle {
                 name: Arc::from(opts.opener.canonical(&path)?.as_str()),
                 depth: depth as u32,
                 backend,
-            })
+            };
+            attach(io, &data, opts.disk, writable)?;
+            Some(data)
         }
         (None, true) => {
             return Err(ImageError::Unsupported {
@@ -372,9 +380,23 @@ fn open_layer(
             disk: opts.disk,
         },
     )?;
+    img.check_cache_mark(opts.inspect && !writable)?;
     if writable {
+        img.stamp_for_holder()?;
         img.repair_if_dirty()?;
         img.prepare_for_writes()?;
     }
     Ok((Layer::Qcow2(Box::new(img)), next))
+}
+
+/// Tells the layer below which file `handle` is, before it serves any
+/// copy it kept of it.
+fn attach(io: &Arc<dyn HostIo>, handle: &ImageHandle, disk: DiskId, writable: bool) -> Result<()> {
+    if io.holder().is_none() {
+        return Ok(());
+    }
+    let identity = read_identity(handle, writable)
+        .map_err(|e| ImageError::io(&handle.name, "read its identity", e))?;
+    io.attach(handle, disk, &identity)
+        .map_err(|e| ImageError::io(&handle.name, "check it against the cache", e))
 }

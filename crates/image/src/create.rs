@@ -4,8 +4,8 @@
 
 use crate::chain::{ImageFormat, OpenOptions, open_chain};
 use crate::error::{ImageError, Result};
-use std::io::Write;
 use std::path::Path;
+use vdcache_backend::{Backend, FileBackend, FileOptions, LockMode};
 use vdcache_qcow2::Header;
 use vdcache_qcow2::features::{compatible, incompatible};
 use vdcache_qcow2::header::{self, CompressionType, Extensions};
@@ -246,18 +246,38 @@ fn backing_size(path: &Path, name: &str, fmt: ImageFormat) -> Result<u64> {
     Ok(disk.size())
 }
 
+/// Opens `path` for a new image the way qemu-img create does: created if
+/// missing, but never truncated before QEMU's write lock is held, so an
+/// image in use (by a VM, qemu-nbd or a vdcache server) is refused, not
+/// overwritten.
+fn open_for_create(path: &Path) -> Result<FileBackend> {
+    let backend = FileBackend::open(
+        path,
+        FileOptions {
+            read_only: false,
+            lock: Some(LockMode::Write),
+            create: true,
+        },
+    )?;
+    backend
+        .set_len(0)
+        .map_err(|e| ImageError::io(&path.display().to_string(), "truncate", e))?;
+    Ok(backend)
+}
+
 fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path.display().to_string();
-    let mut f = std::fs::File::create(path).map_err(|e| ImageError::io(&name, "create", e))?;
-    f.write_all(bytes)
+    let f = open_for_create(path)?;
+    f.write_at(bytes, 0)
         .map_err(|e| ImageError::io(&name, "write", e))?;
-    f.sync_all().map_err(|e| ImageError::io(&name, "sync", e))
+    f.flush().map_err(|e| ImageError::io(&name, "sync", e))
 }
 
 /// Creates a raw image of `size` bytes (sparse).
 pub fn create_raw(path: &Path, size: u64) -> Result<()> {
     let name = path.display().to_string();
-    let f = std::fs::File::create(path).map_err(|e| ImageError::io(&name, "create", e))?;
+    let f = open_for_create(path)?;
     f.set_len(size)
-        .map_err(|e| ImageError::io(&name, "resize", e))
+        .map_err(|e| ImageError::io(&name, "resize", e))?;
+    f.flush().map_err(|e| ImageError::io(&name, "sync", e))
 }

@@ -199,6 +199,14 @@ impl VirtualDisk {
                 image: self.layers[0].name().to_string(),
             });
         }
+        if let Layer::Qcow2(img) = &self.layers[0]
+            && img.found_corrupt()
+        {
+            return Err(ImageError::corrupt(
+                img.name(),
+                "the image was found corrupt and marked so; writes are refused (repair it offline with `vdcache check -r all`)",
+            ));
+        }
         Ok(())
     }
 
@@ -411,6 +419,7 @@ impl VirtualDisk {
                     .map_err(|e| ImageError::io(img.name(), "update validity", e))?;
                 continue;
             }
+            img.lock().check_data_write(r.offset, r.len)?;
             let mut buf = vec![0u8; r.len as usize];
             self.read_layer(1, guest, &mut buf, IoClass::CowFill)?;
             self.io
@@ -675,13 +684,37 @@ impl VirtualDisk {
         }
     }
 
-    /// Flushes, persists deferred state and clears the dirty bit.
+    /// Leaves the top image complete on its own: partially valid clusters
+    /// filled, everything flushed, deferred state persisted, the dirty
+    /// bit cleared, and a cache below writing back what it holds of the
+    /// image (which then no longer needs it).
     pub fn close(&self) -> Result<()> {
         if self.read_only {
             return Ok(());
         }
         match &self.layers[0] {
-            Layer::Qcow2(img) => img.close(),
+            Layer::Qcow2(img) => {
+                self.fill_partial(usize::MAX)?;
+                img.close(false)
+            }
+            Layer::Raw(r) => {
+                self.flush()?;
+                self.io
+                    .write_back_image(&r.handle)
+                    .map_err(|e| ImageError::io(&r.handle.name, "write back the cache", e))
+            }
+        }
+    }
+
+    /// Flushes and persists deferred state like [`Self::close`], but leaves
+    /// what a cache below holds there (a fast restart on this host): the
+    /// image keeps needing the cache.
+    pub fn close_keeping_cached(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        match &self.layers[0] {
+            Layer::Qcow2(img) => img.close(true),
             Layer::Raw(_) => self.flush(),
         }
     }

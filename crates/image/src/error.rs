@@ -43,6 +43,10 @@ pub enum ImageError {
     OutOfRange { offset: u64, len: u64, size: u64 },
     #[error("{image}: no space left: the store is {capacity} bytes and cannot grow")]
     NoSpace { image: String, capacity: u64 },
+    #[error(
+        "{image}: its newest data is in the vdcache cache {cache}, so the file alone is out of date. Serve it with that cache (--cache {cache}), or write the data back with `vdcache recover --full --cache {cache}`; if that cache is lost, `vdcache recover --without-cache {image}` makes the file usable again, without what the cache held"
+    )]
+    InCache { image: String, cache: String },
 }
 
 impl ImageError {

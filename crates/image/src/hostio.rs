@@ -8,6 +8,7 @@
 //!
 //! This module must not know qcow2 semantics beyond those tags.
 
+use crate::identity::ImageIdentity;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -161,6 +162,16 @@ pub enum FlushKind {
     Durable,
 }
 
+/// A layer below the COW layer that may hold an image's newest data (a
+/// write-back flash cache), as an image's cache mark names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// The layer's own id (a cache's superblock uuid).
+    pub id: [u8; 16],
+    /// Where it lives, for messages that tell how to recover.
+    pub path: String,
+}
+
 /// The narrow interface: all storage I/O of the COW layer goes through it.
 pub trait HostIo: Send + Sync + std::fmt::Debug {
     fn read(
@@ -233,6 +244,56 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
     /// serves (for filling them from the backing chain).
     fn partial_ranges(&self, _image: &ImageHandle) -> io::Result<Vec<PartialRange>> {
         Ok(Vec::new())
+    }
+
+    /// The layer's identity, when it keeps copies of images across
+    /// restarts (see [`Holder`]).
+    fn holder(&self) -> Option<Holder> {
+        None
+    }
+
+    /// Binds `image` to the identity found in its store (read past this
+    /// layer), before the layer serves any copy it kept of it: copies of
+    /// another file under the same name are dropped, and an error says why
+    /// when they cannot be (data the file lacks).
+    fn attach(
+        &self,
+        _image: &ImageHandle,
+        _disk: DiskId,
+        _identity: &ImageIdentity,
+    ) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// Whether writes of `disk` may be held newer than the store
+    /// (write-back).
+    fn keeps_newer(&self, _disk: DiskId) -> bool {
+        false
+    }
+
+    /// Whether the layer holds data of `image` that the store lacks.
+    fn holds_newer(&self, _image: &ImageHandle) -> io::Result<bool> {
+        Ok(false)
+    }
+
+    /// Writes everything of `image` the store lacks back to it, durably
+    /// (partially valid blocks excepted: filling them needs the chain).
+    fn write_back_image(&self, _image: &ImageHandle) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// Writes `data` to the store itself and makes it durable, keeping any
+    /// copy this layer holds equal to it: for header bits that a program
+    /// reading the file without this layer must see.
+    fn write_durable(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        data: &[u8],
+        tag: IoTag,
+    ) -> io::Result<()> {
+        self.write(image, offset, &[WriteSegment { data, tag }])?;
+        self.flush(image, FlushKind::Durable)
     }
 
     /// Whether this layer wants [`HostIo::forget`] hints for `disk`.

@@ -15,6 +15,7 @@ pub mod disk;
 pub mod error;
 pub mod fuzzing;
 pub mod hostio;
+pub mod identity;
 pub mod meta_cache;
 pub mod qimage;
 mod range_lock;
@@ -25,8 +26,9 @@ pub use create::{CreateOptions, create_qcow2, create_raw, qcow2_image_bytes};
 pub use disk::{BlockState, FillReport, Layer, VirtualDisk, ZeroFlags};
 pub use error::{ImageError, Result};
 pub use hostio::{
-    DirectIo, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, MetaTable, PartialRange,
-    WriteSegment,
+    DirectIo, DiskId, FlushKind, Holder, HostIo, ImageHandle, IoClass, IoTag, MetaTable,
+    PartialRange, WriteSegment,
 };
+pub use identity::{ImageIdentity, MarkIdentity, Verdict};
 pub use meta_cache::MetaCacheConfig;
-pub use qimage::Qcow2Image;
+pub use qimage::{Qcow2Image, abandon_cache};

@@ -158,6 +158,13 @@ impl L2Mapping {
             ));
         }
         let off = raw & OFFSET_MASK;
+        if !geometry.is_cluster_aligned(off) {
+            // Using it would read and write across two host clusters.
+            return Err(FormatError::invalid(
+                "L2 entry",
+                format!("{raw:#018x}: host offset {off:#x} is not cluster aligned"),
+            ));
+        }
         let host = (off != 0).then_some(HostOffset(off));
         let copied = raw & COPIED != 0;
         if geometry.extended_l2() {

@@ -7,7 +7,12 @@ pub mod incompatible {
     pub const EXTERNAL_DATA: u64 = 1 << 2;
     pub const COMPRESSION_TYPE: u64 = 1 << 3;
     pub const EXTENDED_L2: u64 = 1 << 4;
-    pub const KNOWN: u64 = DIRTY | CORRUPT | EXTERNAL_DATA | COMPRESSION_TYPE | EXTENDED_L2;
+    /// vdcache: a flash cache holds data of this image that the file
+    /// lacks (see [`crate::cache_mark`]). QEMU refuses such an image, so
+    /// nobody reads the stale file alone.
+    pub const IN_CACHE: u64 = 1 << 56;
+    pub const KNOWN: u64 =
+        DIRTY | CORRUPT | EXTERNAL_DATA | COMPRESSION_TYPE | EXTENDED_L2 | IN_CACHE;
 }
 
 /// Compatible feature bits: unknown ones may be ignored.
@@ -21,7 +26,11 @@ pub mod compatible {
 pub mod autoclear {
     pub const BITMAPS: u64 = 1 << 0;
     pub const RAW_EXTERNAL_DATA: u64 = 1 << 1;
-    pub const KNOWN: u64 = BITMAPS | RAW_EXTERNAL_DATA;
+    /// vdcache: the cache named in the cache mark holds no copy of this
+    /// file's data that the file contradicts. Any other writer clears it
+    /// (as the qcow2 specification asks of unknown autoclear bits).
+    pub const CACHE_COHERENT: u64 = 1 << 56;
+    pub const KNOWN: u64 = BITMAPS | RAW_EXTERNAL_DATA | CACHE_COHERENT;
 }
 
 /// Which of the three feature bitmaps a bit belongs to.
@@ -59,9 +68,16 @@ pub const KNOWN_NAMES: &[(FeatureKind, u8, &str)] = &[
     (FeatureKind::Incompatible, 2, "external data file"),
     (FeatureKind::Incompatible, 3, "compression type"),
     (FeatureKind::Incompatible, 4, "extended L2 entries"),
+    // QEMU prints this name (at most 46 bytes) when it refuses the image.
+    (
+        FeatureKind::Incompatible,
+        56,
+        "data in vdcache cache; vdcache recover --full",
+    ),
     (FeatureKind::Compatible, 0, "lazy refcounts"),
     (FeatureKind::Autoclear, 0, "bitmaps"),
     (FeatureKind::Autoclear, 1, "raw external data"),
+    (FeatureKind::Autoclear, 56, "vdcache cache coherent"),
 ];
 
 /// The name of a known feature bit, if any.

@@ -5,6 +5,7 @@
 //! so that rewriting a header never loses what another program stored there.
 
 use crate::bytes::{Reader, pad8};
+use crate::cache_mark::{CacheMark, EXT_CACHE_MARK};
 use crate::features::{self, FeatureKind, autoclear, compatible, incompatible};
 use crate::geometry::{Geometry, MAX_CLUSTER_BITS, MIN_CLUSTER_BITS};
 use crate::{FormatError, Result};
@@ -81,6 +82,8 @@ pub struct Extensions {
     pub external_data_file: Option<String>,
     /// Full disk encryption header pointer (offset, length).
     pub crypto: Option<(u64, u64)>,
+    /// vdcache's identity of the image and the cache serving it.
+    pub cache_mark: Option<CacheMark>,
     pub unknown: Vec<(u32, Vec<u8>)>,
 }
 
@@ -700,6 +703,7 @@ fn parse_extensions(buf: &[u8], h: &Header) -> Result<Extensions> {
                 let mut c = Reader::new(data, "crypto header extension");
                 ext.crypto = Some((c.u64()?, c.u64()?));
             }
+            EXT_CACHE_MARK => ext.cache_mark = Some(CacheMark::decode(data)?),
             _ => ext.unknown.push((kind, data.to_vec())),
         }
     }
@@ -709,7 +713,12 @@ fn parse_extensions(buf: &[u8], h: &Header) -> Result<Extensions> {
 fn is_known_ext(kind: u32) -> bool {
     matches!(
         kind,
-        EXT_BACKING_FORMAT | EXT_FEATURE_NAMES | EXT_BITMAPS | EXT_CRYPTO | EXT_DATA_FILE
+        EXT_BACKING_FORMAT
+            | EXT_FEATURE_NAMES
+            | EXT_BITMAPS
+            | EXT_CRYPTO
+            | EXT_DATA_FILE
+            | EXT_CACHE_MARK
     )
 }
 
@@ -820,6 +829,9 @@ fn encode_extensions(ext: &Extensions) -> Result<Vec<u8>> {
             d.extend_from_slice(&e);
         }
         push_ext(&mut out, EXT_FEATURE_NAMES, &d);
+    }
+    if let Some(m) = &ext.cache_mark {
+        push_ext(&mut out, EXT_CACHE_MARK, &m.encode());
     }
     for (kind, data) in &ext.unknown {
         push_ext(&mut out, *kind, data);

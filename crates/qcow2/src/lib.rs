@@ -8,6 +8,7 @@
 //! allocation is sized by a field that has not been checked against a limit.
 
 pub mod bitmap;
+pub mod cache_mark;
 pub mod compressed;
 pub mod entries;
 pub mod error;

@@ -54,7 +54,14 @@ pub fn parse_table(buf: &[u8], count: u32, geometry: &Geometry) -> Result<(Vec<S
         let id = String::from_utf8_lossy(r.take(id_len as usize)?).into_owned();
         let name = String::from_utf8_lossy(r.take(name_len as usize)?).into_owned();
         let used = r.pos() - start;
-        r.take(pad8(used) - used)?;
+        let pad = pad8(used) - used;
+        if i + 1 == count {
+            // QEMU writes the table unpadded: the last entry's padding may
+            // lie past the end of the file.
+            r.take(pad.min(buf.len() - r.pos()))?;
+        } else {
+            r.take(pad)?;
+        }
         if !geometry.is_cluster_aligned(l1_table_offset) {
             return Err(FormatError::invalid(
                 "snapshot l1_table_offset",

@@ -154,21 +154,21 @@ fn run_engine(a: EngineArgs) -> Result<u8> {
             });
         }
     }
-    println!(
+    outln!(
         "| workload (QD1, {} requests, {} MiB fully allocated image, page cache) | vdcache engine IOPS | qemu-img bench IOPS | vdcache/qemu |",
         a.count, a.size_mib
     );
-    println!("|---|---:|---:|---:|");
+    outln!("|---|---:|---:|---:|");
     for r in rows {
         match r.qemu {
-            Some(q) => println!(
+            Some(q) => outln!(
                 "| {} | {:.0} | {:.0} | {:.2} |",
                 r.name,
                 r.ours,
                 q,
                 r.ours / q
             ),
-            None => println!(
+            None => outln!(
                 "| {} | {:.0} | (qemu-img not installed) | |",
                 r.name, r.ours
             ),

@@ -18,7 +18,7 @@ pub fn run(a: Args) -> Result<u8> {
     match check(&a) {
         Ok(code) => Ok(code),
         Err(e) => {
-            eprintln!("vdcache check: could not check {}: {e:#}", a.file);
+            errln!("vdcache check: could not check {}: {e:#}", a.file);
             Ok(1)
         }
     }
@@ -50,7 +50,7 @@ fn check(a: &Args) -> Result<u8> {
         },
     )?;
     let Layer::Qcow2(img) = &disk.layers()[0] else {
-        println!("{} is a raw image; there is nothing to check.", a.file);
+        outln!("{} is a raw image; there is nothing to check.", a.file);
         return Ok(0);
     };
     let report = if repair { img.repair()? } else { img.check()? };
@@ -58,34 +58,34 @@ fn check(a: &Args) -> Result<u8> {
         disk.close()?;
     }
     for c in &report.corruptions {
-        println!("{c}");
+        outln!("{c}");
     }
     for l in &report.leaks {
-        println!("{l}");
+        outln!("{l}");
     }
     if report.is_clean() {
-        println!("No errors were found on the image.");
+        outln!("No errors were found on the image.");
     }
     if !report.corruptions.is_empty() {
-        println!(
+        outln!(
             "\n{} errors were found on the image.\nData may be corrupted, or further writes to the image may corrupt it.",
             report.corruptions.len()
         );
     }
     if !report.leaks.is_empty() {
-        println!(
+        outln!(
             "\n{} leaked clusters were found on the image.\nThis means waste of disk space, but no harm to data.",
             report.leaks.len()
         );
     }
     if report.total_clusters > 0 {
-        println!(
+        outln!(
             "{}/{} = {:.2}% allocated",
             report.allocated_clusters,
             report.total_clusters,
             report.allocated_clusters as f64 * 100.0 / report.total_clusters as f64
         );
     }
-    println!("Image end offset: {}", report.image_end);
+    outln!("Image end offset: {}", report.image_end);
     Ok(report.exit_code() as u8)
 }

@@ -164,13 +164,13 @@ fn copy(
         if progress {
             let pct = pos * 100 / size.max(1);
             if pct != last_pct {
-                eprint!("\r    ({pct:>3}.00/100%)");
+                err!("\r    ({pct:>3}.00/100%)");
                 last_pct = pct;
             }
         }
     }
     if progress {
-        eprintln!();
+        errln!();
     }
     Ok(())
 }

@@ -97,7 +97,7 @@ pub fn run(a: Args) -> Result<u8> {
     let base = dir.join("base.qcow2");
     let delta = dir.join("delta.qcow2");
     let cache_file = dir.join("flash.cache");
-    println!("1. base image {} (64 MiB of data)", base.display());
+    outln!("1. base image {} (64 MiB of data)", base.display());
     create_qcow2(
         &base,
         &CreateOptions {
@@ -113,7 +113,7 @@ pub fn run(a: Args) -> Result<u8> {
         }
         disk.close()?;
     }
-    println!(
+    outln!(
         "2. delta {} over it, a 128 MiB flash cache {}",
         delta.display(),
         cache_file.display()
@@ -127,7 +127,7 @@ pub fn run(a: Args) -> Result<u8> {
     )?;
     let cache = open_cache(&cache_file, true)?;
     let disk = open_disk(&delta, Some(&cache))?;
-    println!("3. 4 KiB guest writes into every MiB (copy on write), flushed: write-back to flash");
+    outln!("3. 4 KiB guest writes into every MiB (copy on write), flushed: write-back to flash");
     for off in (0..SIZE).step_by(STEP as usize) {
         disk.write(off + 8192, &[0xee; 4096], false)?;
     }
@@ -135,7 +135,7 @@ pub fn run(a: Args) -> Result<u8> {
     verify(&disk, "first read")?;
     verify(&disk, "second read")?;
     let r = cache.report();
-    println!(
+    outln!(
         "   read hits {} of {} blocks, {} bytes dirty in flash, {} backend syncs",
         r.total.read_hit_blocks,
         r.total.read_hit_blocks + r.total.read_miss_blocks,
@@ -143,13 +143,13 @@ pub fn run(a: Args) -> Result<u8> {
         r.total.backend_syncs
     );
     serve_and_read(&dir, &disk)?;
-    println!("4. restart as after a crash: fast recovery from the cache device");
+    outln!("4. restart as after a crash: fast recovery from the cache device");
     drop(disk);
     drop(cache);
     let cache = open_cache(&cache_file, false)?;
     let disk = open_disk(&delta, Some(&cache))?;
     verify(&disk, "after fast recovery")?;
-    println!(
+    outln!(
         "5. clean stop: partially valid clusters filled from the base, every dirty block written back, images standalone"
     );
     // As `vdcache serve` does on a clean stop: decoupled copy-on-write left
@@ -164,7 +164,7 @@ pub fn run(a: Args) -> Result<u8> {
     drop(cache);
     verify(&open_disk(&delta, None)?, "images without the cache")?;
     check_images(&[&delta, &base])?;
-    println!("demo passed: files are in {}", dir.display());
+    outln!("demo passed: files are in {}", dir.display());
     Ok(0)
 }
 
@@ -174,7 +174,7 @@ fn serve_and_read(dir: &Path, disk: &VirtualDisk) -> Result<()> {
         .arg("--version")
         .output()
     else {
-        println!("   (qemu-io not installed: skipping the NBD read)");
+        outln!("   (qemu-io not installed: skipping the NBD read)");
         return Ok(());
     };
     if !probe.status.success() {
@@ -202,7 +202,7 @@ fn serve_and_read(dir: &Path, disk: &VirtualDisk) -> Result<()> {
     if !out.status.success() || String::from_utf8_lossy(&out.stdout).contains("failed") {
         bail!("qemu-io over NBD: {}", String::from_utf8_lossy(&out.stdout));
     }
-    println!("   qemu-io read the served disk over NBD: patterns verified");
+    outln!("   qemu-io read the served disk over NBD: patterns verified");
     Ok(())
 }
 
@@ -244,13 +244,13 @@ fn check_images(images: &[&Path]) -> Result<()> {
             .arg(img)
             .output()
         {
-            Ok(o) if o.status.success() => println!("   qemu-img check {}: clean", img.display()),
+            Ok(o) if o.status.success() => outln!("   qemu-img check {}: clean", img.display()),
             Ok(o) => bail!(
                 "qemu-img check {} failed: {}",
                 img.display(),
                 String::from_utf8_lossy(&o.stdout)
             ),
-            Err(_) => println!(
+            Err(_) => outln!(
                 "   vdcache check {}: clean (qemu-img not installed)",
                 img.display()
             ),

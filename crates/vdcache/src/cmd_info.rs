@@ -71,6 +71,22 @@ struct Qcow2Info {
     #[serde(rename = "data-file", skip_serializing_if = "Option::is_none")]
     data_file: Option<String>,
     features: Vec<String>,
+    #[serde(rename = "vdcache", skip_serializing_if = "Option::is_none")]
+    cache_mark: Option<CacheMarkInfo>,
+}
+
+/// vdcache's cache mark, and whether the file alone is out of date.
+#[derive(Serialize)]
+struct CacheMarkInfo {
+    #[serde(rename = "image-id")]
+    image_id: String,
+    generation: u64,
+    #[serde(rename = "cache-id")]
+    cache_id: String,
+    cache: String,
+    /// The cache may hold data the file lacks.
+    #[serde(rename = "needs-cache")]
+    needs_cache: bool,
 }
 
 fn actual_size(name: &str) -> u64 {
@@ -126,6 +142,15 @@ fn describe(layer: &Layer) -> ImageInfo {
                     extended_l2: h.has_extended_l2(),
                     data_file: h.extensions.external_data_file.clone(),
                     features,
+                    cache_mark: h.extensions.cache_mark.as_ref().map(|m| CacheMarkInfo {
+                        image_id: m.image_id_hex(),
+                        generation: m.generation,
+                        cache_id: m.cache_id_hex(),
+                        cache: m.cache_path.clone(),
+                        needs_cache: h.incompatible_features
+                            & vdcache_qcow2::features::incompatible::IN_CACHE
+                            != 0,
+                    }),
                 }),
                 snapshots: q
                     .snapshots()
@@ -144,27 +169,27 @@ fn describe(layer: &Layer) -> ImageInfo {
 
 fn print_human(i: &ImageInfo, depth: usize) {
     let pad = "  ".repeat(depth);
-    println!("{pad}image: {}", i.filename);
-    println!("{pad}file format: {}", i.format);
-    println!(
+    outln!("{pad}image: {}", i.filename);
+    outln!("{pad}file format: {}", i.format);
+    outln!(
         "{pad}virtual size: {} ({} bytes)",
         human(i.virtual_size),
         i.virtual_size
     );
-    println!("{pad}disk size: {}", human(i.actual_size));
+    outln!("{pad}disk size: {}", human(i.actual_size));
     if let Some(cs) = i.cluster_size {
-        println!("{pad}cluster_size: {cs}");
+        outln!("{pad}cluster_size: {cs}");
     }
     if let Some(b) = &i.backing_filename {
-        println!("{pad}backing file: {b}");
+        outln!("{pad}backing file: {b}");
     }
     if let Some(f) = &i.backing_format {
-        println!("{pad}backing file format: {f}");
+        outln!("{pad}backing file format: {f}");
     }
     if !i.snapshots.is_empty() {
-        println!("{pad}Snapshot list:");
+        outln!("{pad}Snapshot list:");
         for s in &i.snapshots {
-            println!(
+            outln!(
                 "{pad}  {:<4} {:<20} vm-state {}",
                 s.id,
                 s.name,
@@ -173,19 +198,35 @@ fn print_human(i: &ImageInfo, depth: usize) {
         }
     }
     if let Some(q) = &i.specific {
-        println!("{pad}Format specific information:");
-        println!("{pad}    compat: {}", q.compat);
-        println!("{pad}    compression type: {}", q.compression_type);
-        println!("{pad}    lazy refcounts: {}", q.lazy_refcounts);
-        println!("{pad}    refcount bits: {}", q.refcount_bits);
-        println!("{pad}    corrupt: {}", q.corrupt);
-        println!("{pad}    extended l2: {}", q.extended_l2);
-        println!("{pad}    dirty: {}", i.dirty);
+        outln!("{pad}Format specific information:");
+        outln!("{pad}    compat: {}", q.compat);
+        outln!("{pad}    compression type: {}", q.compression_type);
+        outln!("{pad}    lazy refcounts: {}", q.lazy_refcounts);
+        outln!("{pad}    refcount bits: {}", q.refcount_bits);
+        outln!("{pad}    corrupt: {}", q.corrupt);
+        outln!("{pad}    extended l2: {}", q.extended_l2);
+        outln!("{pad}    dirty: {}", i.dirty);
         if let Some(d) = &q.data_file {
-            println!("{pad}    data file: {d}");
+            outln!("{pad}    data file: {d}");
         }
         if !q.features.is_empty() {
-            println!("{pad}    features: {}", q.features.join(", "));
+            outln!("{pad}    features: {}", q.features.join(", "));
+        }
+        if let Some(m) = &q.cache_mark {
+            outln!(
+                "{pad}    vdcache: image {} generation {}, cache {} ({})",
+                m.image_id,
+                m.generation,
+                m.cache,
+                m.cache_id
+            );
+            if m.needs_cache {
+                outln!(
+                    "{pad}    NEEDS ITS CACHE: newer data may be in {}; serve it with that cache or run `vdcache recover --full --cache {}`",
+                    m.cache,
+                    m.cache
+                );
+            }
         }
     }
 }
@@ -205,6 +246,7 @@ pub fn run(a: Args) -> Result<u8> {
             read_only: true,
             format,
             force_share: a.force_share,
+            inspect: true,
             ..OpenOptions::default()
         },
     )?;
@@ -221,11 +263,11 @@ pub fn run(a: Args) -> Result<u8> {
             top: &chain[0],
             chain: &chain[1..],
         };
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         for (d, i) in chain.iter().enumerate() {
             if d == 1 {
-                println!("Backing chain:");
+                outln!("Backing chain:");
             }
             print_human(i, d.min(1));
         }

@@ -163,7 +163,7 @@ pub fn execute(disk: &VirtualDisk, cmd: &IoCommand) -> Result<bool> {
                 if let Some(p) = pattern
                     && let Some(bad) = buf[..n].iter().position(|&b| b != p)
                 {
-                    println!(
+                    outln!(
                         "Pattern verification failed at offset {}, {} bytes",
                         pos + bad as u64,
                         len
@@ -173,7 +173,7 @@ pub fn execute(disk: &VirtualDisk, cmd: &IoCommand) -> Result<bool> {
                 pos += n as u64;
             }
             if !quiet {
-                println!("read {len}/{len} bytes at offset {offset}");
+                outln!("read {len}/{len} bytes at offset {offset}");
             }
             Ok(ok)
         }
@@ -204,14 +204,14 @@ pub fn execute(disk: &VirtualDisk, cmd: &IoCommand) -> Result<bool> {
                 }
             }
             if !quiet {
-                println!("wrote {len}/{len} bytes at offset {offset}");
+                outln!("wrote {len}/{len} bytes at offset {offset}");
             }
             Ok(true)
         }
         IoCommand::Discard { offset, len, quiet } => {
             disk.discard(offset, len)?;
             if !quiet {
-                println!("discard {len}/{len} bytes at offset {offset}");
+                outln!("discard {len}/{len} bytes at offset {offset}");
             }
             Ok(true)
         }
@@ -252,7 +252,7 @@ pub fn run(a: Args) -> Result<u8> {
             Ok(true) => {}
             Ok(false) => failed = true,
             Err(e) => {
-                println!("{line}: {e:#}");
+                outln!("{line}: {e:#}");
                 failed = true;
             }
         }

@@ -84,7 +84,7 @@ pub fn run(a: Args) -> Result<u8> {
             }
         }
         .with_context(|| format!("cannot draw {}", path.display()))?;
-        println!("{}", path.display());
+        outln!("{}", path.display());
     }
     Ok(0)
 }

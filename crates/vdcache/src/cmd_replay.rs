@@ -212,7 +212,7 @@ pub fn run(a: Args) -> Result<u8> {
         b.finish_and_clear();
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_human(&report);
     }
@@ -253,11 +253,11 @@ fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8
     let files = write_sweep(&a.out, &reports)
         .with_context(|| format!("writing results to {}", a.out.display()))?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&reports)?);
+        outln!("{}", serde_json::to_string_pretty(&reports)?);
     } else {
-        print!("{}", sweep_table(&reports));
+        out!("{}", sweep_table(&reports));
         for f in files {
-            println!("wrote {}", f.display());
+            outln!("wrote {}", f.display());
         }
     }
     Ok(0)
@@ -276,7 +276,7 @@ fn print_human(r: &ReplayReport) {
             b as f64 / guest as f64
         }
     };
-    println!(
+    outln!(
         "trace {} ({}, {} records, {} disks, working set {})",
         r.trace,
         r.format,
@@ -284,7 +284,7 @@ fn print_human(r: &ReplayReport) {
         r.disks,
         mib(r.working_set_bytes)
     );
-    println!(
+    outln!(
         "cache {} ({} blocks), regions {}, {} / {} / {} / {}, layout {}",
         mib(r.cache_bytes),
         r.cache_capacity_blocks,
@@ -295,7 +295,7 @@ fn print_human(r: &ReplayReport) {
         r.cow,
         r.layout.name()
     );
-    println!(
+    outln!(
         "requests        {} reads ({}), {} writes ({}), {} discards, {} flushes",
         r.reads,
         mib(r.read_bytes),
@@ -304,16 +304,16 @@ fn print_human(r: &ReplayReport) {
         r.discards,
         r.flushes
     );
-    println!("read hit ratio  {:.4}", r.read_hit_ratio);
-    println!("write hit ratio {:.4}", r.write_hit_ratio);
-    println!(
+    outln!("read hit ratio  {:.4}", r.read_hit_ratio);
+    outln!("write hit ratio {:.4}", r.write_hit_ratio);
+    outln!(
         "flash written   {} ({:.3} per guest byte; data {}, metadata {})",
         mib(r.flash_bytes_written),
         per_guest(r.flash_bytes_written),
         mib(r.flash_data_bytes_written),
         mib(r.flash_meta_bytes_written)
     );
-    println!(
+    outln!(
         "backend         read {} ({:.3}/guest byte), written {} ({:.3}/guest byte), {} syncs",
         mib(r.backend_bytes_read),
         per_guest(r.backend_bytes_read),
@@ -322,34 +322,34 @@ fn print_human(r: &ReplayReport) {
         r.backend_syncs
     );
     if let Some(m) = r.meta_hit_ratio {
-        println!("L2 hit ratio    {m:.4}");
+        outln!("L2 hit ratio    {m:.4}");
     }
-    println!(
+    outln!(
         "latency         mean {:.1} us, p99 {:.1} us (model: flash {}, backend {})",
         r.latency.mean_ns / 1000.0,
         r.latency.p99_ns as f64 / 1000.0,
         r.flash_profile,
         r.backend_profile
     );
-    println!(
+    outln!(
         "index memory    {} bytes ({} fixed for the device, the rest {:.3}% of cached bytes)",
         r.index_memory_bytes,
         r.index_memory_fixed_bytes,
         r.index_memory_ratio * 100.0
     );
     if let Some(wa) = r.ftl_write_amplification {
-        println!(
+        outln!(
             "flash wear      {} erases, write amplification {wa:.3}",
             r.ftl_erases
         );
     }
     if r.dirty_bytes_at_end > 0 {
-        println!(
+        outln!(
             "left dirty      {} in flash at the end",
             mib(r.dirty_bytes_at_end)
         );
     }
-    println!("elapsed         {:.1} s", r.elapsed_seconds);
+    outln!("elapsed         {:.1} s", r.elapsed_seconds);
 }
 
 #[derive(clap::Args, Debug)]
@@ -427,7 +427,7 @@ pub fn generate(a: GenArgs) -> Result<u8> {
     )
     .map_err(|e| anyhow::anyhow!("{e}"))
     .with_context(|| format!("writing {}", a.out.display()))?;
-    eprintln!(
+    errln!(
         "wrote {} records to {} ({} the format cannot express were skipped)",
         summary.written,
         a.out.display(),

@@ -13,67 +13,71 @@ pub struct ServeArgs {
     #[arg(long, conflicts_with = "image")]
     config: Option<PathBuf>,
     /// Unix socket to listen on (mode 0600).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "config")]
     socket: Option<PathBuf>,
     /// Also listen on TCP (e.g. 127.0.0.1:10809); only when asked.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "config")]
     tcp: Option<String>,
     /// Control socket for stats and flush (default: SOCKET.control).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "config")]
     control: Option<PathBuf>,
     /// Require TLS with this certificate (PEM) ...
-    #[arg(long, requires = "tls_key")]
+    #[arg(long, requires = "tls_key", conflicts_with = "config")]
     tls_cert: Option<PathBuf>,
     /// ... and this private key (PEM).
-    #[arg(long, requires = "tls_cert")]
+    #[arg(long, requires = "tls_cert", conflicts_with = "config")]
     tls_key: Option<PathBuf>,
     /// Require TLS with a pre-shared key from this `username:hexkey` file
     /// (qemu's keys.psk, as made by `psktool -u USER -p FILE`).
-    #[arg(long, conflicts_with = "tls_cert")]
+    #[arg(long, conflicts_with_all = ["tls_cert", "config"])]
     tls_psk: Option<PathBuf>,
     /// Worker threads per connection (requests served in parallel).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "config")]
     workers: Option<usize>,
     /// Export name of IMAGE (default: the default export "").
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", conflicts_with = "config")]
     export_name: String,
     /// Serve IMAGE read-only.
-    #[arg(short = 'r', long)]
+    #[arg(short = 'r', long, conflicts_with = "config")]
     read_only: bool,
     /// Format of IMAGE (probed when absent).
-    #[arg(short = 'f', long)]
+    #[arg(short = 'f', long, conflicts_with = "config")]
     format: Option<String>,
     /// Flash cache device or file (created with --cache-size if missing).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "config")]
     cache: Option<PathBuf>,
     /// Size of a cache file to create.
-    #[arg(long)]
+    #[arg(long, requires = "cache", conflicts_with = "config")]
     cache_size: Option<String>,
     /// writeback (default), writethrough or writearound.
-    #[arg(long)]
+    #[arg(long, requires = "cache", conflicts_with = "config")]
     cache_mode: Option<String>,
     /// all (default), hot or sequential-bypass (read misses in long runs
     /// are not promoted).
-    #[arg(long)]
+    #[arg(long, requires = "cache", conflicts_with = "config")]
     admission: Option<String>,
     /// Guest sequential write runs reaching this size go straight to the
     /// backend (default 4M; 0: cache every write).
-    #[arg(long)]
+    #[arg(long, requires = "cache", conflicts_with = "config")]
     sequential_write_cutoff: Option<String>,
     /// lru (default), clock or arc.
-    #[arg(long)]
+    #[arg(long, requires = "cache", conflicts_with = "config")]
     replacement: Option<String>,
     /// Region (erase block) size when formatting the cache (default 2M).
-    #[arg(long)]
+    #[arg(long, requires = "cache", conflicts_with = "config")]
     region_size: Option<String>,
     /// cow-aware (default: fine-grained metadata, decoupled copy-on-write,
     /// no filler in flash) or stacked (the cache sees host I/O only).
-    #[arg(long)]
+    #[arg(long, requires = "cache", conflicts_with = "config")]
     cow: Option<String>,
     /// On a clean stop, leave dirty data in flash for a fast restart on
     /// this host instead of writing it back.
-    #[arg(long)]
+    #[arg(long, requires = "cache", conflicts_with = "config")]
     keep_dirty: bool,
+    /// Format the cache device even if it holds something that is not a
+    /// vdcache cache (its content is lost).
+    #[arg(long)]
+    format_cache: bool,
     #[command(flatten)]
     meta: crate::meta_args::MetaCacheArgs,
     image: Option<String>,
@@ -82,6 +86,13 @@ pub struct ServeArgs {
 impl ServeArgs {
     fn config(self) -> Result<ServerConfig> {
         if let Some(path) = &self.config {
+            let m = &self.meta;
+            if m.l2_cache_size.is_some() || m.refcount_cache_size.is_some() || m.slice_size.is_some()
+            {
+                bail!(
+                    "--l2-cache-size, --refcount-cache-size and --meta-slice-size cannot be used with --config: set them per [[export]] in the file"
+                );
+            }
             return ServerConfig::load(path);
         }
         let Some(image) = self.image else {
@@ -133,7 +144,8 @@ impl ServeArgs {
 }
 
 pub fn serve(a: ServeArgs) -> Result<u8> {
-    run(a.config()?)?;
+    let format_cache = a.format_cache;
+    run(a.config()?, format_cache)?;
     Ok(0)
 }
 
@@ -168,7 +180,7 @@ impl ControlArgs {
 pub fn stats(a: ControlArgs) -> Result<u8> {
     let data = request(&a.path()?, &Request::Stats)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&data)?);
+        outln!("{}", serde_json::to_string_pretty(&data)?);
         return Ok(0);
     }
     print_stats(&data);
@@ -179,7 +191,7 @@ fn print_stats(d: &serde_json::Value) {
     let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
     if let Some(c) = d.get("cache").filter(|c| !c.is_null()) {
         let t = &c["total"];
-        println!(
+        outln!(
             "cache: {} of {} bytes cached, {} dirty; regions free {} open {} full {}; index memory {} bytes ({} fixed for the device, the rest {:.3}% of cached)",
             n(&c["cached_bytes"]),
             n(&c["data_bytes"]),
@@ -191,7 +203,7 @@ fn print_stats(d: &serde_json::Value) {
             n(&c["index_memory_fixed_bytes"]),
             c["index_memory_ratio"].as_f64().unwrap_or(0.0) * 100.0
         );
-        println!(
+        outln!(
             "total: reads {} writes {} read hits {}/{} blocks; flash written {} read {}; backend read {} written {} syncs {}",
             n(&t["guest_reads"]),
             n(&t["guest_writes"]),
@@ -204,7 +216,7 @@ fn print_stats(d: &serde_json::Value) {
             n(&t["backend_syncs"])
         );
         let dev = &c["device"];
-        println!(
+        outln!(
             "device: data zone written {} metadata zone written {} read {} syncs {} (commits waited for one in flight {} times) discarded {}; checkpoints {} (writers waited for one {} times)",
             n(&dev["data_bytes_written"]),
             n(&dev["meta_bytes_written"]),
@@ -218,7 +230,7 @@ fn print_stats(d: &serde_json::Value) {
         if let Some(disks) = c["disks"].as_array() {
             for pair in disks {
                 let (id, s) = (&pair[0], &pair[1]);
-                println!(
+                outln!(
                     "  disk {}: reads {} writes {} hits {}/{} flash w {} backend r {} w {} syncs {} dirty {}",
                     n(id),
                     n(&s["guest_reads"]),
@@ -234,11 +246,11 @@ fn print_stats(d: &serde_json::Value) {
             }
         }
     } else {
-        println!("no flash cache");
+        outln!("no flash cache");
     }
     if let Some(disks) = d["disks"].as_array() {
         for disk in disks {
-            println!(
+            outln!(
                 "export '{}' ({}): L2 memory cache hit ratio {:.3}",
                 disk["export"].as_str().unwrap_or(""),
                 disk["image"].as_str().unwrap_or(""),
@@ -260,7 +272,7 @@ pub struct FlushArgs {
 
 pub fn flush(a: FlushArgs) -> Result<u8> {
     request(&a.control.path()?, &Request::Flush { fill: a.fill })?;
-    println!(
+    outln!(
         "all dirty data written back{}",
         if a.fill {
             ", partially valid clusters filled"
@@ -274,28 +286,50 @@ pub fn flush(a: FlushArgs) -> Result<u8> {
 #[derive(clap::Args)]
 pub struct RecoverArgs {
     /// Write every dirty block back and leave the images standalone.
-    #[arg(long)]
+    #[arg(long, requires = "cache")]
     full: bool,
     /// The cache device or file.
     #[arg(long)]
-    cache: PathBuf,
+    cache: Option<PathBuf>,
+    /// The cache of IMAGE is lost: make IMAGE usable without it, giving up
+    /// the newer data the cache held (then check it: `vdcache check -r all`).
+    #[arg(long, value_name = "IMAGE", conflicts_with_all = ["full", "cache"])]
+    without_cache: Option<PathBuf>,
 }
 
 pub fn recover(a: RecoverArgs) -> Result<u8> {
-    if !a.full {
-        bail!(
-            "only full recovery runs offline (fast recovery happens when serve opens the cache); pass --full"
-        );
+    if let Some(image) = &a.without_cache {
+        return abandon(image);
     }
-    let written = crate::serve::daemon::recover_full(&a.cache)?;
+    let Some(cache) = a.cache.as_ref().filter(|_| a.full) else {
+        bail!(
+            "give --full --cache PATH to write a cache's data back to its images (fast recovery happens when serve opens the cache), or --without-cache IMAGE if an image's cache is lost"
+        );
+    };
+    let written = crate::serve::daemon::recover_full(cache)?;
     if written.is_empty() {
-        println!(
+        outln!(
             "no dirty data in {}; the images are already complete",
-            a.cache.display()
+            cache.display()
         );
     }
     for w in written {
-        println!("written back: {w}");
+        outln!("written back: {w}");
+    }
+    Ok(0)
+}
+
+fn abandon(image: &std::path::Path) -> Result<u8> {
+    match vdcache_image::abandon_cache(image)? {
+        None => outln!(
+            "{} does not need a cache; nothing was changed",
+            image.display()
+        ),
+        Some(cache) => outln!(
+            "{} no longer needs the cache {cache}; whatever that cache held of it is lost. Check it now: vdcache check -r all {}",
+            image.display(),
+            image.display()
+        ),
     }
     Ok(0)
 }

@@ -3,6 +3,8 @@
 //! demo and benchmarks. Argument parsing and reporting only; all storage
 //! logic lives in the library crates.
 
+#[macro_use]
+mod output;
 mod cmd_bench;
 mod cmd_check;
 mod cmd_convert;
@@ -97,7 +99,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("vdcache: {e:#}");
+            errln!("vdcache: {e:#}");
             ExitCode::from(1)
         }
     }

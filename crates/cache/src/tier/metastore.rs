@@ -82,6 +82,13 @@ impl MetaStore {
         !self.dirty.is_empty()
     }
 
+    pub fn has_dirty_of(&self, image: u16) -> bool {
+        self.dirty
+            .range((image, 0)..=(image, u64::MAX))
+            .next()
+            .is_some()
+    }
+
     pub fn dirty_weight(&self) -> u64 {
         weight(self.dirty.len(), self.dirty_zero)
     }

@@ -28,7 +28,7 @@ use crate::config::{CacheConfig, DiskPolicy};
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
 use crate::index::{Cbn, Index};
-use crate::journal::{CheckpointMark, Entry, ImageIdentity, JournalWriter};
+use crate::journal::{CheckpointMark, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
 use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
@@ -38,7 +38,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use vdcache_backend::BackendRef;
 use vdcache_image::hostio::WriteSegment;
-use vdcache_image::{DiskId, FlushKind, HostIo, ImageHandle, IoTag};
+use vdcache_image::{
+    DiskId, FlushKind, Holder, HostIo, ImageHandle, ImageIdentity, IoTag, Verdict,
+};
 use vdcache_qcow2::HostOffset;
 
 /// An image the cache has seen.
@@ -297,26 +299,13 @@ fn io_err(e: CacheError) -> io::Error {
     }
 }
 
-/// Identity of an image store: (device, inode) of a local file, the size
-/// of a fixed-size store (an NBD export); a growable store without a file
-/// behind it (memory) has no identity beyond its name.
-fn identity_of(name: &str, backend: &BackendRef) -> ImageIdentity {
-    use std::os::unix::fs::MetadataExt;
-    match std::fs::metadata(name) {
-        Ok(m) => ImageIdentity {
-            size: 0,
-            dev: m.dev(),
-            ino: m.ino(),
-        },
-        Err(_) => ImageIdentity {
-            size: if backend.can_grow() {
-                0
-            } else {
-                backend.len().unwrap_or(0)
-            },
-            dev: 0,
-            ino: 0,
-        },
+/// What the store of an image that nobody attached says about itself
+/// (tests and tools that hand the cache image handles directly).
+fn store_identity_of(image: &ImageHandle) -> ImageIdentity {
+    ImageIdentity {
+        mark: None,
+        store: image.backend.identity().unwrap_or_default(),
+        writable: image.depth == 0,
     }
 }
 
@@ -448,33 +437,79 @@ impl FlashCache {
         }
     }
 
-    /// The id of an image, registering it (and checking it is the file the
-    /// cache recorded under that name) on first sight.
+    /// The id of an image, registering it on first sight. An image the
+    /// COW layer attached (see [`FlashCache::attach_image`]) was checked
+    /// then; any other is checked against what its store says.
     pub(crate) fn image_id(&self, image: &ImageHandle, disk: DiskId) -> Result<u16> {
-        let mut st = self.lock();
-        if let Some(&id) = st.by_name.get(&*image.name) {
-            let rec = &mut st.images[id as usize];
-            if rec.backend.is_none() {
-                let identity = identity_of(&image.name, &image.backend);
-                if identity != rec.identity {
-                    let reason = format!("recorded {:?}, found {:?}", rec.identity, identity);
-                    let name = rec.name.clone();
-                    drop(st);
-                    return self.replace_stale_image(id, name, reason, image, disk);
+        {
+            let mut st = self.lock();
+            if let Some(&id) = st.by_name.get(&*image.name) {
+                let rec = &mut st.images[id as usize];
+                if rec.backend.is_some() {
+                    if rec.disk != disk {
+                        rec.shared_by_disks = true;
+                    }
+                    rec.disk = disk;
+                    return Ok(id);
                 }
-                rec.backend = Some(image.backend.clone());
-            } else if rec.disk != disk {
-                rec.shared_by_disks = true;
             }
-            rec.disk = disk;
-            return Ok(id);
         }
+        self.attach_image(image, disk, &store_identity_of(image))
+    }
+
+    /// Binds `image` to the identity the COW layer found in its store.
+    /// Blocks the cache holds of another file under the same name are
+    /// dropped; if some of them hold data that file lacked, the image is
+    /// refused instead, naming what happened.
+    pub(crate) fn attach_image(
+        &self,
+        image: &ImageHandle,
+        disk: DiskId,
+        found: &ImageIdentity,
+    ) -> Result<u16> {
+        let mut st = self.lock();
+        let Some(&id) = st.by_name.get(&*image.name) else {
+            return self.register_image(&mut st, image, disk, found);
+        };
+        let rec = &mut st.images[id as usize];
+        match found.compare(&rec.identity, &self.sb.uuid) {
+            Verdict::Same => {}
+            Verdict::Advanced => {
+                rec.identity = *found;
+                let name = rec.name.clone();
+                st.journal.push(&Entry::Image {
+                    id,
+                    name,
+                    identity: *found,
+                });
+            }
+            Verdict::Different(reason) => {
+                let name = rec.name.clone();
+                drop(st);
+                return self.replace_stale_image(id, name, reason, image, disk, found);
+            }
+        }
+        let rec = &mut st.images[id as usize];
+        if rec.backend.is_some() && rec.disk != disk {
+            rec.shared_by_disks = true;
+        }
+        rec.backend = Some(image.backend.clone());
+        rec.disk = disk;
+        Ok(id)
+    }
+
+    fn register_image(
+        &self,
+        st: &mut State,
+        image: &ImageHandle,
+        disk: DiskId,
+        identity: &ImageIdentity,
+    ) -> Result<u16> {
         let id = u16::try_from(st.images.len())
             .map_err(|_| CacheError::Config("more than 65535 images share one cache".into()))?;
-        let identity = identity_of(&image.name, &image.backend);
         st.images.push(ImageRecord {
             name: image.name.to_string(),
-            identity,
+            identity: *identity,
             backend: Some(image.backend.clone()),
             disk,
             shared_by_disks: false,
@@ -485,13 +520,13 @@ impl FlashCache {
         st.journal.push(&Entry::Image {
             id,
             name: image.name.to_string(),
-            identity,
+            identity: *identity,
         });
         Ok(id)
     }
 
     /// A file now under a recorded name is not the recorded file. Refuse
-    /// when the cache holds dirty data of the old file; otherwise forget
+    /// when the cache holds data the old file lacked; otherwise forget
     /// what was cached for it.
     fn replace_stale_image(
         &self,
@@ -500,34 +535,50 @@ impl FlashCache {
         reason: String,
         image: &ImageHandle,
         disk: DiskId,
+        found: &ImageIdentity,
     ) -> Result<u16> {
         let mut st = self.lock();
+        if self.holds_newer_of(&st, id) {
+            return Err(CacheError::WrongImage {
+                name,
+                reason,
+                cache: self.device.name().to_string(),
+            });
+        }
+        tracing::warn!(image = %name, %reason, "image changed since it was cached; dropping its cached blocks");
         let lines: Vec<u64> = st
             .index
             .lines()
             .filter(|l| crate::index::key_image(l.key) == id)
             .map(|l| l.key)
             .collect();
-        if lines.iter().any(|k| {
-            st.index
-                .get(*k)
-                .is_some_and(|l| l.dirty != 0 || l.partial != 0)
-        }) {
-            return Err(CacheError::WrongImage { name, reason });
-        }
-        tracing::warn!(image = %name, %reason, "image changed since it was cached; dropping its cached blocks");
         for key in lines {
             for slot in 0..crate::layout::LINE_BLOCKS as usize {
                 self.unmap_block(&mut st, key, slot);
             }
         }
-        let identity = identity_of(&image.name, &image.backend);
         let rec = &mut st.images[id as usize];
-        rec.identity = identity;
+        rec.identity = *found;
         rec.backend = Some(image.backend.clone());
         rec.disk = disk;
-        st.journal.push(&Entry::Image { id, name, identity });
+        st.journal.push(&Entry::Image {
+            id,
+            name,
+            identity: *found,
+        });
         Ok(id)
+    }
+
+    /// Whether the cache holds data of image `id` that its file lacks:
+    /// dirty blocks, partially valid clusters, dirty metadata sectors.
+    pub(crate) fn holds_newer_of(&self, st: &State, id: u16) -> bool {
+        let keys = crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX);
+        st.dirty_lines.range(keys).next().is_some()
+            || st.meta.has_dirty_of(id)
+            || st
+                .index
+                .lines()
+                .any(|l| l.partial != 0 && crate::index::key_image(l.key) == id)
     }
 
     /// Removes one slot from the index, journaling it and freeing its block.
@@ -720,6 +771,52 @@ impl HostIo for FlashCache {
 
     fn partial_ranges(&self, image: &ImageHandle) -> io::Result<Vec<vdcache_image::PartialRange>> {
         Ok(self.partial_ranges_of(image))
+    }
+
+    fn holder(&self) -> Option<Holder> {
+        Some(Holder {
+            id: self.sb.uuid,
+            path: self.device.name().to_string(),
+        })
+    }
+
+    fn attach(
+        &self,
+        image: &ImageHandle,
+        disk: DiskId,
+        identity: &ImageIdentity,
+    ) -> io::Result<()> {
+        self.attach_image(image, disk, identity)
+            .map(|_| ())
+            .map_err(io_err)
+    }
+
+    fn keeps_newer(&self, disk: DiskId) -> bool {
+        self.lock().policy(disk, self.config.default_policy).mode
+            == crate::config::WriteMode::WriteBack
+    }
+
+    fn holds_newer(&self, image: &ImageHandle) -> io::Result<bool> {
+        let st = self.lock();
+        Ok(st
+            .by_name
+            .get(&*image.name)
+            .is_some_and(|&id| self.holds_newer_of(&st, id)))
+    }
+
+    fn write_back_image(&self, _image: &ImageHandle) -> io::Result<()> {
+        self.drain().map_err(io_err)
+    }
+
+    fn write_durable(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        data: &[u8],
+        tag: IoTag,
+    ) -> io::Result<()> {
+        self.write_to_store(image, offset.0, data, tag)
+            .map_err(io_err)
     }
 
     fn wants_masked_hints(&self, disk: DiskId) -> bool {

@@ -11,6 +11,8 @@ use crate::journal::{self, CheckpointMark, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock, host_identity, random_uuid};
 use std::sync::Arc;
 use vdcache_backend::BackendRef;
+use vdcache_image::identity::read_identity;
+use vdcache_image::{DiskId, ImageHandle};
 
 /// What fast recovery found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -110,10 +112,21 @@ impl FlashCache {
         Ok(cache)
     }
 
-    /// Opens the device if it holds a cache, formats it otherwise.
+    /// Opens the device if it holds a cache; formats it if it holds
+    /// nothing (all zeros where a cache keeps its superblock, checkpoints
+    /// and journal) or only what a format cut short left. Anything else
+    /// without a valid superblock is refused, never formatted: it may be a
+    /// cache whose superblock was damaged (with dirty data behind it) or a
+    /// file given by mistake.
     pub fn open_or_format(device: BackendRef, config: CacheConfig) -> Result<Arc<FlashCache>> {
         match Self::open(device.clone(), config.clone()) {
-            Err(CacheError::NotACache) => Self::format(device, config),
+            Err(CacheError::NotACache) => match blank_state(&*device)? {
+                Blank::Empty | Blank::FormatCutShort => Self::format(device, config),
+                Blank::Holds(what) => Err(CacheError::NotBlank {
+                    device: device.name().to_string(),
+                    what,
+                }),
+            },
             other => other,
         }
     }
@@ -156,9 +169,10 @@ impl FlashCache {
             .collect()
     }
 
-    /// Full recovery: opens each image with dirty blocks through `open`
-    /// (by the name the cache recorded), checks it is the recorded file,
-    /// writes every dirty block back and syncs. Returns the images written.
+    /// Full recovery of what needs no backing chain: opens each image the
+    /// cache holds dirty data of through `open` (by the name the cache
+    /// recorded), checks it is the recorded file, writes every dirty block
+    /// back and syncs. Returns the images written.
     pub fn recover_full(&self, open: &dyn Fn(&str) -> Result<BackendRef>) -> Result<Vec<String>> {
         let names: Vec<String> = self
             .images()
@@ -178,26 +192,76 @@ impl FlashCache {
                 // Opened already (and checked) by whoever filled it.
                 continue;
             }
-            let backend = open(name)?;
-            let mut st = self.lock();
-            let id = st
-                .by_name
-                .get(name)
-                .copied()
-                .ok_or_else(|| CacheError::Corrupt(format!("{name} vanished")))?;
-            let found = super::identity_of(name, &backend);
-            let rec = &mut st.images[id as usize];
-            if found != rec.identity {
-                return Err(CacheError::WrongImage {
-                    name: name.clone(),
-                    reason: format!("recorded {:?}, found {:?}", rec.identity, found),
-                });
-            }
-            rec.backend = Some(backend);
+            let handle = ImageHandle {
+                name: Arc::from(name.as_str()),
+                depth: 0,
+                backend: open(name)?,
+            };
+            let found = read_identity(&handle, true).map_err(CacheError::device("read image"))?;
+            self.attach_image(&handle, DiskId::default(), &found)?;
         }
         self.drain()?;
         Ok(names)
     }
+}
+
+/// What a device without a valid superblock holds.
+enum Blank {
+    Empty,
+    /// The empty checkpoint of a format that crashed before its superblock.
+    FormatCutShort,
+    /// Something else, described for the error.
+    Holds(String),
+}
+
+/// Bytes from the start of a device that must be blank before it may be
+/// formatted without asking.
+const BLANK_PROBE: u64 = 1 << 20;
+
+fn is_zero(buf: &[u8]) -> bool {
+    buf.iter().all(|&b| b == 0)
+}
+
+/// Classifies a device whose superblock does not decode. The metadata
+/// zone's place depends on the device size only, so it can be probed
+/// without a superblock.
+fn blank_state(device: &dyn vdcache_backend::Backend) -> Result<Blank> {
+    let len = device.len().map_err(CacheError::device("stat"))?;
+    let mut head = vec![0u8; len.min(BLANK_PROBE) as usize];
+    device
+        .read_at(&mut head, 0)
+        .map_err(CacheError::device("read"))?;
+    if is_zero(&head) {
+        return Ok(Blank::Empty);
+    }
+    let Ok(layout) = Layout::compute(len, BLOCK) else {
+        return Ok(Blank::Holds("data that is not a vdcache cache".into()));
+    };
+    if let Some(generation) = journal::stray_checkpoint_generation(device, &layout)? {
+        if generation == 1 && format_cut_short(device, &layout, &head)? {
+            return Ok(Blank::FormatCutShort);
+        }
+        return Ok(Blank::Holds(format!(
+            "a vdcache checkpoint (generation {generation}) but no valid superblock: a cache whose superblock was damaged"
+        )));
+    }
+    Ok(Blank::Holds("data that is not a vdcache cache".into()))
+}
+
+/// Whether the device holds exactly what [`FlashCache::format`] writes
+/// before its superblock: nothing in the superblock block or the first
+/// journal block.
+fn format_cut_short(
+    device: &dyn vdcache_backend::Backend,
+    layout: &Layout,
+    head: &[u8],
+) -> Result<bool> {
+    let superblock = head.get(..BLOCK as usize).unwrap_or(&[]);
+    let mut journal_start = vec![0u8; BLOCK as usize];
+    device
+        .read_at(&mut journal_start, layout.journal_offset)
+        .map_err(CacheError::device("read journal"))?;
+    Ok(is_zero(superblock) && is_zero(&journal_start))
 }
 
 /// Rebuilds the state from the newest checkpoint and the journal.

@@ -628,6 +628,32 @@ impl FlashCache {
         Ok(())
     }
 
+    /// Writes bytes to the image's store and syncs it, keeping flash
+    /// copies equal to them (a dirty block stays dirty with the new bytes,
+    /// clean copies are dropped): header bits for readers without the
+    /// cache.
+    pub(crate) fn write_to_store(
+        &self,
+        image: &ImageHandle,
+        off: u64,
+        data: &[u8],
+        tag: IoTag,
+    ) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let id = self.image_id(image, tag.disk)?;
+        let segment = [WriteSegment { data, tag }];
+        let len = data.len() as u64;
+        self.write_through(image, id, off, len, &segment, tag, Keep::Nothing)?;
+        image
+            .backend
+            .flush()
+            .map_err(CacheError::device("sync backend"))?;
+        bump(&self.stats.disk(tag.disk).backend_syncs, 1);
+        Ok(())
+    }
+
     /// Stores clean copies of whole written blocks (write-through), to be
     /// journaled once the backend sync through `mark` ran.
     fn keep_clean_copies(

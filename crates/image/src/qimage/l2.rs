@@ -2,6 +2,7 @@
 //! writable (allocating it, or copying it when a snapshot shares it).
 
 use super::Locked;
+use super::overlap::MetaKind;
 use crate::error::{ImageError, Result};
 use crate::hostio::{IoTag, MetaTable};
 use crate::meta_cache::{Probe, SliceCache, Slot};
@@ -160,19 +161,45 @@ impl Locked<'_> {
                 ));
             }
         };
-        let mapping = L2Mapping::decode(raw, bitmap, &self.img.format).map_err(|e| {
-            ImageError::corrupt(
-                self.name(),
-                format!("L2 entry of guest cluster {guest_cluster} (table at {table:#x}): {e}"),
-            )
-        })?;
+        let mapping = match L2Mapping::decode(raw, bitmap, &self.img.format) {
+            Ok(m) => m,
+            Err(e) => {
+                return Err(self.corruption(format!(
+                    "L2 entry of guest cluster {guest_cluster} (table at {table:#x}): {e}"
+                )));
+            }
+        };
         self.check_within_file(guest_cluster, &mapping)?;
+        self.check_not_on_metadata(guest_cluster, &mapping)?;
         Ok(mapping)
+    }
+
+    /// Refuses mappings whose data lies on metadata: reading would return
+    /// table bytes as guest data, writing would destroy the table.
+    fn check_not_on_metadata(&mut self, guest_cluster: u64, mapping: &L2Mapping) -> Result<()> {
+        if self.img.external_data {
+            return Ok(());
+        }
+        let g = self.img.geometry;
+        let (start, len) = match mapping {
+            L2Mapping::Standard(s) => match s.host {
+                Some(h) => (h.0, g.cluster_size()),
+                None => return Ok(()),
+            },
+            L2Mapping::Compressed(d) => d.sector_range(),
+        };
+        match self.m.map.conflict(&g, start, len, None) {
+            None => Ok(()),
+            Some((cluster, kind)) => Err(self.corruption(format!(
+                "the L2 entry of guest cluster {guest_cluster} points at {start:#x}, into the {} at cluster {cluster}",
+                kind.describe()
+            ))),
+        }
     }
 
     /// Refuses mappings whose data lies past the end of the image file:
     /// reading there would return bytes nobody wrote.
-    fn check_within_file(&self, guest_cluster: u64, mapping: &L2Mapping) -> Result<()> {
+    fn check_within_file(&mut self, guest_cluster: u64, mapping: &L2Mapping) -> Result<()> {
         if self.img.external_data {
             return Ok(());
         }
@@ -186,13 +213,10 @@ impl Locked<'_> {
             L2Mapping::Compressed(d) => d.offset,
         };
         if start >= self.m.file_end {
-            return Err(ImageError::corrupt(
-                self.name(),
-                format!(
-                    "L2 entry of guest cluster {guest_cluster} points at {start:#x}, past the end of the image file ({} bytes)",
-                    self.m.file_end
-                ),
-            ));
+            let end = self.m.file_end;
+            return Err(self.corruption(format!(
+                "L2 entry of guest cluster {guest_cluster} points at {start:#x}, past the end of the image file ({end} bytes)"
+            )));
         }
         Ok(())
     }
@@ -259,6 +283,10 @@ impl Locked<'_> {
         self.mark_unsynced();
         if let Some((table, _)) = old {
             self.m.pending_frees.push(table / cs);
+            self.m.map.remove(&g, table, cs, MetaKind::ActiveL2(l1i));
+        }
+        if let Err(o) = self.m.map.insert(&g, new_off, cs, MetaKind::ActiveL2(l1i)) {
+            return Err(self.corruption(format!("a new L2 table: {o}")));
         }
         self.m.l1[l1i as usize] = new_off | COPIED;
         self.m.l1_dirty.insert(l1i);

@@ -14,6 +14,8 @@
 //! queued and applied after the next flush). See `persist.rs`.
 
 mod l2;
+mod marks;
+mod overlap;
 mod persist;
 mod refcount;
 
@@ -21,6 +23,7 @@ use crate::error::{ImageError, Result};
 use crate::hostio::{DiskId, FlushKind, HostIo, ImageHandle, IoTag, MetaTable};
 use crate::meta_cache::{CacheStats, MetaCacheConfig, SliceCache};
 use std::collections::BTreeSet;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use vdcache_qcow2::bitmap::{self, BitmapEntry};
 use vdcache_qcow2::compressed::{self, CompressedDescriptor};
@@ -30,6 +33,7 @@ use vdcache_qcow2::header::{self, CompressionType, field_offset};
 use vdcache_qcow2::snapshot::{self, Snapshot};
 use vdcache_qcow2::{Geometry, Header, HostOffset};
 
+pub use marks::abandon_cache;
 pub use persist::FlushReport;
 
 /// A piece of a guest range as one image maps it.
@@ -102,6 +106,8 @@ pub(crate) struct Meta {
     pub(crate) dirty_on_disk: bool,
     pub(crate) snapshots: Vec<Snapshot>,
     pub(crate) bitmaps: Vec<BitmapEntry>,
+    /// Where the metadata lives (see `overlap`).
+    pub(crate) map: overlap::MetaMap,
 }
 
 /// An open qcow2 image.
@@ -119,6 +125,11 @@ pub struct Qcow2Image {
     pub(crate) lazy_refcounts: bool,
     pub(crate) disk: DiskId,
     pub(crate) meta: Mutex<Meta>,
+    /// This open stamped the image's cache mark (see `marks`).
+    pub(crate) stamped: AtomicBool,
+    /// Found inconsistent while open (and marked so, if writable): further
+    /// writes are refused.
+    pub(crate) corrupt: AtomicBool,
 }
 
 impl std::fmt::Debug for Qcow2Image {
@@ -271,7 +282,20 @@ impl Qcow2Image {
             snapshots,
             bitmaps,
             header: header.clone(),
+            map: overlap::MetaMap::default(),
         };
+        let (map, overlap) = overlap::build(&geometry, &meta);
+        if let Some(o) = overlap
+            && !opts.read_only
+        {
+            return Err(ImageError::corrupt(
+                &name,
+                format!(
+                    "metadata overlaps other metadata ({o}); writing would destroy one of them. Repair it with `vdcache check -r all` (or qemu-img check -r all), or open it read-only"
+                ),
+            ));
+        }
+        let meta = Meta { map, ..meta };
         let data = data.unwrap_or_else(|| handle.clone());
         Ok(Qcow2Image {
             handle,
@@ -286,6 +310,8 @@ impl Qcow2Image {
             lazy_refcounts: header.has_lazy_refcounts(),
             disk: opts.disk,
             meta: Mutex::new(meta),
+            stamped: AtomicBool::new(false),
+            corrupt: AtomicBool::new(false),
         })
     }
 
@@ -298,6 +324,11 @@ impl Qcow2Image {
 
     pub fn name(&self) -> &str {
         &self.handle.name
+    }
+
+    /// Found inconsistent while open: writes are refused.
+    pub fn found_corrupt(&self) -> bool {
+        self.corrupt.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn geometry(&self) -> &Geometry {
@@ -423,7 +454,10 @@ impl Qcow2Image {
             return Ok(());
         }
         let mut l = self.lock();
-        let keep = autoclear::BITMAPS & if l.m.bitmaps.is_empty() { 0 } else { u64::MAX };
+        let mut keep = autoclear::BITMAPS & if l.m.bitmaps.is_empty() { 0 } else { u64::MAX };
+        if self.stamped.load(std::sync::atomic::Ordering::SeqCst) {
+            keep |= autoclear::CACHE_COHERENT;
+        }
         let clear = l.m.header.autoclear_features & !keep;
         if clear != 0 {
             let v = l.m.header.autoclear_features & !clear;
@@ -437,7 +471,9 @@ impl Qcow2Image {
     }
 
     /// Writes everything back, clears the dirty bit, and makes it durable.
-    pub fn close(&self) -> Result<()> {
+    /// Unless `keep_cached`, a cache below also writes everything of the
+    /// image back, and the image no longer needs it.
+    pub fn close(&self, keep_cached: bool) -> Result<()> {
         if self.read_only {
             return Ok(());
         }
@@ -446,7 +482,11 @@ impl Qcow2Image {
         if l.m.dirty_on_disk {
             l.set_dirty_bit(false)?;
         }
-        Ok(())
+        drop(l);
+        if keep_cached {
+            return Ok(());
+        }
+        self.release_holder()
     }
 }
 
@@ -540,7 +580,16 @@ impl Locked<'_> {
         IoTag::meta(table, self.img.disk)
     }
 
-    pub(crate) fn write_meta(&self, table: MetaTable, offset: u64, data: &[u8]) -> Result<()> {
+    pub(crate) fn write_meta(&mut self, table: MetaTable, offset: u64, data: &[u8]) -> Result<()> {
+        let g = self.img.geometry;
+        if let Some((cluster, kind)) = self.m.map.conflict(&g, offset, data.len() as u64, Some(table))
+        {
+            return Err(self.corruption(format!(
+                "Preventing invalid write on metadata: a write of the {} at {offset:#x} overlaps the {} at cluster {cluster}",
+                overlap::table_name(table),
+                kind.describe()
+            )));
+        }
         self.img
             .io
             .write(
@@ -580,8 +629,47 @@ impl Locked<'_> {
         self.m.unsynced_marks != self.m.synced_marks
     }
 
-    pub(crate) fn write_header_field(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+    pub(crate) fn write_header_field(&mut self, offset: u64, bytes: &[u8]) -> Result<()> {
         self.write_meta(MetaTable::Header, offset, bytes)
+    }
+
+    /// The image turned out inconsistent: unless it is read-only, it is
+    /// marked corrupt on disk (once; QEMU then refuses to write it too)
+    /// and refuses further writes. Returns the error to fail the request
+    /// with.
+    pub(crate) fn corruption(&mut self, reason: String) -> ImageError {
+        use std::sync::atomic::Ordering;
+        if !self.img.read_only && !self.img.corrupt.swap(true, Ordering::SeqCst) {
+            tracing::error!(
+                image = self.name(),
+                "marking the image as corrupt: {reason}; further writes are refused"
+            );
+            let v = self.m.header.incompatible_features | incompatible::CORRUPT;
+            let marked = self
+                .write_header_field(field_offset::INCOMPATIBLE_FEATURES, &v.to_be_bytes())
+                .and_then(|()| self.sync(FlushKind::Durable));
+            match marked {
+                Ok(()) => self.m.header.incompatible_features = v,
+                Err(e) => tracing::error!(image = self.name(), "cannot set the corrupt bit: {e}"),
+            }
+        }
+        ImageError::corrupt(self.name(), reason)
+    }
+
+    /// Refuses a guest data write of `len` bytes at `offset` of the image
+    /// file that would land on metadata.
+    pub(crate) fn check_data_write(&mut self, offset: u64, len: u64) -> Result<()> {
+        if self.img.external_data {
+            return Ok(());
+        }
+        let g = self.img.geometry;
+        match self.m.map.conflict(&g, offset, len, None) {
+            None => Ok(()),
+            Some((cluster, kind)) => Err(self.corruption(format!(
+                "Preventing invalid write on metadata: guest data at {offset:#x} overlaps the {} at cluster {cluster}",
+                kind.describe()
+            ))),
+        }
     }
 
     /// Sets or clears the dirty bit durably.

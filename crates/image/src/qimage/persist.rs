@@ -87,7 +87,12 @@ impl Locked<'_> {
             fields.extend_from_slice(&table_off.to_be_bytes());
             fields.extend_from_slice(&self.m.header.refcount_table_clusters.to_be_bytes());
             self.write_header_field(field_offset::REFCOUNT_TABLE_OFFSET, &fields)?;
-            let cs = self.img.geometry.cluster_size();
+            let g = self.img.geometry;
+            let cs = g.cluster_size();
+            let old_len = u64::from(old_clusters) * cs;
+            self.m
+                .map
+                .remove(&g, old_off, old_len, super::overlap::MetaKind::RefcountTable);
             for c in 0..u64::from(old_clusters) {
                 self.m.pending_frees.push(old_off / cs + c);
             }
@@ -228,6 +233,7 @@ impl Locked<'_> {
         let cs = self.img.geometry.cluster_size();
         for c in frees {
             if self.add_refcount(c, -1)? == 0 {
+                self.m.map.forget(c);
                 let tag = IoTag {
                     class: IoClass::Reclaim,
                     disk: self.img.disk,

@@ -3,6 +3,7 @@
 //! growing the refcount table when allocation reaches past what it covers.
 
 use super::Locked;
+use super::overlap::MetaKind;
 use super::l2::Sliced;
 use crate::error::{ImageError, Result};
 use crate::hostio::MetaTable;
@@ -99,12 +100,22 @@ impl Locked<'_> {
             });
         }
         let start = self.find_free_run(n, &[])?;
+        let g = self.img.geometry;
+        if let Some((cluster, kind)) =
+            self.m
+                .map
+                .conflict(&g, g.cluster_offset(start), n * g.cluster_size(), None)
+        {
+            return Err(self.corruption(format!(
+                "refcounts say cluster {cluster} is free, but it holds the {}",
+                kind.describe()
+            )));
+        }
         self.ensure_refcount_blocks(start..start + n)?;
         for c in start..start + n {
             self.add_refcount(c, 1)?;
         }
         // Whatever the clusters held before (a freed table) is gone.
-        let g = self.img.geometry;
         let (off, len) = (g.cluster_offset(start), n * g.cluster_size());
         self.m.l2.forget_zero(off, len);
         self.m.refblocks.forget_zero(off, len);
@@ -261,9 +272,16 @@ impl Locked<'_> {
         let g = self.img.geometry;
         let cs = g.cluster_size();
         let zero = vec![0u8; cs as usize];
-        for &(_, pos) in new_blocks {
+        for &(ti, pos) in new_blocks {
             self.check_capacity(pos + 1)?;
             self.write_meta(MetaTable::RefcountBlock, g.cluster_offset(pos), &zero)?;
+            if let Err(o) =
+                self.m
+                    .map
+                    .insert(&g, g.cluster_offset(pos), cs, MetaKind::RefcountBlock(ti))
+            {
+                return Err(self.corruption(format!("a new refcount block: {o}")));
+            }
             self.m.l2.forget_zero(g.cluster_offset(pos), cs);
             self.m.refblocks.forget_zero(g.cluster_offset(pos), cs);
             self.m.refblocks.mark_zero(g.cluster_offset(pos), cs);
@@ -272,6 +290,14 @@ impl Locked<'_> {
             self.check_capacity(start + clusters)?;
             let old_off = self.m.header.refcount_table_offset;
             let old_clusters = self.m.header.refcount_table_clusters;
+            if let Err(o) = self.m.map.insert(
+                &g,
+                g.cluster_offset(start),
+                clusters * cs,
+                MetaKind::RefcountTable,
+            ) {
+                return Err(self.corruption(format!("a new refcount table: {o}")));
+            }
             self.m.reftable.resize((clusters * cs / 8) as usize, 0);
             self.m.header.refcount_table_offset = g.cluster_offset(start);
             self.m.header.refcount_table_clusters = clusters as u32;

@@ -62,39 +62,103 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     Ok(cfg)
 }
 
-/// Opens (or creates and formats) the cache device.
-pub fn open_cache(c: &CacheSection, cfg: CacheConfig) -> Result<Arc<FlashCache>> {
+/// Opens the cache device, or creates and formats a cache file.
+///
+/// A new file is built under a temporary name and renamed into place only
+/// once formatted, so a failure (a size below the minimum, a full disk)
+/// leaves nothing behind. An existing cache keeps the size it was created
+/// with: `size` must then match it or be absent. A device that holds
+/// something but no cache is refused unless `format_anyway`.
+pub fn open_cache(c: &CacheSection, cfg: CacheConfig, format_anyway: bool) -> Result<Arc<FlashCache>> {
     let path = &c.path;
+    let size = c
+        .size
+        .as_deref()
+        .map(parse_size)
+        .transpose()
+        .context("[cache] size (--cache-size)")?;
     if !path.exists() {
-        let size = c
-            .size
-            .as_deref()
-            .map(parse_size)
-            .transpose()?
-            .with_context(|| {
-                format!(
-                    "cache {} does not exist; give its size (--cache-size) to create it",
-                    path.display()
-                )
-            })?;
-        let f = std::fs::File::create(path)
-            .with_context(|| format!("cannot create cache {}", path.display()))?;
-        f.set_len(size)
-            .with_context(|| format!("cannot size cache {}", path.display()))?;
+        let size = size.with_context(|| {
+            format!(
+                "cache {} does not exist; give its size (--cache-size) to create it",
+                path.display()
+            )
+        })?;
+        create_cache_file(path, size, cfg.clone())?;
         tracing::info!("created cache file {} ({size} bytes)", path.display());
     }
-    let device = FileBackend::open(
-        path,
-        FileOptions {
-            read_only: false,
-            lock: Some(LockMode::Write),
-            create: false,
-        },
-    )
-    .with_context(|| format!("cannot open cache {}", path.display()))?;
-    let cache = FlashCache::open_or_format(Arc::new(device), cfg)
-        .with_context(|| format!("cache {}", path.display()))?;
-    Ok(cache)
+    let device = open_device(path)?;
+    check_requested_size(path, &*device, size)?;
+    let cache = if format_anyway {
+        FlashCache::format(device, cfg)
+    } else {
+        FlashCache::open_or_format(device, cfg)
+    };
+    cache.with_context(|| format!("cache {}", path.display()))
+}
+
+/// An existing cache file must be the size asked for, if one was asked
+/// for: a size that does not apply is an error, never silently ignored.
+fn check_requested_size(
+    path: &Path,
+    device: &dyn vdcache_backend::Backend,
+    size: Option<u64>,
+) -> Result<()> {
+    let Some(want) = size else { return Ok(()) };
+    let is_file = std::fs::metadata(path)
+        .map(|m| m.file_type().is_file())
+        .unwrap_or(false);
+    if !is_file {
+        bail!(
+            "cache {} is not a regular file; --cache-size (size) applies only when a cache file is created: remove it",
+            path.display()
+        );
+    }
+    let have = device
+        .len()
+        .with_context(|| format!("cannot stat cache {}", path.display()))?;
+    if have != want {
+        bail!(
+            "cache {} is {have} bytes, but its size was given as {want} bytes; a cache keeps the size it was created with (omit --cache-size to use it, or remove the file to create a new cache; `vdcache recover --full` writes its dirty data back first)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Creates a formatted cache file of `size` bytes at `path`, complete or
+/// not at all.
+fn create_cache_file(path: &Path, size: u64, cfg: CacheConfig) -> Result<()> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("cache path {} names no file", path.display()))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".creating.{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let built = (|| -> Result<()> {
+        let f = std::fs::File::create_new(&tmp)
+            .with_context(|| format!("cannot create cache {}", path.display()))?;
+        f.set_len(size)
+            .with_context(|| format!("cannot size cache {} to {size} bytes", path.display()))?;
+        drop(f);
+        let cache = FlashCache::format(open_device(&tmp)?, cfg)
+            .with_context(|| format!("cannot format cache {}", path.display()))?;
+        cache
+            .shutdown(false)
+            .with_context(|| format!("cannot format cache {}", path.display()))?;
+        drop(cache);
+        vdcache_backend::publish_new_file(&tmp, path).with_context(|| {
+            format!(
+                "cannot create cache {} (did another process create it meanwhile?)",
+                path.display()
+            )
+        })
+    })();
+    if built.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    built
 }
 
 /// Metadata cache of an export: whole tables for the stacked baseline;
@@ -139,11 +203,11 @@ fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
 
 impl Daemon {
     /// Opens the cache and every export's chain.
-    pub fn build(cfg: &ServerConfig) -> Result<Daemon> {
+    pub fn build(cfg: &ServerConfig, format_cache: bool) -> Result<Daemon> {
         let (cache, keep_dirty) = match &cfg.cache {
             Some(c) => {
                 let cc = cache_config(c)?;
-                (Some(open_cache(c, cc)?), c.keep_dirty.unwrap_or(false))
+                (Some(open_cache(c, cc, format_cache)?), c.keep_dirty.unwrap_or(false))
             }
             None => (None, false),
         };
@@ -195,13 +259,12 @@ impl Daemon {
     pub fn stop(&self) -> Result<()> {
         let mut first_error = None;
         for d in &self.disks {
-            if !self.keep_dirty
-                && let Err(e) = d.disk.fill_partial(usize::MAX)
-            {
-                tracing::error!("filling export '{}': {e}", d.config.name);
-                first_error.get_or_insert(anyhow::anyhow!("export '{}': {e}", d.config.name));
-            }
-            if let Err(e) = d.disk.close() {
+            let closed = if self.keep_dirty {
+                d.disk.close_keeping_cached()
+            } else {
+                d.disk.close()
+            };
+            if let Err(e) = closed {
                 tracing::error!("closing export '{}': {e}", d.config.name);
                 first_error.get_or_insert(anyhow::anyhow!("export '{}': {e}", d.config.name));
             }
@@ -216,9 +279,13 @@ impl Daemon {
     }
 }
 
+/// Opens a cache device by its absolute path: images record where their
+/// cache lives, for the advice their error messages give.
 fn open_device(path: &Path) -> Result<vdcache_backend::BackendRef> {
+    let path = std::fs::canonicalize(path)
+        .with_context(|| format!("cannot open cache {}", path.display()))?;
     let device = FileBackend::open(
-        path,
+        &path,
         FileOptions {
             read_only: false,
             lock: Some(LockMode::Write),
@@ -229,12 +296,15 @@ fn open_device(path: &Path) -> Result<vdcache_backend::BackendRef> {
     Ok(Arc::new(device))
 }
 
-/// Full recovery of a cache device: fills partially valid clusters from
-/// their backing chains, writes every dirty block back to its image, then
-/// repairs leaked clusters so each image is standalone and `qemu-img
-/// check` clean. A device recorded for another host is then formatted for
-/// this one (what it still caches may be stale where the images move).
-/// Returns the images written.
+/// Full recovery of a cache device: every image the cache holds data of
+/// (or marked as needing it) is opened through the cache and closed, which
+/// fills its partially valid clusters from its backing chain, writes every
+/// dirty block back and clears its mark; leaked clusters are then
+/// repaired, so each image is standalone and `qemu-img check` clean. A
+/// device recorded for another host is then formatted for this one (what
+/// it still caches may be stale where the images move). Returns the
+/// images made standalone; an image that could not be is an error, after
+/// the others were done.
 pub fn recover_full(cache_path: &Path) -> Result<Vec<String>> {
     let cfg = CacheConfig {
         force_foreign: true,
@@ -243,36 +313,80 @@ pub fn recover_full(cache_path: &Path) -> Result<Vec<String>> {
     let cache = FlashCache::open(open_device(cache_path)?, cfg.clone())
         .with_context(|| format!("cache {}", cache_path.display()))?;
     let foreign = cache.superblock().host != vdcache_cache::layout::host_identity();
-    for name in cache.partial_images() {
-        let disk = open_chain(
-            &name,
-            &OpenOptions {
-                io: Some(cache.clone()),
-                ..OpenOptions::default()
-            },
-        )
-        .with_context(|| format!("opening {name} to fill its partially valid clusters"))?;
-        let report = disk.fill_partial(usize::MAX)?;
-        tracing::info!(
-            "{name}: filled {} bytes of partially valid clusters",
-            report.filled_bytes
-        );
-        disk.close()?;
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    for name in needing_recovery(&cache) {
+        match make_standalone(&cache, &name) {
+            Ok(()) => done.push(name),
+            Err(e) => {
+                tracing::error!("{name}: {e:#}");
+                failed.push(format!("{name}: {e:#}"));
+            }
+        }
     }
-    let open = |name: &str| -> vdcache_cache::Result<vdcache_backend::BackendRef> {
-        Ok(LocalFiles.open(name, true, Some(LockMode::Write))?)
-    };
-    let written = cache.recover_full(&open)?;
     cache.shutdown(false)?;
     drop(cache);
-    for name in &written {
+    for name in &done {
         repair_leaks(name)?;
+    }
+    if !failed.is_empty() {
+        bail!(
+            "{} image(s) still need the cache {} (it was left as it is): {}",
+            failed.len(),
+            cache_path.display(),
+            failed.join("; ")
+        );
     }
     if foreign {
         FlashCache::format(open_device(cache_path)?, CacheConfig::default())?.shutdown(false)?;
         tracing::info!("{} now belongs to this host", cache_path.display());
     }
-    Ok(written)
+    Ok(done)
+}
+
+/// Images the cache holds data of, or that carry its in-cache mark.
+fn needing_recovery(cache: &FlashCache) -> Vec<String> {
+    let holder = cache.superblock().uuid;
+    let partial = cache.partial_images();
+    cache
+        .images()
+        .into_iter()
+        .filter(|(name, dirty)| *dirty > 0 || partial.contains(name) || marked_by(name, &holder))
+        .map(|(name, _)| name)
+        .collect()
+}
+
+/// Whether the image file `name` says this cache holds its newest data.
+fn marked_by(name: &str, cache_id: &[u8; 16]) -> bool {
+    let Ok(backend) = LocalFiles.open(name, false, None) else {
+        return false;
+    };
+    let handle = vdcache_image::ImageHandle {
+        name: Arc::from(name),
+        depth: 0,
+        backend,
+    };
+    vdcache_image::identity::needs_cache_of(&handle).is_some_and(|id| id == *cache_id)
+}
+
+/// Opens `name` writable through the cache and closes it: the image is
+/// then complete in its file and no longer marked.
+fn make_standalone(cache: &Arc<FlashCache>, name: &str) -> Result<()> {
+    let disk = open_chain(
+        name,
+        &OpenOptions {
+            io: Some(cache.clone()),
+            ..OpenOptions::default()
+        },
+    )
+    .context("cannot open it through the cache")?;
+    disk.close().context("cannot write it back")?;
+    let left = disk.partially_valid_bytes()?;
+    if left > 0 {
+        bail!("{left} bytes of partially valid clusters could not be filled");
+    }
+    tracing::info!("{name}: written back");
+    Ok(())
 }
 
 /// Rebuilds refcounts of a qcow2 image if it has leaks after a crash.

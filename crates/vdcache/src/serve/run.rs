@@ -100,11 +100,12 @@ fn tls(cfg: &ServerConfig) -> Result<Option<TlsServerConfig>> {
     ))
 }
 
-/// Serves until SIGINT or SIGTERM, then stops cleanly.
-pub fn run(cfg: ServerConfig) -> Result<()> {
+/// Serves until SIGINT or SIGTERM, then stops cleanly. `format_cache`
+/// formats a cache device that holds something other than a cache.
+pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
         .context("installing signal handlers")?;
-    let daemon = Arc::new(Daemon::build(&cfg)?);
+    let daemon = Arc::new(Daemon::build(&cfg, format_cache)?);
     let limits = Limits {
         workers_per_connection: cfg.server.workers.unwrap_or(DEFAULT_WORKERS),
         ..Limits::default()
@@ -136,7 +137,7 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
         let bound = server
             .listen_tcp(addr.as_str())
             .with_context(|| format!("cannot listen on {addr}"))?;
-        eprintln!("vdcache: listening on tcp {bound}");
+        errln!("vdcache: listening on tcp {bound}");
     }
     let control_path = control_path(&cfg);
     let _control = match &control_path {
@@ -149,7 +150,7 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
         )?),
         None => None,
     };
-    eprintln!(
+    errln!(
         "vdcache: serving {} export(s){}{}",
         daemon.disks.len(),
         cfg.server
@@ -164,13 +165,13 @@ pub fn run(cfg: ServerConfig) -> Result<()> {
     let filler = Filler::start(daemon.clone(), server.clone());
     let signal = signals.forever().next();
     filler.stop();
-    eprintln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
+    errln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
     server.shutdown();
     daemon.stop()?;
     if let Some(p) = &cfg.server.socket {
         let _ = std::fs::remove_file(p);
     }
-    eprintln!("vdcache: stopped cleanly");
+    errln!("vdcache: stopped cleanly");
     Ok(())
 }
 
