@@ -853,6 +853,33 @@ fn corpus_matches_manifest() {
     s.finish();
 }
 
+/// The committed images are exactly what the generator makes (with the
+/// QEMU installed here: if a new QEMU lays images out differently, check
+/// the manifest still holds and regenerate).
+#[test]
+fn generator_reproduces_corpus() {
+    let s = Scratch::new();
+    let dir = s.path("generated");
+    std::fs::create_dir(&dir).expect("mkdir");
+    malformed_gen::generate(&s, &dir);
+    let corpus = corpus_bytes();
+    let mut differ = Vec::new();
+    for (name, committed) in &corpus {
+        match std::fs::read(dir.join(name)) {
+            Ok(b) if &b == committed => {}
+            Ok(b) => differ.push(format!("{name}: {}", difference(committed, &b))),
+            Err(e) => differ.push(format!("{name}: not generated ({e})")),
+        }
+    }
+    assert!(
+        differ.is_empty(),
+        "the generator no longer makes the committed corpus (regenerate with \
+         `cargo test --release -p vdcache --test malformed_corpus -- --ignored regenerate_corpus`):\n{}",
+        differ.join("\n")
+    );
+    s.finish();
+}
+
 /// The bases the corpus is made from, unpatched, are accepted by every
 /// command (so the refusals above are about the patches, and the harness
 /// can tell success from failure).
