@@ -85,6 +85,12 @@ pub fn describe(cmd: &Command) -> String {
 
 /// Runs `cmd` to completion (or fails the test after [`TIMEOUT`]).
 pub fn exec(cmd: &mut Command) -> Out {
+    exec_within(cmd, TIMEOUT).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Runs `cmd` to completion; after `limit` it is killed and the answer is
+/// Err (saying so, with what it printed until then).
+pub fn exec_within(cmd: &mut Command, limit: Duration) -> Result<Out, String> {
     let desc = describe(cmd);
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -112,13 +118,17 @@ pub fn exec(cmd: &mut Command) -> Out {
         v
     });
     let start = Instant::now();
+    let mut timed_out = false;
     let status = loop {
         match child.try_wait() {
             Ok(Some(st)) => break st,
-            Ok(None) if start.elapsed() > TIMEOUT => {
+            Ok(None) if start.elapsed() > limit => {
                 let _ = child.kill();
-                let _ = child.wait();
-                panic!("timed out after {TIMEOUT:?} (killed): {desc}");
+                timed_out = true;
+                match child.wait() {
+                    Ok(st) => break st,
+                    Err(e) => panic!("waiting for {desc}: {e}"),
+                }
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(5)),
             Err(e) => panic!("waiting for {desc}: {e}"),
@@ -126,12 +136,19 @@ pub fn exec(cmd: &mut Command) -> Out {
     };
     let stdout = String::from_utf8_lossy(&t_out.join().unwrap_or_default()).into_owned();
     let stderr = String::from_utf8_lossy(&t_err.join().unwrap_or_default()).into_owned();
-    Out {
+    let out = Out {
         desc,
         status,
         stdout,
         stderr,
+    };
+    if timed_out {
+        return Err(format!(
+            "timed out after {limit:?} (killed)\n{}",
+            out.report()
+        ));
     }
+    Ok(out)
 }
 
 /// Runs `cmd` and fails the test unless it exits 0.

@@ -206,6 +206,23 @@ fn start(s: &Scratch, cmd: Command, socket: &Path) -> Proc {
 pub fn try_serve(s: &Scratch, socket: &Path, args: &[&str]) -> Result<Proc, String> {
     let mut cmd = s.vdcache();
     cmd.arg("serve").arg("--socket").arg(socket).args(args);
+    match try_start(s, cmd, socket) {
+        Ok(p) => Ok(p),
+        Err((st, log)) => {
+            assert!(
+                !st.success() && st.code().is_some() && st.code() != Some(101),
+                "the server should have failed with an error, got {st}\n{log}"
+            );
+            assert!(!log.contains("panicked"), "{log}");
+            Err(log)
+        }
+    }
+}
+
+/// Starts a server `cmd` that listens on `socket`: Ok once it accepts
+/// connections, Err(exit status, output) if it exits first; fails the test
+/// if it does neither within [`DEADLINE`].
+pub fn try_start(s: &Scratch, cmd: Command, socket: &Path) -> Result<Proc, (ExitStatus, String)> {
     let mut n = 0;
     let log = loop {
         let p = s.root().join(format!("try-serve.{n}.log"));
@@ -218,14 +235,7 @@ pub fn try_serve(s: &Scratch, socket: &Path, args: &[&str]) -> Result<Proc, Stri
     let start = Instant::now();
     loop {
         if let Some(st) = p.exited() {
-            let log = p.log_text();
-            assert!(
-                !st.success() && st.code().is_some() && st.code() != Some(101),
-                "{} should have failed with an error, got {st}\n{log}",
-                p.desc
-            );
-            assert!(!log.contains("panicked"), "{log}");
-            return Err(log);
+            return Err((st, p.log_text()));
         }
         if UnixStream::connect(socket).is_ok() {
             return Ok(p);
