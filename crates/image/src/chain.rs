@@ -184,6 +184,8 @@ pub struct OpenOptions {
     /// Only look at the chain (info): an image whose newest data is in a
     /// cache this open does not go through is opened anyway (read-only).
     pub inspect: bool,
+    /// Open for `check` (see `ImageOptions::for_check`).
+    pub for_check: bool,
     pub io: Option<Arc<dyn HostIo>>,
     pub opener: Arc<dyn StoreOpener>,
 }
@@ -198,6 +200,7 @@ impl Default for OpenOptions {
             force_share: false,
             no_backing: false,
             inspect: false,
+            for_check: false,
             io: None,
             opener: Arc::new(LocalFiles),
         }
@@ -378,12 +381,15 @@ fn open_layer(
             read_only: !writable,
             cache: opts.cache,
             disk: opts.disk,
+            for_check: opts.for_check,
         },
     )?;
     img.check_cache_mark(opts.inspect && !writable)?;
     if writable {
-        img.stamp_for_holder()?;
-        img.repair_if_dirty()?;
+        if !opts.for_check {
+            img.stamp_for_holder()?;
+            img.repair_if_dirty()?;
+        }
         img.prepare_for_writes()?;
     }
     Ok((Layer::Qcow2(Box::new(img)), next))

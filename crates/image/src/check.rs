@@ -4,9 +4,17 @@
 //! counted and compared with the stored refcounts; COPIED flags of the
 //! active tables are compared with refcount 1.
 //!
+//! Metadata that overlaps other metadata, and data clusters that lie on
+//! metadata, are reported by name.
+//!
 //! Repair sets every refcount to the counted value (leaks and missing
 //! references alike) and fixes COPIED flags in tables the image owns. It is
 //! how an image left dirty by lazy refcounts is made consistent on open.
+//! Refcount blocks that overlap other metadata or lie past the end of the
+//! file are not written at all: the whole refcount structure is rebuilt
+//! after the end of the file, and the header switched to it once it is
+//! durable. Damage refcounts cannot describe (an L2 entry on metadata, a
+//! bad entry) is reported and left alone.
 
 use crate::error::{ImageError, Result};
 use crate::hostio::{IoTag, MetaTable};
@@ -15,6 +23,7 @@ use std::ops::Range;
 use vdcache_qcow2::bitmap;
 use vdcache_qcow2::bytes::be64_at;
 use vdcache_qcow2::entries::{COPIED, L1Entry, L2Mapping};
+use vdcache_qcow2::header::field_offset;
 use vdcache_qcow2::{Geometry, HostOffset};
 
 /// What a check found.
@@ -73,9 +82,29 @@ struct Tally {
     /// active L1 table.
     copied_flags: Vec<(u64, bool, Entry)>,
     report: CheckReport,
+    /// Corruptions that repair cannot fix.
+    unrepairable: usize,
+    /// The refcount structure itself is damaged: it is rebuilt elsewhere.
+    rebuild_structure: bool,
+    /// Clusters of the refcount table and blocks (dropped by a rebuild).
+    refcount_structure: Vec<u64>,
+    /// Active L1 entries with flags but no L2 table (zeroed by repair).
+    stray_l1: Vec<usize>,
 }
 
 impl Tally {
+    /// A corruption repair leaves alone.
+    fn damage(&mut self, msg: String) {
+        self.report.corruptions.push(msg);
+        self.unrepairable += 1;
+    }
+
+    /// Damage of the refcount structure: repair rebuilds it.
+    fn refcount_damage(&mut self, msg: String) {
+        self.report.corruptions.push(msg);
+        self.rebuild_structure = true;
+    }
+
     fn add_range(&mut self, what: &str, offset: u64, len: u64, g: &Geometry) {
         if len == 0 {
             return;
@@ -87,7 +116,7 @@ impl Tally {
 
     fn add(&mut self, what: &str, cluster: u64) {
         if cluster >= self.file_clusters {
-            self.report.corruptions.push(format!(
+            self.damage(format!(
                 "ERROR {what} at cluster {cluster} lies past the end of the image file"
             ));
             return;
@@ -101,11 +130,14 @@ impl Qcow2Image {
     /// Checks the image; the image must not be written meanwhile.
     pub fn check(&self) -> Result<CheckReport> {
         let mut l = self.lock();
-        let tally = l.tally()?;
-        l.compare(tally)
+        let mut tally = l.tally()?;
+        l.compare(&mut tally)?;
+        Ok(tally.report)
     }
 
-    /// Repairs refcounts and COPIED flags, then reports what remains.
+    /// Repairs refcounts, the refcount structure and COPIED flags, then
+    /// reports what remains. Damage it cannot fix leaves the image as it
+    /// was.
     pub fn repair(&self) -> Result<CheckReport> {
         if self.read_only {
             return Err(ImageError::ReadOnly {
@@ -113,18 +145,25 @@ impl Qcow2Image {
             });
         }
         let mut l = self.lock();
-        let tally = l.tally()?;
-        if !tally.report.corruptions.is_empty() {
-            // Structural damage (bad entries, references past the end) is
-            // beyond refcount repair.
+        let mut tally = l.tally()?;
+        l.compare(&mut tally)?;
+        if tally.unrepairable > 0 {
+            // Structural damage (bad entries, data on metadata, references
+            // past the end) is beyond refcount repair.
             return Ok(tally.report);
         }
-        l.rebuild_refcounts(&tally)?;
+        if tally.rebuild_structure {
+            l.rebuild_refcount_structure(&tally)?;
+        } else {
+            l.rebuild_refcounts(&tally)?;
+        }
+        l.clear_stray_l1_flags(&tally.stray_l1);
         l.fix_copied_flags(&tally)?;
         l.flush_all(true)?;
         l.m.free_hint = 0;
-        let tally = l.tally()?;
-        l.compare(tally)
+        let mut tally = l.tally()?;
+        l.compare(&mut tally)?;
+        Ok(tally.report)
     }
 
     /// Rebuilds refcounts of an image a crash left dirty (lazy refcounts),
@@ -167,6 +206,10 @@ impl Locked<'_> {
                 total_clusters: self.img.size.div_ceil(cs),
                 ..CheckReport::default()
             },
+            unrepairable: 0,
+            rebuild_structure: false,
+            refcount_structure: Vec::new(),
+            stray_l1: Vec::new(),
         };
         t.add("header", 0);
         let h = self.m.header.clone();
@@ -194,18 +237,34 @@ impl Locked<'_> {
             h.refcount_table_bytes(),
             &g,
         );
+        t.refcount_structure
+            .extend(g.clusters_touched(h.refcount_table_offset, h.refcount_table_bytes()));
         for (i, &b) in self.m.reftable.iter().enumerate() {
-            if b != 0 {
-                if !g.is_cluster_aligned(b) {
-                    t.report
-                        .corruptions
-                        .push(format!("ERROR refcount block {i} is not cluster aligned"));
-                    continue;
-                }
-                t.add("refcount block", g.host_cluster(HostOffset(b)));
+            if b == 0 {
+                continue;
+            }
+            let cluster = g.host_cluster(HostOffset(b));
+            if !g.is_cluster_aligned(b) {
+                t.refcount_damage(format!(
+                    "ERROR refcount block {i} at {b:#x} is not cluster aligned"
+                ));
+            } else if cluster >= t.file_clusters {
+                t.refcount_damage(format!(
+                    "ERROR refcount block {i} at {b:#x} lies past the end of the image file"
+                ));
+            } else {
+                t.add("refcount block", cluster);
+                t.refcount_structure.push(cluster);
             }
         }
         self.tally_bitmaps(&mut t)?;
+        for o in crate::qimage::overlap_report(&g, &self.m) {
+            if o.involves_refcounts() {
+                t.refcount_damage(format!("ERROR metadata overlap: {o}"));
+            } else {
+                t.damage(format!("ERROR metadata overlap: {o}"));
+            }
+        }
         t.report.image_end = t
             .refs
             .iter()
@@ -235,17 +294,24 @@ impl Locked<'_> {
             let e = match L1Entry::decode(raw, &g) {
                 Ok(e) => e,
                 Err(err) => {
-                    t.report
-                        .corruptions
-                        .push(format!("ERROR L1 entry {i}: {err}"));
+                    t.damage(format!("ERROR L1 entry {i}: {err}"));
                     continue;
                 }
             };
-            let Some(table) = e.l2_offset else { continue };
+            let Some(table) = e.l2_offset else {
+                if raw != 0 && active {
+                    t.report.corruptions.push(format!(
+                        "ERROR L1 entry {i} is {raw:#018x}: COPIED is set but there is no L2 table (offset 0 is the header)"
+                    ));
+                    t.stray_l1.push(i);
+                }
+                continue;
+            };
             let table_cluster = g.host_cluster(table);
             if table_cluster >= t.file_clusters {
-                t.report.corruptions.push(format!(
-                    "ERROR L2 table of L1 entry {i} lies past the end of the file"
+                t.damage(format!(
+                    "ERROR L2 table of L1 entry {i} at {:#x} lies past the end of the file",
+                    table.0
                 ));
                 continue;
             }
@@ -263,10 +329,7 @@ impl Locked<'_> {
                 };
                 let guest = i as u64 * g.l2_entries() + j as u64;
                 match L2Mapping::decode(raw, bitmap, &self.img.format) {
-                    Err(err) => t
-                        .report
-                        .corruptions
-                        .push(format!("ERROR L2 entry of guest cluster {guest}: {err}")),
+                    Err(err) => t.damage(format!("ERROR L2 entry of guest cluster {guest}: {err}")),
                     Ok(L2Mapping::Compressed(d)) => {
                         if active {
                             t.report.allocated_clusters += 1;
@@ -282,11 +345,12 @@ impl Locked<'_> {
                         if self.img.external_data {
                             continue;
                         }
-                        if !g.is_cluster_aligned(h.0) {
-                            t.report
-                                .corruptions
-                                .push(format!("ERROR L2 entry of guest cluster {guest}: host offset {:#x} is not cluster aligned", h.0));
-                            continue;
+                        if let Some((c, kind)) = self.m.map.conflict(&g, h.0, g.cluster_size(), None)
+                        {
+                            t.damage(format!(
+                                "ERROR L2 entry of guest cluster {guest}: its data cluster {c} overlaps the {} (metadata overlap)",
+                                kind.describe()
+                            ));
                         }
                         t.add("data cluster", g.host_cluster(h));
                         if active {
@@ -351,10 +415,24 @@ impl Locked<'_> {
         0..covered.max(t.file_clusters)
     }
 
-    fn compare(&mut self, mut t: Tally) -> Result<CheckReport> {
-        for c in self.clusters_to_compare(&t) {
+    /// Adds what the stored refcounts say against the counted ones.
+    fn compare(&mut self, t: &mut Tally) -> Result<()> {
+        let per_block = self.img.geometry.refcount_block_entries();
+        let mut clusters = self.clusters_to_compare(t);
+        while let Some(c) = clusters.next() {
             let expected = t.refs.get(c as usize).copied().map_or(0, u64::from);
-            let stored = self.refcount(c)?;
+            let stored = match self.refcount(c) {
+                Ok(v) => v,
+                Err(e) => {
+                    t.refcount_damage(format!(
+                        "ERROR the refcounts of clusters {c}.. cannot be read: {e}"
+                    ));
+                    // The rest of that refcount block reads no better.
+                    let next = (c / per_block + 1) * per_block;
+                    clusters = next.max(c + 1)..clusters.end;
+                    continue;
+                }
+            };
             if stored < expected {
                 t.report.corruptions.push(format!(
                     "ERROR cluster {c} refcount={stored} reference={expected}"
@@ -365,8 +443,10 @@ impl Locked<'_> {
                 ));
             }
         }
-        for (cluster, copied, what) in std::mem::take(&mut t.copied_flags) {
-            let stored = self.refcount(cluster)?;
+        for &(cluster, copied, what) in &t.copied_flags {
+            let Ok(stored) = self.refcount(cluster) else {
+                continue;
+            };
             if (stored == 1) != copied {
                 t.report.corruptions.push(format!(
                     "ERROR OFLAG_COPIED {what}: host cluster {cluster} refcount={stored} but COPIED is {}",
@@ -374,7 +454,103 @@ impl Locked<'_> {
                 ));
             }
         }
-        Ok(t.report)
+        Ok(())
+    }
+
+    /// Zeroes active L1 entries that carry flags but no L2 table.
+    fn clear_stray_l1_flags(&mut self, entries: &[usize]) {
+        for &i in entries {
+            if let Some(e) = self.m.l1.get_mut(i) {
+                *e = 0;
+                self.m.l1_dirty.insert(i as u64);
+            }
+        }
+    }
+
+    /// Writes a new refcount table and blocks after the end of the file,
+    /// describing the counted references (the old structure's clusters
+    /// become free), makes them durable, then points the header at them.
+    /// A crash before the header write leaves the old structure in use.
+    fn rebuild_refcount_structure(&mut self, t: &Tally) -> Result<()> {
+        let g = self.img.geometry;
+        let cs = g.cluster_size();
+        let per_block = g.refcount_block_entries();
+        let mut refs: Vec<u64> = t.refs.iter().map(|&r| u64::from(r)).collect();
+        for &c in &t.refcount_structure {
+            if let Some(r) = refs.get_mut(c as usize) {
+                *r = r.saturating_sub(1);
+            }
+        }
+        let start = t.file_clusters.max(1);
+        let (mut table, mut blocks) = (1u64, 1u64);
+        loop {
+            let need_blocks = (start + table + blocks).div_ceil(per_block);
+            let need_table = (need_blocks * 8).div_ceil(cs);
+            if need_blocks <= blocks && need_table <= table {
+                break;
+            }
+            blocks = blocks.max(need_blocks);
+            table = table.max(need_table);
+        }
+        if table * cs > vdcache_qcow2::header::MAX_REFCOUNT_TABLE_BYTES {
+            return Err(ImageError::corrupt(
+                self.name(),
+                "a rebuilt refcount table would exceed 8 MiB",
+            ));
+        }
+        let end = start + table + blocks;
+        refs.resize(end as usize, 0);
+        refs[start as usize..].fill(1);
+        self.check_capacity(end)?;
+        let order = g.refcount_order();
+        let name = self.img.handle.name.clone();
+        let blocks_start = start + table;
+        for b in 0..blocks {
+            let mut block = vec![0u8; cs as usize];
+            let first = (b * per_block) as usize;
+            let last = (first + per_block as usize).min(refs.len());
+            for (i, &r) in refs[first.min(last)..last].iter().enumerate() {
+                if r > 0 {
+                    vdcache_qcow2::refcount::set(&mut block, i as u64, order, r)
+                        .map_err(|e| ImageError::format(&name, e))?;
+                }
+            }
+            self.write_meta(
+                MetaTable::RefcountBlock,
+                g.cluster_offset(blocks_start + b),
+                &block,
+            )?;
+        }
+        let entries: Vec<u64> = (0..table * cs / 8)
+            .map(|i| {
+                if i < blocks {
+                    g.cluster_offset(blocks_start + i)
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let bytes: Vec<u8> = entries.iter().flat_map(|e| e.to_be_bytes()).collect();
+        self.write_meta(MetaTable::RefcountTable, g.cluster_offset(start), &bytes)?;
+        self.sync(crate::hostio::FlushKind::Durable)?;
+        let mut fields = Vec::with_capacity(12);
+        fields.extend_from_slice(&g.cluster_offset(start).to_be_bytes());
+        fields.extend_from_slice(&(table as u32).to_be_bytes());
+        self.write_header_field(field_offset::REFCOUNT_TABLE_OFFSET, &fields)?;
+        self.sync(crate::hostio::FlushKind::Durable)?;
+        tracing::info!(
+            image = self.name(),
+            "rebuilt the refcount structure: {table} table and {blocks} block clusters at cluster {start}"
+        );
+        self.m.header.refcount_table_offset = g.cluster_offset(start);
+        self.m.header.refcount_table_clusters = table as u32;
+        self.m.reftable = entries;
+        self.m.reftable_dirty.clear();
+        self.m.reftable_moved_from = None;
+        self.m.refblocks.clear();
+        self.m.free_hint = 0;
+        self.m.map = crate::qimage::metadata_map(&g, &self.m);
+        Ok(())
     }
 
     fn rebuild_refcounts(&mut self, t: &Tally) -> Result<()> {

@@ -210,6 +210,37 @@ impl VirtualDisk {
         Ok(())
     }
 
+    /// Before a change of the top image, with its range locked: a cache
+    /// that keeps it newer than the file must have the image marked so.
+    fn before_change(&self) -> Result<()> {
+        match &self.layers[0] {
+            Layer::Qcow2(img) => img.ensure_marked(),
+            Layer::Raw(_) => Ok(()),
+        }
+    }
+
+    /// Makes the image complete in its file now, as a clean stop would,
+    /// and goes on serving: every change flushed, a cache below writing
+    /// back what it holds of the image, and the image then no longer
+    /// marked as needing the cache (until the next change). Partially
+    /// valid clusters are filled first when `fill`.
+    pub fn write_back(&self, fill: bool) -> Result<()> {
+        if fill {
+            self.fill_partial(usize::MAX)?;
+        }
+        let clusters = self.size.div_ceil(self.cluster_size()).max(1);
+        let _all = self.locks.lock(0, clusters, Mode::Exclusive);
+        self.flush()?;
+        match &self.layers[0] {
+            Layer::Qcow2(img) if !self.read_only => img.release_holder(),
+            Layer::Qcow2(_) => Ok(()),
+            Layer::Raw(r) => self
+                .io
+                .write_back_image(&r.handle)
+                .map_err(|e| ImageError::io(&r.handle.name, "write back the cache", e)),
+        }
+    }
+
     fn cluster_range(&self, offset: u64, len: u64) -> (u64, u64) {
         let first = offset >> self.cluster_bits;
         let end = if len == 0 {
@@ -401,6 +432,7 @@ impl VirtualDisk {
             }
             let (first, end) = self.cluster_range(guest, r.len);
             let _guard = self.locks.lock(first, end, Mode::Exclusive);
+            self.before_change()?;
             let still_mapped = img.map(guest, r.len)?.first().is_some_and(|e| {
                 e.kind == ExtentKind::Data(HostOffset(r.offset)) && e.len == r.len
             });
@@ -443,6 +475,7 @@ impl VirtualDisk {
         }
         let (first, end) = self.cluster_range(offset, data.len() as u64);
         let guard = self.locks.lock(first, end, Mode::Exclusive);
+        self.before_change()?;
         self.write_locked(offset, data)?;
         drop(guard);
         if fua {
@@ -478,6 +511,7 @@ impl VirtualDisk {
         }
         let (first, end) = self.cluster_range(offset, len);
         let guard = self.locks.lock(first, end, Mode::Exclusive);
+        self.before_change()?;
         match &self.layers[0] {
             Layer::Raw(_) => self.write_zero_buffers(offset, len)?,
             Layer::Qcow2(img) => self.zero_qcow2(img, offset, len, flags.may_unmap)?,
@@ -603,6 +637,7 @@ impl VirtualDisk {
         }
         let (first, end) = self.cluster_range(offset, len);
         let _guard = self.locks.lock(first, end, Mode::Exclusive);
+        self.before_change()?;
         match &self.layers[0] {
             Layer::Raw(r) => {
                 // Through the I/O interface, so a cache drops its copies.

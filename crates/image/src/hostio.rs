@@ -285,14 +285,18 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
     /// Writes `data` to the store itself and makes it durable, keeping any
     /// copy this layer holds equal to it: for header bits that a program
     /// reading the file without this layer must see.
+    ///
+    /// The writes may land in any order (each must be safe on its own);
+    /// all of them are durable on return.
     fn write_durable(
         &self,
         image: &ImageHandle,
-        offset: HostOffset,
-        data: &[u8],
+        writes: &[(HostOffset, &[u8])],
         tag: IoTag,
     ) -> io::Result<()> {
-        self.write(image, offset, &[WriteSegment { data, tag }])?;
+        for &(offset, data) in writes {
+            self.write(image, offset, &[WriteSegment { data, tag }])?;
+        }
         self.flush(image, FlushKind::Durable)
     }
 

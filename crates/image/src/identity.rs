@@ -122,7 +122,8 @@ fn compare_marks(found: &MarkIdentity, rec: &MarkIdentity, cache_id: &[u8; 16]) 
 
 /// The mark and in-cache state of a parsed header.
 pub(crate) fn mark_of(h: &Header) -> Option<MarkIdentity> {
-    h.extensions.cache_mark.as_ref().map(|m| MarkIdentity {
+    let m = h.extensions.cache_mark.as_ref()?.current()?;
+    Some(MarkIdentity {
         image_id: m.image_id,
         generation: m.generation,
         cache_id: m.cache_id,
@@ -150,7 +151,7 @@ pub fn read_identity(handle: &ImageHandle, writable: bool) -> std::io::Result<Im
 /// The cache an image file says holds its newest data, if it says so.
 pub fn needs_cache_of(handle: &ImageHandle) -> Option<[u8; 16]> {
     let h = read_header_direct(handle).ok()??;
-    let id = h.extensions.cache_mark.as_ref()?.cache_id;
+    let id = h.extensions.cache_mark.as_ref()?.current()?.cache_id;
     in_cache(&h).then_some(id)
 }
 

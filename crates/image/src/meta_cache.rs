@@ -102,6 +102,12 @@ impl SliceCache {
         }
     }
 
+    /// Drops every slice, dirty ones included (their table is gone).
+    pub fn clear(&mut self) {
+        self.lru.clear();
+        self.zeros.clear();
+    }
+
     /// (table start, bit) of a slice.
     fn zero_bit(&self, start: u64) -> (u64, usize) {
         let table = start & !(self.table - 1);

@@ -5,7 +5,7 @@
 //! so that rewriting a header never loses what another program stored there.
 
 use crate::bytes::{Reader, pad8};
-use crate::cache_mark::{CacheMark, EXT_CACHE_MARK};
+use crate::cache_mark::{EXT_CACHE_MARK, MarkSlots};
 use crate::features::{self, FeatureKind, autoclear, compatible, incompatible};
 use crate::geometry::{Geometry, MAX_CLUSTER_BITS, MIN_CLUSTER_BITS};
 use crate::{FormatError, Result};
@@ -83,7 +83,7 @@ pub struct Extensions {
     /// Full disk encryption header pointer (offset, length).
     pub crypto: Option<(u64, u64)>,
     /// vdcache's identity of the image and the cache serving it.
-    pub cache_mark: Option<CacheMark>,
+    pub cache_mark: Option<MarkSlots>,
     pub unknown: Vec<(u32, Vec<u8>)>,
 }
 
@@ -641,8 +641,15 @@ fn parse_string_ext(data: &[u8], field: &'static str) -> Result<String> {
     Ok(s.to_string())
 }
 
-fn parse_extensions(buf: &[u8], h: &Header) -> Result<Extensions> {
-    let mut ext = Extensions::default();
+/// Walks the header extensions of the first cluster `buf`, handing each
+/// one's type, the offset of its 8-byte header and its data to `visit`.
+/// Returns the offset where the walk ended (the end marker, or the end of
+/// the area when there is none).
+fn walk_extensions(
+    buf: &[u8],
+    h: &Header,
+    mut visit: impl FnMut(u32, usize, &[u8]) -> Result<()>,
+) -> Result<usize> {
     let start = h.header_length as usize;
     let end = if h.backing_file_offset != 0 {
         h.backing_file_offset as usize
@@ -655,18 +662,19 @@ fn parse_extensions(buf: &[u8], h: &Header) -> Result<Extensions> {
             format!("{end:#x} lies inside the header"),
         ));
     }
-    let area = &buf[..end];
+    let area = &buf[..end.min(buf.len())];
     let mut r = Reader::at(area, start, "header extensions");
     let mut seen: Vec<u32> = Vec::new();
     loop {
         if r.pos() + 8 > area.len() {
             // No end marker before the area ends: tolerated, as QEMU does.
-            break;
+            return Ok(r.pos());
         }
+        let at = r.pos();
         let kind = r.u32()?;
         let len = r.u32()? as usize;
         if kind == EXT_END {
-            break;
+            return Ok(at);
         }
         let data = r.take(len).map_err(|_| {
             FormatError::invalid(
@@ -689,6 +697,13 @@ fn parse_extensions(buf: &[u8], h: &Header) -> Result<Extensions> {
             ));
         }
         seen.push(kind);
+        visit(kind, at, data)?;
+    }
+}
+
+fn parse_extensions(buf: &[u8], h: &Header) -> Result<Extensions> {
+    let mut ext = Extensions::default();
+    walk_extensions(buf, h, |kind, _, data| {
         match kind {
             EXT_BACKING_FORMAT => {
                 ext.backing_format = Some(parse_string_ext(data, "backing format extension")?)
@@ -703,11 +718,101 @@ fn parse_extensions(buf: &[u8], h: &Header) -> Result<Extensions> {
                 let mut c = Reader::new(data, "crypto header extension");
                 ext.crypto = Some((c.u64()?, c.u64()?));
             }
-            EXT_CACHE_MARK => ext.cache_mark = Some(CacheMark::decode(data)?),
+            EXT_CACHE_MARK => ext.cache_mark = Some(MarkSlots::decode(data)?),
             _ => ext.unknown.push((kind, data.to_vec())),
         }
-    }
+        Ok(())
+    })?;
     Ok(ext)
+}
+
+/// One write of a crash-safe header change (see [`Header::rewrite_plan`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderWrite {
+    pub offset: u64,
+    pub bytes: Vec<u8>,
+}
+
+/// Offset in the first cluster of the cache mark's data, if it has one.
+pub fn cache_mark_offset(buf: &[u8], h: &Header) -> Result<Option<u64>> {
+    let mut found = None;
+    walk_extensions(buf, h, |kind, at, _| {
+        if kind == EXT_CACHE_MARK {
+            found = Some(at as u64 + 8);
+        }
+        Ok(())
+    })?;
+    Ok(found)
+}
+
+impl Header {
+    /// Writes that give the image whose first cluster is `buf` (parsed as
+    /// `self`) the extensions `new`, such that a crash at any point, with
+    /// any sectors of a write in flight landed or not, leaves an image
+    /// that reads as the old header or the new: the new extension area
+    /// and backing file name go where the current header does not look
+    /// (the bytes after everything it uses, or those its header length
+    /// skips as unknown header fields), then one write of the header's
+    /// first 112 bytes, within one sector, switches to them. Each write
+    /// must be durable before the next. Version 3 images only.
+    pub fn rewrite_plan(&self, buf: &[u8], new: &Extensions) -> Result<Vec<HeaderWrite>> {
+        if self.version < 3 {
+            return Err(FormatError::unsupported(
+                "version",
+                "2 (the header of a version 2 image cannot be extended)",
+            ));
+        }
+        let cluster_size = self.cluster_size() as usize;
+        let name = self.backing_file.as_deref().unwrap_or("").as_bytes();
+        let mut area = encode_extensions(new)?;
+        let name_at = area.len();
+        area.extend_from_slice(name);
+        let fields = V3_HEADER_LENGTH as usize;
+        let old_start = self.header_length as usize;
+        let mut used_end = walk_extensions(buf, self, |_, _, _| Ok(()))? + 8;
+        if self.backing_file_offset != 0 {
+            used_end = used_end
+                .max(self.backing_file_offset as usize + self.backing_file_size as usize);
+        }
+        let start = if old_start >= fields + area.len() {
+            fields
+        } else {
+            pad8(used_end)
+        };
+        if start + area.len() > cluster_size {
+            return Err(FormatError::invalid(
+                "header",
+                format!(
+                    "no room in the first cluster ({cluster_size} bytes) for a new extension area of {} bytes",
+                    area.len()
+                ),
+            ));
+        }
+        let mut image = buf[..buf.len().min(cluster_size)].to_vec();
+        image.resize(image.len().max(start + area.len()), 0);
+        image[start..start + area.len()].copy_from_slice(&area);
+        image[100..104].copy_from_slice(&(start as u32).to_be_bytes());
+        if self.backing_file.is_some() {
+            image[8..16].copy_from_slice(&((start + name_at) as u64).to_be_bytes());
+        }
+        let check = Header::parse(&image)?;
+        if check.extensions != *new || check.backing_file != self.backing_file {
+            return Err(FormatError::invalid(
+                "header",
+                "a rewritten header would not read back as intended",
+            ));
+        }
+        Ok(vec![
+            HeaderWrite {
+                offset: start as u64,
+                bytes: area,
+            },
+            HeaderWrite {
+                offset: 0,
+                bytes: image[..fields].to_vec(),
+            },
+        ])
+    }
 }
 
 fn is_known_ext(kind: u32) -> bool {

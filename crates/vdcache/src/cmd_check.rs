@@ -1,7 +1,7 @@
 //! `vdcache check`: consistency check with qemu-img check's exit codes.
 
 use anyhow::Result;
-use vdcache_image::{Layer, OpenOptions, open_chain};
+use vdcache_image::{CheckReport, Layer, OpenOptions, VirtualDisk, open_chain};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -40,23 +40,42 @@ fn check(a: &Args) -> Result<u8> {
             ..OpenOptions::default()
         },
     )?);
-    let disk = open_chain(
-        &a.file,
-        &OpenOptions {
-            read_only: !repair,
-            force_share: a.force_share && !repair,
-            no_backing: true,
-            ..OpenOptions::default()
-        },
-    )?;
+    let open = |writable: bool| {
+        open_chain(
+            &a.file,
+            &OpenOptions {
+                read_only: !writable,
+                force_share: a.force_share && !writable,
+                no_backing: true,
+                for_check: true,
+                ..OpenOptions::default()
+            },
+        )
+    };
+    let disk = open(repair)?;
     let Layer::Qcow2(img) = &disk.layers()[0] else {
         outln!("{} is a raw image; there is nothing to check.", a.file);
         return Ok(0);
     };
-    let report = if repair { img.repair()? } else { img.check()? };
-    if repair {
+    let report = if repair {
+        let before = img.check()?;
+        img.repair()?;
         disk.close()?;
-    }
+        drop(disk);
+        // What the file holds now, read afresh: a repair is judged by the
+        // image it left, never by its own state in memory.
+        let after = recheck(&open(true)?)?;
+        if after.is_clean() && !before.is_clean() {
+            outln!(
+                "The following inconsistencies were found and repaired:\n\n    {} leaked clusters\n    {} corruptions\n",
+                before.leaks.len(),
+                before.corruptions.len()
+            );
+        }
+        after
+    } else {
+        img.check()?
+    };
     for c in &report.corruptions {
         outln!("{c}");
     }
@@ -88,4 +107,18 @@ fn check(a: &Args) -> Result<u8> {
     }
     outln!("Image end offset: {}", report.image_end);
     Ok(report.exit_code() as u8)
+}
+
+/// Checks a freshly opened image after a repair; a clean image loses a
+/// corrupt bit (as qemu-img check -r does).
+fn recheck(disk: &VirtualDisk) -> Result<CheckReport> {
+    let Layer::Qcow2(img) = &disk.layers()[0] else {
+        anyhow::bail!("the image is no longer qcow2 after the repair");
+    };
+    let report = img.check()?;
+    if report.is_clean() {
+        img.clear_corrupt_bit()?;
+    }
+    disk.close()?;
+    Ok(report)
 }

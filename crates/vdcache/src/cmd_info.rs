@@ -142,7 +142,7 @@ fn describe(layer: &Layer) -> ImageInfo {
                     extended_l2: h.has_extended_l2(),
                     data_file: h.extensions.external_data_file.clone(),
                     features,
-                    cache_mark: h.extensions.cache_mark.as_ref().map(|m| CacheMarkInfo {
+                    cache_mark: h.extensions.cache_mark.as_ref().and_then(|m| m.current()).map(|m| CacheMarkInfo {
                         image_id: m.image_id_hex(),
                         generation: m.generation,
                         cache_id: m.cache_id_hex(),

@@ -60,6 +60,17 @@ fn check_clean(s: &Scratch, img: &Path) {
     );
 }
 
+/// QEMU refuses an image whose newest data is still in vdcache's cache,
+/// naming vdcache's recovery command.
+fn check_refused_as_in_cache(s: &Scratch, img: &Path) {
+    let chk = exec(s.qemu_img().arg("check").arg(img));
+    assert!(
+        !chk.success() && chk.stderr.contains("vdcache recover"),
+        "qemu-img must refuse an image whose data is in the cache, naming the recovery\n{}",
+        chk.report()
+    );
+}
+
 /// One crash round in its own files `{tag}.*`: a writeback cache of
 /// `cache_size`, SIGKILL after `kill_at` of 40 flushes, fast recovery,
 /// more writes and flushes, SIGKILL again, full recovery.
@@ -220,6 +231,9 @@ fn keep_dirty_stop_then_restart_and_write_back() {
     let u = uri(&sock, "");
 
     let server = serve(&s, &sock, &cache_args(c, i, &["--keep-dirty"]));
+    // Opening stamped the image's cache mark, durably.
+    let at_open = total(&stats(&s, &sock), "backend_syncs");
+    assert!(at_open > 0, "the open synced no store: was the image stamped?");
     qemu_io(
         &s,
         "raw",
@@ -227,11 +241,12 @@ fn keep_dirty_stop_then_restart_and_write_back() {
         &["write -P 0x5a 1M 2M".into(), "flush".into()],
     );
     let st = stats(&s, &sock);
-    assert_eq!(total(&st, "backend_syncs"), 0, "{st:#}");
+    assert_eq!(total(&st, "backend_syncs"), at_open, "{st:#}");
     let log = server.stop_clean();
     assert!(log.contains("stopped cleanly"), "{log}");
-    // The image is closed clean even though its newest data is in flash.
-    check_clean(&s, &img);
+    // The image's newest data is in flash: QEMU must not read the file
+    // alone, and says what to run.
+    check_refused_as_in_cache(&s, &img);
 
     // Restart (this time writing back on stop): the data is still dirty
     // in flash and reads back from there.

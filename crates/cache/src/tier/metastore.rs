@@ -78,10 +78,6 @@ impl MetaStore {
         self.dirty.len()
     }
 
-    pub fn has_dirty(&self) -> bool {
-        !self.dirty.is_empty()
-    }
-
     pub fn has_dirty_of(&self, image: u16) -> bool {
         self.dirty
             .range((image, 0)..=(image, u64::MAX))
@@ -218,10 +214,12 @@ impl MetaStore {
         out
     }
 
-    /// Up to `n` dirty sectors in address order: key, seq and a copy.
-    fn batch(&self, n: usize) -> Vec<Copied> {
+    /// Up to `n` dirty sectors of images `open` accepts, in address
+    /// order: key, seq and a copy.
+    fn batch(&self, n: usize, open: impl Fn(u16) -> bool) -> Vec<Copied> {
         self.dirty
             .iter()
+            .filter(|k| open(k.0))
             .take(n)
             .filter_map(|k| {
                 let s = self.sectors.get(k)?;
@@ -472,7 +470,7 @@ impl FlashCache {
 
     /// Whether the store needs write-back now.
     fn meta_needs_writeback(&self, st: &State, force: bool) -> bool {
-        st.meta.has_dirty()
+        (0..st.images.len() as u16).any(|id| st.is_open(id) && st.meta.has_dirty_of(id))
             && (force
                 || st.drain_requests > 0
                 || st.meta.dirty_weight() > self.layout.meta_store_sectors() / 2)
@@ -487,7 +485,7 @@ impl FlashCache {
                 return Ok(false);
             }
             st.meta
-                .batch(ROUND_SECTORS)
+                .batch(ROUND_SECTORS, |i| st.is_open(i))
                 .into_iter()
                 .map(|b| b.0)
                 .collect()
@@ -508,7 +506,7 @@ impl FlashCache {
             self.commit_before_bypass(&mut st)?;
             let batch: Vec<_> = st
                 .meta
-                .batch(ROUND_SECTORS)
+                .batch(ROUND_SECTORS, |i| st.is_open(i))
                 .into_iter()
                 .filter(|(k, _, _)| keys.binary_search(k).is_ok())
                 .collect();

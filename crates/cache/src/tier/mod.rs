@@ -184,6 +184,28 @@ impl State {
         }
     }
 
+    /// Whether image `id` is open (has a store to write back to).
+    pub(crate) fn is_open(&self, id: u16) -> bool {
+        self.images
+            .get(id as usize)
+            .is_some_and(|r| r.backend.is_some())
+    }
+
+    /// Whether an open image has dirty blocks or metadata sectors: what a
+    /// drain waits for. Dirty data of an image nobody opened stays in
+    /// flash until one does (or `recover --full`).
+    pub(crate) fn open_dirty(&self) -> bool {
+        (0..self.images.len() as u16).any(|id| {
+            self.is_open(id)
+                && (self
+                    .dirty_lines
+                    .range(crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX))
+                    .next()
+                    .is_some()
+                    || self.meta.has_dirty_of(id))
+        })
+    }
+
     /// Records a write of `[start, end)` of an image.
     fn note_write(&mut self, image: u16, start: u64, end: u64) {
         self.write_seq += 1;
@@ -312,6 +334,11 @@ fn store_identity_of(image: &ImageHandle) -> ImageIdentity {
 impl FlashCache {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where the cache lives (its device's name).
+    pub fn device_name(&self) -> &str {
+        self.device.name()
     }
 
     pub fn layout(&self) -> &Layout {
@@ -811,12 +838,10 @@ impl HostIo for FlashCache {
     fn write_durable(
         &self,
         image: &ImageHandle,
-        offset: HostOffset,
-        data: &[u8],
+        writes: &[(HostOffset, &[u8])],
         tag: IoTag,
     ) -> io::Result<()> {
-        self.write_to_store(image, offset.0, data, tag)
-            .map_err(io_err)
+        self.write_to_store(image, writes, tag).map_err(io_err)
     }
 
     fn wants_masked_hints(&self, disk: DiskId) -> bool {

@@ -17,6 +17,7 @@ use crate::region::Stream;
 use crate::stats::bump;
 use vdcache_image::hostio::WriteSegment;
 use vdcache_image::{ImageHandle, IoClass, IoTag};
+use vdcache_qcow2::HostOffset;
 
 /// The bytes of a block range: old content around the written segments.
 struct Blocks<'a> {
@@ -635,17 +636,15 @@ impl FlashCache {
     pub(crate) fn write_to_store(
         &self,
         image: &ImageHandle,
-        off: u64,
-        data: &[u8],
+        writes: &[(HostOffset, &[u8])],
         tag: IoTag,
     ) -> Result<()> {
-        if data.is_empty() {
-            return Ok(());
-        }
         let id = self.image_id(image, tag.disk)?;
-        let segment = [WriteSegment { data, tag }];
-        let len = data.len() as u64;
-        self.write_through(image, id, off, len, &segment, tag, Keep::Nothing)?;
+        for &(off, data) in writes.iter().filter(|w| !w.1.is_empty()) {
+            let segment = [WriteSegment { data, tag }];
+            let len = data.len() as u64;
+            self.write_through(image, id, off.0, len, &segment, tag, Keep::Nothing)?;
+        }
         image
             .backend
             .flush()

@@ -187,7 +187,7 @@ impl FlashCache {
         let mut st = self.lock();
         st.drain_requests += 1;
         self.wake.notify();
-        while st.index.dirty_blocks() > 0 || st.meta.has_dirty() {
+        while st.open_dirty() {
             if self.thread.lock().map(|t| t.is_none()).unwrap_or(true) {
                 // No write-back thread (stopped): do it here.
                 drop(st);
@@ -204,7 +204,7 @@ impl FlashCache {
                 .wait_timeout(st, Duration::from_secs(5))
                 .unwrap_or_else(|p| p.into_inner());
             st = guard;
-            if timeout.timed_out() && (st.index.dirty_blocks() > 0 || st.meta.has_dirty()) {
+            if timeout.timed_out() && st.open_dirty() {
                 tracing::info!(
                     dirty_blocks = st.index.dirty_blocks(),
                     dirty_sectors = st.meta.dirty_len(),
@@ -217,12 +217,14 @@ impl FlashCache {
     }
 }
 
-/// The next dirty blocks in address order, from the cursor on.
+/// The next dirty blocks of open images in address order, from the
+/// cursor on.
 fn collect(st: &super::State, cursor: &mut u64) -> Vec<DirtyBlock> {
     let mut out = Vec::new();
     let keys: Vec<u64> = st
         .dirty_lines
         .range(*cursor..)
+        .filter(|&&k| st.is_open(crate::index::key_image(k)))
         .take(BATCH_BLOCKS)
         .copied()
         .collect();

@@ -3,23 +3,28 @@
 //! cache may hold data the file lacks, and the coherent bit that another
 //! writer clears (see `vdcache_qcow2::cache_mark`).
 //!
-//! Order (what makes them safe): the in-cache bit is durable in the file
-//! before the first write the cache may keep newer than the file, and it
-//! is cleared only after the cache wrote everything of the image back.
-//! Header bytes go to the store itself (`HostIo::write_durable`), never
-//! only into the cache, since they are for readers without it.
+//! Order (what makes them safe): the mark is stamped when the image opens
+//! writable through the cache, with the in-cache bit if the cache may
+//! keep changes newer than the file; after a write-back cleared the bit,
+//! it is made durable again before the next change (a write of the
+//! disk's, under its range lock). It is cleared only after the cache
+//! wrote everything of the image back, with the whole disk locked
+//! against writes. Header bytes go to the store itself
+//! (`HostIo::write_durable`), never only into the cache, since they are
+//! for readers without it.
 //!
 //! Must not: decide what the cache holds (the `HostIo` layer answers).
 
-use super::Qcow2Image;
+use super::{Locked, Qcow2Image};
 use crate::error::{ImageError, Result};
 use crate::hostio::{Holder, IoTag, MetaTable};
 use crate::identity::{self, ImageIdentity};
 use std::sync::atomic::Ordering;
 use vdcache_qcow2::HostOffset;
-use vdcache_qcow2::cache_mark::CacheMark;
+use vdcache_qcow2::cache_mark::{CacheMark, MarkSlots, SLOT_BYTES};
 use vdcache_qcow2::features::{self, FeatureKind, autoclear, incompatible};
-use vdcache_qcow2::header::{FeatureName, field_offset};
+use vdcache_qcow2::Header;
+use vdcache_qcow2::header::{self, FeatureName, field_offset};
 
 /// The feature bits a cache mark sets, whose names the header must carry
 /// (QEMU names the in-cache bit when it refuses the image).
@@ -33,7 +38,7 @@ impl Qcow2Image {
         if !identity::in_cache(&h) || inspect {
             return Ok(());
         }
-        let mark = h.extensions.cache_mark.as_ref();
+        let mark = h.extensions.cache_mark.as_ref().and_then(|m| m.current());
         let holder = self.io.holder();
         if let (Some(m), Some(holder)) = (mark, &holder)
             && m.cache_id == holder.id
@@ -47,9 +52,10 @@ impl Qcow2Image {
     }
 
     /// Stamps a writable image opened through a cache: a new generation,
-    /// this cache's id, the coherent bit, and the in-cache bit when the
-    /// cache may keep the image's data newer than the file. Durable before
-    /// any write of the open; the cache then records the new identity.
+    /// this cache's id, the coherent bit, and the in-cache bit if the
+    /// cache holds data the file lacks or may keep changes newer than the
+    /// file. Durable before any write of the open; the cache then records
+    /// the new identity.
     pub(crate) fn stamp_for_holder(&self) -> Result<()> {
         let Some(holder) = self.io.holder() else {
             return Ok(());
@@ -57,10 +63,10 @@ impl Qcow2Image {
         if self.read_only {
             return Ok(());
         }
+        let keeps_newer = self.io.keeps_newer(self.disk);
         let mut l = self.lock();
-        let mut h = l.m.header.clone();
-        if h.version < 3 {
-            if self.io.keeps_newer(self.disk) {
+        if l.m.header.version < 3 {
+            if keeps_newer {
                 return Err(ImageError::Unsupported {
                     image: self.name().to_string(),
                     reason: "a version 2 (compat=0.10) image has no feature bits to mark it as needing the cache, so a write-back cache could leave it silently out of date; upgrade it with `qemu-img amend -o compat=1.1`, or serve it with --cache-mode writethrough".into(),
@@ -68,25 +74,46 @@ impl Qcow2Image {
             }
             return Ok(());
         }
-        h.extensions.cache_mark = Some(next_mark(h.extensions.cache_mark.as_ref(), &holder));
+        self.make_room_for_mark(&mut l)?;
+        let h = l.m.header.clone();
+        let first = self.read_first_cluster()?;
+        let at = header::cache_mark_offset(&first, &h)
+            .ok()
+            .flatten()
+            .ok_or_else(|| ImageError::corrupt(self.name(), "the cache mark vanished from the header"))?;
+        let slots = h.extensions.cache_mark.clone().unwrap_or_default();
+        let mark = next_mark(slots.current(), &holder);
         let holds = self
             .io
             .holds_newer(&self.handle)
             .map_err(|e| ImageError::io(self.name(), "ask the cache", e))?;
-        if self.io.keeps_newer(self.disk) || holds {
-            h.incompatible_features |= incompatible::IN_CACHE;
+        let mut bits = h.clone();
+        if holds || keeps_newer {
+            // Set now, with the stamp, rather than at the first change: an
+            // open then costs one sync of the store.
+            bits.incompatible_features |= incompatible::IN_CACHE;
         }
-        h.autoclear_features |= autoclear::CACHE_COHERENT;
-        name_mark_bits(&mut h.extensions.feature_names);
-        let bytes = h.encode().map_err(|e| ImageError::Unsupported {
-            image: self.name().to_string(),
-            reason: format!(
-                "vdcache's cache mark does not fit in the header cluster ({e}); serve it without a cache, or convert it to a larger cluster size"
-            ),
-        })?;
-        self.write_header_durable(0, &bytes)?;
-        l.m.header = h;
+        bits.autoclear_features |= autoclear::CACHE_COHERENT;
+        // The new generation goes into the slot the current one does not
+        // use, and the bits into the header's first sector: either write
+        // alone leaves a valid image, so one sync serves both.
+        let slot = mark.encode_slot();
+        let fields = feature_fields(&bits);
+        self.write_header_durable(&[
+            (at + (mark.slot() * SLOT_BYTES) as u64, &slot),
+            (field_offset::INCOMPATIBLE_FEATURES, &fields),
+        ])?;
+        let marked = identity::in_cache(&bits);
+        let mut stamped = bits;
+        stamped
+            .extensions
+            .cache_mark
+            .get_or_insert_with(MarkSlots::default)
+            .set(mark);
+        l.m.header = stamped;
         drop(l);
+        self.marked.store(marked, Ordering::SeqCst);
+        self.keeps_newer.store(keeps_newer, Ordering::SeqCst);
         self.stamped.store(true, Ordering::SeqCst);
         let found = ImageIdentity {
             mark: identity::mark_of(&self.header()),
@@ -102,8 +129,71 @@ impl Qcow2Image {
             .map_err(|e| ImageError::io(self.name(), "record its identity", e))
     }
 
-    /// After a close wrote everything back: clears the in-cache bit when
-    /// the cache holds nothing of the image the file lacks.
+    /// Gives the header the cache mark extension and the names of the
+    /// mark's feature bits, if it lacks either, by a crash-safe rewrite.
+    fn make_room_for_mark(&self, l: &mut Locked<'_>) -> Result<()> {
+        let h = &l.m.header;
+        let mut wanted = h.extensions.clone();
+        name_mark_bits(&mut wanted.feature_names);
+        wanted.cache_mark.get_or_insert_with(MarkSlots::default);
+        if wanted == h.extensions {
+            return Ok(());
+        }
+        let first = self.read_first_cluster()?;
+        let plan = h.rewrite_plan(&first, &wanted).map_err(|e| ImageError::Unsupported {
+            image: self.name().to_string(),
+            reason: format!(
+                "vdcache's cache mark cannot be added to the header ({e}); serve it without a cache, or convert it to a larger cluster size"
+            ),
+        })?;
+        for w in &plan {
+            self.write_header_durable(&[(w.offset, &w.bytes)])?;
+        }
+        let first = self.read_first_cluster()?;
+        l.m.header = Header::parse(&first).map_err(|e| ImageError::format(self.name(), e))?;
+        Ok(())
+    }
+
+    /// The first cluster as the layers below hold it (the file's length
+    /// at most).
+    fn read_first_cluster(&self) -> Result<Vec<u8>> {
+        let len = self
+            .io
+            .len(&self.handle)
+            .map_err(|e| ImageError::io(self.name(), "stat", e))?;
+        let mut buf = vec![0u8; self.geometry.cluster_size().min(len) as usize];
+        self.io
+            .read(
+                &self.handle,
+                HostOffset(0),
+                &mut buf,
+                IoTag::meta(MetaTable::Header, self.disk),
+            )
+            .map_err(|e| ImageError::io(self.name(), "read the header", e))?;
+        Ok(buf)
+    }
+
+    /// Sets the in-cache bit before a change the cache may keep newer than
+    /// the file (callers hold the range lock of what they change, so a
+    /// [`Self::release_holder`] under the whole disk's lock cannot cross).
+    pub(crate) fn ensure_marked(&self) -> Result<()> {
+        if self.marked.load(Ordering::SeqCst) || !self.keeps_newer.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mut l = self.lock();
+        if self.marked.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let v = l.m.header.incompatible_features | incompatible::IN_CACHE;
+        self.write_header_durable(&[(field_offset::INCOMPATIBLE_FEATURES, &v.to_be_bytes())])?;
+        l.m.header.incompatible_features = v;
+        self.marked.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// With no change of the disk in flight: the cache writes everything
+    /// of the image back, and the in-cache bit is cleared if it then holds
+    /// nothing the file lacks (until the next change sets it again).
     pub(crate) fn release_holder(&self) -> Result<()> {
         if !self.stamped.load(Ordering::SeqCst) {
             return Ok(());
@@ -132,21 +222,36 @@ impl Qcow2Image {
             return Ok(());
         }
         let cleared = v & !incompatible::IN_CACHE;
-        self.write_header_durable(field_offset::INCOMPATIBLE_FEATURES, &cleared.to_be_bytes())?;
+        self.write_header_durable(&[(
+            field_offset::INCOMPATIBLE_FEATURES,
+            &cleared.to_be_bytes(),
+        )])?;
         l.m.header.incompatible_features = cleared;
+        self.marked.store(false, Ordering::SeqCst);
         Ok(())
     }
 
-    fn write_header_durable(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+    fn write_header_durable(&self, writes: &[(u64, &[u8])]) -> Result<()> {
+        let writes: Vec<(HostOffset, &[u8])> =
+            writes.iter().map(|&(o, b)| (HostOffset(o), b)).collect();
         self.io
             .write_durable(
                 &self.handle,
-                HostOffset(offset),
-                bytes,
+                &writes,
                 IoTag::meta(MetaTable::Header, self.disk),
             )
             .map_err(|e| ImageError::io(self.name(), "write the header", e))
     }
+}
+
+/// The three feature bitmaps (incompatible, compatible, autoclear), as
+/// they lie in the header from byte 72: one write inside its first sector.
+fn feature_fields(h: &Header) -> [u8; 24] {
+    let mut out = [0u8; 24];
+    out[..8].copy_from_slice(&h.incompatible_features.to_be_bytes());
+    out[8..16].copy_from_slice(&h.compatible_features.to_be_bytes());
+    out[16..].copy_from_slice(&h.autoclear_features.to_be_bytes());
+    out
 }
 
 /// The mark of this open: the image keeps its id, the generation moves on.
@@ -234,8 +339,12 @@ pub fn abandon_cache(path: &std::path::Path) -> Result<Option<String>> {
         .write_at(&autoclear.to_be_bytes(), field_offset::AUTOCLEAR_FEATURES)
         .map_err(io)?;
     store.flush().map_err(io)?;
-    Ok(Some(header.extensions.cache_mark.map_or_else(
-        || "(unrecorded)".to_string(),
-        |m| m.cache_path,
-    )))
+    Ok(Some(
+        header
+            .extensions
+            .cache_mark
+            .as_ref()
+            .and_then(|m| m.current())
+            .map_or_else(|| "(unrecorded)".to_string(), |m| m.cache_path.clone()),
+    ))
 }

@@ -36,6 +36,16 @@ use vdcache_qcow2::{Geometry, Header, HostOffset};
 pub use marks::abandon_cache;
 pub use persist::FlushReport;
 
+/// Every overlap of two metadata structures in the image's current state.
+pub(crate) fn overlap_report(g: &Geometry, m: &Meta) -> Vec<overlap::Overlap> {
+    overlap::build(g, m).1
+}
+
+/// The metadata map of the image's current state.
+pub(crate) fn metadata_map(g: &Geometry, m: &Meta) -> overlap::MetaMap {
+    overlap::build(g, m).0
+}
+
 /// A piece of a guest range as one image maps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExtentKind {
@@ -62,6 +72,10 @@ pub struct ImageOptions {
     pub read_only: bool,
     pub cache: MetaCacheConfig,
     pub disk: DiskId,
+    /// For check and repair: L1 entries are not validated at open (check
+    /// reports them), metadata that overlaps is reported, not refused,
+    /// and a corrupt image opens writable (so it can be repaired).
+    pub for_check: bool,
 }
 
 /// Memory-cache statistics of one image.
@@ -125,8 +139,12 @@ pub struct Qcow2Image {
     pub(crate) lazy_refcounts: bool,
     pub(crate) disk: DiskId,
     pub(crate) meta: Mutex<Meta>,
-    /// This open stamped the image's cache mark (see `marks`).
+    /// This open stamped the image's cache mark; the in-cache bit is set
+    /// on disk; the cache below may keep changes newer than the file
+    /// (see `marks`).
     pub(crate) stamped: AtomicBool,
+    pub(crate) marked: AtomicBool,
+    pub(crate) keeps_newer: AtomicBool,
     /// Found inconsistent while open (and marked so, if writable): further
     /// writes are refused.
     pub(crate) corrupt: AtomicBool,
@@ -209,7 +227,7 @@ impl Qcow2Image {
         let name = handle.name.clone();
         let fmt_err = |e| ImageError::format(&name, e);
         let geometry = header.geometry().map_err(fmt_err)?;
-        if header.is_corrupt() && !opts.read_only {
+        if header.is_corrupt() && !opts.read_only && !opts.for_check {
             return Err(ImageError::corrupt(
                 &name,
                 "the corrupt bit is set; open it read-only or repair it with qemu-img check -r all",
@@ -229,8 +247,10 @@ impl Qcow2Image {
             u64::from(header.l1_size),
             IoTag::meta(MetaTable::L1, opts.disk),
         )?;
-        for &raw in &l1 {
-            L1Entry::decode(raw, &geometry).map_err(fmt_err)?;
+        if !opts.for_check {
+            for &raw in &l1 {
+                L1Entry::decode(raw, &geometry).map_err(fmt_err)?;
+            }
         }
         let reftable_entries = header.refcount_table_bytes() / 8;
         let reftable = read_table(
@@ -284,9 +304,10 @@ impl Qcow2Image {
             header: header.clone(),
             map: overlap::MetaMap::default(),
         };
-        let (map, overlap) = overlap::build(&geometry, &meta);
-        if let Some(o) = overlap
+        let (map, overlaps) = overlap::build(&geometry, &meta);
+        if let Some(o) = overlaps.first()
             && !opts.read_only
+            && !opts.for_check
         {
             return Err(ImageError::corrupt(
                 &name,
@@ -311,6 +332,8 @@ impl Qcow2Image {
             disk: opts.disk,
             meta: Mutex::new(meta),
             stamped: AtomicBool::new(false),
+            marked: AtomicBool::new(false),
+            keeps_newer: AtomicBool::new(false),
             corrupt: AtomicBool::new(false),
         })
     }
@@ -324,6 +347,20 @@ impl Qcow2Image {
 
     pub fn name(&self) -> &str {
         &self.handle.name
+    }
+
+    /// Clears the corrupt bit of an image a check found clean.
+    pub fn clear_corrupt_bit(&self) -> Result<()> {
+        let mut l = self.lock();
+        let v = l.m.header.incompatible_features;
+        if v & incompatible::CORRUPT == 0 || self.read_only {
+            return Ok(());
+        }
+        let cleared = v & !incompatible::CORRUPT;
+        l.write_header_field(field_offset::INCOMPATIBLE_FEATURES, &cleared.to_be_bytes())?;
+        l.sync(FlushKind::Durable)?;
+        l.m.header.incompatible_features = cleared;
+        Ok(())
     }
 
     /// Found inconsistent while open: writes are refused.

@@ -78,6 +78,16 @@ pub(crate) struct Overlap {
     pub new: MetaKind,
 }
 
+impl Overlap {
+    /// Whether a refcount table or block is one of the two: rebuilding
+    /// the refcount structure elsewhere resolves it.
+    pub(crate) fn involves_refcounts(&self) -> bool {
+        [self.existing, self.new]
+            .iter()
+            .any(|k| matches!(k, MetaKind::RefcountTable | MetaKind::RefcountBlock(_)))
+    }
+}
+
 impl std::fmt::Display for Overlap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -175,9 +185,9 @@ pub(crate) fn table_name(table: MetaTable) -> &'static str {
     }
 }
 
-/// The map of an image's metadata as read at open, and the first overlap
-/// of two structures found on the way.
-pub(crate) fn build(g: &Geometry, m: &Meta) -> (MetaMap, Option<Overlap>) {
+/// The map of an image's metadata as read at open, and every overlap of
+/// two structures found on the way.
+pub(crate) fn build(g: &Geometry, m: &Meta) -> (MetaMap, Vec<Overlap>) {
     let h = &m.header;
     let cs = g.cluster_size();
     let mut places: Vec<(u64, u64, MetaKind)> = vec![
@@ -229,13 +239,13 @@ pub(crate) fn build(g: &Geometry, m: &Meta) -> (MetaMap, Option<Overlap>) {
         }
     }
     let mut map = MetaMap::default();
-    let mut first = None;
+    let mut overlaps = Vec::new();
     for (offset, len, kind) in places.into_iter().filter(|p| p.1 > 0) {
         if let Err(o) = map.insert(g, offset, len, kind) {
-            first.get_or_insert(o);
+            overlaps.push(o);
         }
     }
-    (map, first)
+    (map, overlaps)
 }
 
 #[cfg(test)]

@@ -139,7 +139,7 @@ impl Locked<'_> {
 
     /// Checks that clusters up to `end_cluster` may be used, and records
     /// that the file now extends that far.
-    fn check_capacity(&mut self, end_cluster: u64) -> Result<()> {
+    pub(crate) fn check_capacity(&mut self, end_cluster: u64) -> Result<()> {
         let g = &self.img.geometry;
         let end = g.cluster_offset(end_cluster);
         if end > MAX_HOST_OFFSET {

@@ -247,6 +247,9 @@ impl Daemon {
                 disk: Arc::new(disk),
             });
         }
+        if let Some(c) = &cache {
+            warn_unserved_dirty(c, &disks);
+        }
         Ok(Daemon {
             cache,
             disks,
@@ -275,6 +278,24 @@ impl Daemon {
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+}
+
+/// Names the images whose dirty data the cache holds but this server does
+/// not serve: it stays in flash, untouched, until a server serves them or
+/// `recover --full` writes it back.
+fn warn_unserved_dirty(cache: &FlashCache, disks: &[Disk]) {
+    let served: Vec<&str> = disks
+        .iter()
+        .flat_map(|d| d.disk.layers().iter().map(|l| l.name()))
+        .collect();
+    let device = cache.device_name();
+    for (name, dirty) in cache.images() {
+        if dirty > 0 && !served.contains(&name.as_str()) {
+            tracing::warn!(
+                "the cache {device} holds {dirty} bytes of unwritten data of {name}, which is not served here; it stays in the cache (serve {name} with this cache, or run `vdcache recover --full --cache {device}`)"
+            );
         }
     }
 }

@@ -26,10 +26,7 @@ impl Handler for Control {
             Request::Stats => Ok(stats_json(&self.daemon, &self.server)),
             Request::Flush { fill } => {
                 for d in &self.daemon.disks {
-                    if *fill {
-                        d.disk.fill_partial(usize::MAX)?;
-                    }
-                    d.disk.flush()?;
+                    d.disk.write_back(*fill)?;
                 }
                 if let Some(c) = &self.daemon.cache {
                     c.drain()?;

@@ -1,0 +1,432 @@
+//! Issue 18: what a new user did to vdcache in an hour, each as a test
+//! that failed before the fix. Creating over an image in use; an image
+//! deleted and created again under the cache's feet; output into a closed
+//! pipe; a cache file that failed to be created, or given another size; a
+//! crash that left the newest data in the cache while QEMU would read the
+//! stale file; a cache whose superblock was destroyed; a cache holding
+//! dirty data of an image the server does not serve.
+
+mod common;
+mod serving;
+
+use common::{Scratch, assert_no_panic, exec, ok};
+use serving::{qcow2, qemu_io, serve, serve_refused, stats, try_serve, uri};
+use std::io::Read;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+const M: u64 = 1 << 20;
+
+fn sha(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+fn cache_args<'a>(cache: &'a str, img: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["--cache", cache, "--cache-size", "64M"];
+    v.extend_from_slice(extra);
+    v.push(img);
+    v
+}
+
+#[test]
+fn create_refuses_an_image_in_use_and_changes_nothing() {
+    let s = Scratch::new();
+    let img = s.path("d2.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let sock = s.path("d2.sock");
+    let server = serve(&s, &sock, &[img.to_str().expect("utf-8")]);
+    let before = sha(&img);
+    for args in [
+        vec!["create", "-f", "qcow2"],
+        vec!["create", "-f", "raw"],
+    ] {
+        let out = exec(s.vdcache().args(&args).arg(&img).arg("1G"));
+        assert_no_panic(&out);
+        assert!(
+            !out.success() && out.stderr.contains("in use"),
+            "creating over an image a server holds must fail naming the lock\n{}",
+            out.report()
+        );
+        assert_eq!(sha(&img), before, "the image in use was changed");
+    }
+    // convert into it is refused the same way.
+    let src = s.path("src.qcow2");
+    qcow2(&s, &src, 16 * M, None);
+    let out = exec(s.vdcache().args(["convert", "-O", "qcow2"]).arg(&src).arg(&img));
+    assert!(!out.success() && out.stderr.contains("in use"), "{}", out.report());
+    assert_eq!(sha(&img), before);
+    server.stop_clean();
+    // Once the server is gone, creating works (as qemu-img create does).
+    ok(s.vdcache().args(["create", "-f", "qcow2"]).arg(&img).arg("1G"));
+    s.finish();
+}
+
+/// kill -9 with dirty data in the cache, the image deleted and created
+/// again (the file system may hand it the same inode), new data written
+/// without the cache: the cache must not serve or write back the old
+/// image's blocks over the new one.
+#[test]
+fn an_image_created_again_under_the_cache_is_never_served_its_old_data() {
+    let s = Scratch::new();
+    let img = s.path("r.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let (c, i) = (s.path("r.cache"), img.to_str().expect("utf-8").to_string());
+    let c = c.to_str().expect("utf-8").to_string();
+    let sock = s.path("r.sock");
+    let u = uri(&sock, "");
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(&s, "raw", &u, &["write -P 0x11 0 4M".into(), "flush".into()]);
+    assert!(
+        stats(&s, &sock)["cache"]["dirty_bytes"].as_u64().unwrap_or(0) > 0,
+        "the test needs dirty data in the cache"
+    );
+    server.kill9();
+
+    std::fs::remove_file(&img).expect("rm");
+    qcow2(&s, &img, 16 * M, None);
+    qemu_io(&s, "qcow2", &i, &["write -P 0x22 0 1M".into()]);
+    let new_image = sha(&img);
+
+    // Dirty data of the old image: refused, in words, with what to do.
+    let log = serve_refused(&s, &sock, &cache_args(&c, &i, &[]));
+    assert!(
+        log.contains("is not the image") && log.contains("recover"),
+        "the refusal must say what happened and what to do\n{log}"
+    );
+    assert!(
+        !log.contains("ImageIdentity") && !log.contains("{ "),
+        "no struct dumps in messages\n{log}"
+    );
+    assert_eq!(sha(&img), new_image, "the new image was changed");
+
+    // Give the old data up (the cache goes), and the new image serves its
+    // own content.
+    std::fs::remove_file(&c).expect("rm cache");
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["read -P 0x22 0 1M".into(), "read -P 0 1M 3M".into()],
+    );
+    server.stop_clean();
+    s.finish();
+}
+
+/// The same without dirty data: the old image's clean copies are dropped
+/// and the new file's bytes are read.
+#[test]
+fn clean_copies_of_a_replaced_image_are_dropped() {
+    let s = Scratch::new();
+    let img = s.path("cl.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let (c, i) = (s.path("cl.cache"), img.to_str().expect("utf-8").to_string());
+    let c = c.to_str().expect("utf-8").to_string();
+    let sock = s.path("cl.sock");
+    let u = uri(&sock, "");
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(&s, "raw", &u, &["write -P 0x33 0 2M".into(), "flush".into()]);
+    qemu_io(&s, "raw", &u, &["read -P 0x33 0 2M".into()]);
+    server.stop_clean();
+
+    std::fs::remove_file(&img).expect("rm");
+    qcow2(&s, &img, 16 * M, None);
+    qemu_io(&s, "qcow2", &i, &["write -P 0x44 0 1M".into()]);
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["read -P 0x44 0 1M".into(), "read -P 0 1M 1M".into()],
+    );
+    server.stop_clean();
+    s.finish();
+}
+
+/// A copy of the image from before the last session (a backup restored)
+/// carries an older generation: the cache's clean copies of later writes
+/// are not served over it.
+#[test]
+fn a_restored_backup_is_told_apart_by_its_generation() {
+    let s = Scratch::new();
+    let img = s.path("b.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let (c, i) = (s.path("b.cache"), img.to_str().expect("utf-8").to_string());
+    let c = c.to_str().expect("utf-8").to_string();
+    let sock = s.path("b.sock");
+    let u = uri(&sock, "");
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(&s, "raw", &u, &["write -P 0x55 0 1M".into(), "flush".into()]);
+    server.stop_clean();
+    let backup = sha(&img);
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(&s, "raw", &u, &["write -P 0x66 0 1M".into(), "flush".into()]);
+    qemu_io(&s, "raw", &u, &["read -P 0x66 0 1M".into()]);
+    server.stop_clean();
+    std::fs::write(&img, &backup).expect("restore the backup");
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(&s, "raw", &u, &["read -P 0x55 0 1M".into()]);
+    server.stop_clean();
+    s.finish();
+}
+
+#[test]
+fn output_into_a_closed_pipe_or_stdout_does_not_panic() {
+    let s = Scratch::new();
+    let img = s.path("p.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let base = s.path("pb.qcow2");
+    qcow2(&s, &base, 16 * M, None);
+    let delta = s.path("pd.qcow2");
+    qcow2(&s, &delta, 16 * M, Some(base.to_str().expect("utf-8")));
+    for args in [vec!["info"], vec!["check"], vec!["info", "--json"]] {
+        // A reader that takes one byte and goes (like `| head -c1`).
+        let mut child = s
+            .vdcache()
+            .args(&args)
+            .arg(&delta)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let mut first = [0u8; 1];
+        if let Some(out) = child.stdout.as_mut() {
+            out.read_exact(&mut first).expect("first byte");
+        }
+        drop(child.stdout.take());
+        let out = child.wait_with_output().expect("wait");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked") && out.status.code() != Some(101),
+            "vdcache {args:?} into a closed pipe: {stderr}"
+        );
+        // Stdout closed outright.
+        let out = s
+            .vdcache()
+            .args(&args)
+            .arg(&delta)
+            .stdout(Stdio::from(
+                std::fs::File::open("/dev/full").expect("/dev/full"),
+            ))
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked") && out.status.code() != Some(101),
+            "vdcache {args:?} into a full device: {stderr}"
+        );
+    }
+    s.finish();
+}
+
+#[test]
+fn a_cache_file_is_created_whole_or_not_at_all_and_keeps_its_size() {
+    let s = Scratch::new();
+    let img = s.path("c.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let i = img.to_str().expect("utf-8");
+    let cache = s.path("b.cache");
+    let c = cache.to_str().expect("utf-8");
+    let sock = s.path("c.sock");
+    let log = serve_refused(&s, &sock, &["--cache", c, "--cache-size", "1K", i]);
+    assert!(log.contains("minimum"), "{log}");
+    assert!(!cache.exists(), "a failed creation left {}", cache.display());
+    let leftovers: Vec<_> = std::fs::read_dir(s.root())
+        .expect("ls")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("b.cache"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+
+    let server = serve(&s, &sock, &["--cache", c, "--cache-size", "100M", i]);
+    server.stop_clean();
+    assert_eq!(std::fs::metadata(&cache).expect("cache").len(), 100 * M);
+    let before = sha(&cache);
+    let log = serve_refused(&s, &sock, &["--cache", c, "--cache-size", "200M", i]);
+    assert!(
+        log.contains("104857600") && log.contains("209715200"),
+        "the size mismatch must be an error naming both sizes\n{log}"
+    );
+    assert_eq!(sha(&cache), before, "the refused start changed the cache");
+    // Without --cache-size the existing cache is used as it is.
+    let server = serve(&s, &sock, &["--cache", c, i]);
+    server.stop_clean();
+    // Options that need a cache are refused without one.
+    for opt in [
+        ["--cache-mode", "writeback"],
+        ["--cache-size", "64M"],
+        ["--admission", "hot"],
+    ] {
+        let out = exec(s.vdcache().arg("serve").arg("--socket").arg(&sock).args(opt).arg(i));
+        assert_no_panic(&out);
+        assert!(
+            !out.success() && out.stderr.contains("--cache"),
+            "{opt:?} without --cache must be refused\n{}",
+            out.report()
+        );
+    }
+    s.finish();
+}
+
+/// A file that is not a cache is never formatted without being asked.
+#[test]
+fn a_file_that_is_not_a_cache_is_not_formatted() {
+    let s = Scratch::new();
+    let img = s.path("n.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let other = s.path("other.qcow2");
+    qcow2(&s, &other, 64 * M, None);
+    let before = sha(&other);
+    let sock = s.path("n.sock");
+    let log = serve_refused(
+        &s,
+        &sock,
+        &[
+            "--cache",
+            other.to_str().expect("utf-8"),
+            img.to_str().expect("utf-8"),
+        ],
+    );
+    assert!(log.contains("refusing to format"), "{log}");
+    assert_eq!(sha(&other), before);
+    s.finish();
+}
+
+/// After a crash with dirty data in flash, the image alone is stale: QEMU
+/// and vdcache refuse it (naming the recovery), info says so, and full
+/// recovery makes it whole and usable again.
+#[test]
+fn an_image_whose_data_is_in_the_cache_is_refused_until_recovered() {
+    let s = Scratch::new();
+    let base = s.path("base.qcow2");
+    qcow2(&s, &base, 16 * M, None);
+    let b = base.to_str().expect("utf-8");
+    qemu_io(&s, "qcow2", b, &["write -P 0x11 0 16M".into()]);
+    let img = s.path("m.qcow2");
+    qcow2(&s, &img, 16 * M, Some(b));
+    let (c, i) = (s.path("m.cache"), img.to_str().expect("utf-8").to_string());
+    let c = c.to_str().expect("utf-8").to_string();
+    let sock = s.path("m.sock");
+    let u = uri(&sock, "");
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(&s, "raw", &u, &["write -P 0x22 0 1M".into(), "flush".into()]);
+    server.kill9();
+
+    let out = exec(s.qemu_img().arg("check").arg(&img));
+    assert!(
+        !out.success() && out.stderr.contains("vdcache recover --full"),
+        "qemu-img must refuse the stale image naming the recovery\n{}",
+        out.report()
+    );
+    let out = exec(s.qemu_io().args(["-c", "read 0 512"]).arg(&img));
+    assert!(!out.success() || out.all().contains("Unsupported"), "{}", out.report());
+    let out = exec(s.vdcache().arg("check").arg(&img));
+    assert!(
+        out.code() == Some(1) && out.stderr.contains(&c) && out.stderr.contains("recover"),
+        "vdcache check must refuse naming the cache\n{}",
+        out.report()
+    );
+    let out = ok(s.vdcache().arg("info").arg(&img));
+    assert!(out.stdout.contains("NEEDS ITS CACHE"), "{}", out.report());
+    let out = exec(s.vdcache().args(["io", "-c", "read 0 512"]).arg(&img));
+    assert!(!out.success(), "vdcache io must refuse\n{}", out.report());
+
+    ok(s.vdcache().args(["recover", "--full", "--cache", &c]));
+    let out = ok(s.qemu_img().arg("check").arg(&img));
+    assert!(out.stdout.contains("No errors"), "{}", out.report());
+    qemu_io(
+        &s,
+        "qcow2",
+        &i,
+        &["read -P 0x22 0 1M".into(), "read -P 0x11 1M 15M".into()],
+    );
+    s.finish();
+}
+
+/// `vdcache recover --without-cache` makes an image usable whose cache is
+/// lost, saying so.
+#[test]
+fn an_image_whose_cache_is_lost_can_be_given_up() {
+    let s = Scratch::new();
+    let img = s.path("l.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let (c, i) = (s.path("l.cache"), img.to_str().expect("utf-8").to_string());
+    let c = c.to_str().expect("utf-8").to_string();
+    let sock = s.path("l.sock");
+    let u = uri(&sock, "");
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(&s, "raw", &u, &["write -P 0x22 0 1M".into(), "flush".into()]);
+    server.kill9();
+    std::fs::remove_file(&c).expect("lose the cache");
+    let out = ok(s.vdcache().args(["recover", "--without-cache", &i]));
+    assert!(out.stdout.contains("lost"), "{}", out.report());
+    ok(s.qemu_img().arg("check").arg(&img));
+    s.finish();
+}
+
+/// A zeroed superblock: the cache (with dirty data behind it) is refused,
+/// never formatted again, even with --cache-size given.
+#[test]
+fn a_cache_without_its_superblock_is_not_reformatted() {
+    let s = Scratch::new();
+    let img = s.path("z.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let (c, i) = (s.path("z.cache"), img.to_str().expect("utf-8").to_string());
+    let cache = c.clone();
+    let c = c.to_str().expect("utf-8").to_string();
+    let sock = s.path("z.sock");
+    let u = uri(&sock, "");
+    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
+    qemu_io(&s, "raw", &u, &["write -P 0x22 0 1M".into(), "flush".into()]);
+    server.kill9();
+    let mut bytes = sha(&cache);
+    bytes[..4096].fill(0);
+    std::fs::write(&cache, &bytes).expect("zero the superblock");
+    let log = serve_refused(&s, &sock, &cache_args(&c, &i, &[]));
+    assert!(log.contains("refusing to format"), "{log}");
+    assert_eq!(sha(&cache), bytes, "the cache was changed");
+    s.finish();
+}
+
+/// A cache holding dirty data of an image this server does not serve:
+/// a warning at start, that data left alone, and a stop that ends.
+#[test]
+fn dirty_data_of_an_image_not_served_is_named_and_does_not_block_the_stop() {
+    let s = Scratch::new();
+    let a = s.path("a.qcow2");
+    let b = s.path("b.qcow2");
+    qcow2(&s, &a, 16 * M, None);
+    qcow2(&s, &b, 16 * M, None);
+    let (a, b) = (
+        a.to_str().expect("utf-8").to_string(),
+        b.to_str().expect("utf-8").to_string(),
+    );
+    let c = s.path("ab.cache").to_str().expect("utf-8").to_string();
+    let sock = s.path("ab.sock");
+    let u = uri(&sock, "");
+    let server = serve(&s, &sock, &cache_args(&c, &a, &[]));
+    qemu_io(&s, "raw", &u, &["write -P 0x77 0 1M".into(), "flush".into()]);
+    server.kill9();
+
+    let server = match try_serve(&s, &sock, &cache_args(&c, &b, &[])) {
+        Ok(p) => p,
+        Err(log) => panic!("serving another image on the cache failed\n{log}"),
+    };
+    let started = Instant::now();
+    let log = server.stop_clean();
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the stop took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        log.contains(&a) && log.contains("not served"),
+        "the start must name the image whose dirty data stays in the cache\n{log}"
+    );
+    // The data is still there for its own image.
+    let server = serve(&s, &sock, &cache_args(&c, &a, &[]));
+    qemu_io(&s, "raw", &u, &["read -P 0x77 0 1M".into()]);
+    server.stop_clean();
+    s.finish();
+}
