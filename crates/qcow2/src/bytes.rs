@@ -29,7 +29,7 @@ impl<'a> Reader<'a> {
             .filter(|&e| e <= self.buf.len())
             .ok_or(FormatError::Truncated {
                 what: self.what,
-                need: self.pos as u64 + n as u64,
+                need: (self.pos as u64).saturating_add(n as u64),
                 have: self.buf.len() as u64,
             })?;
         let s = &self.buf[self.pos..end];

@@ -662,6 +662,9 @@ fn walk_extensions(
             format!("{end:#x} lies inside the header"),
         ));
     }
+    // A buffer shorter than the first cluster (a short file) may end before
+    // the backing file name; the extensions end with it, and the name is
+    // then reported as truncated by `parse_backing_name`.
     let area = &buf[..end.min(buf.len())];
     let mut r = Reader::at(area, start, "header extensions");
     let mut seen: Vec<u32> = Vec::new();
@@ -1071,6 +1074,26 @@ mod tests {
             Header::parse(&bytes[..90]),
             Err(FormatError::Truncated { .. })
         ));
+    }
+
+    /// A file shorter than its first cluster (found by fuzzing
+    /// parse_structures): the backing file name, which lies past its end,
+    /// is reported as truncated; slicing the extension area up to it used
+    /// to panic.
+    #[test]
+    fn backing_name_past_a_short_buffer_is_truncation() {
+        let mut h = sample(3);
+        h.backing_file = Some("base.qcow2".into());
+        let bytes = h.encode().unwrap();
+        let name_at = bytes.windows(10).position(|w| w == b"base.qcow2").unwrap();
+        for len in [name_at - 8, name_at - 1, name_at, name_at + 3] {
+            match Header::parse(&bytes[..len]) {
+                Err(FormatError::Truncated { what, .. }) => {
+                    assert_eq!(what, "backing file name")
+                }
+                other => panic!("{len} bytes: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod compressed;
 pub mod entries;
 pub mod error;
 pub mod features;
+pub mod fuzzing;
 pub mod geometry;
 pub mod header;
 pub mod refcount;

@@ -17,7 +17,8 @@ mod cmd_replay;
 mod cmd_serve;
 mod meta_args;
 mod serve;
-mod size;
+
+use vdcache::size;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -453,6 +453,46 @@ fn missing_backing_file() {
     s.finish();
 }
 
+/// An overlay cut inside its header extensions, before its backing file
+/// name: the file is shorter than its first cluster (found by fuzzing; the
+/// header parser used to panic slicing the extension area up to the name).
+#[test]
+fn truncated_before_backing_name() {
+    let s = Scratch::new();
+    let a = s.path("cut.qcow2");
+    let mut c = s.qemu_img();
+    c.args([
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+    ])
+    .arg(&a)
+    .arg("1M");
+    ok(&mut c);
+    let b = std::fs::read(&a).expect("read image");
+    let name_at = be64(&b, 8) as usize;
+    assert!(
+        name_at > 112 && be32(&b, 20) == 16,
+        "64 KiB clusters, name after the extensions"
+    );
+    std::fs::write(&a, &b[..name_at - 3]).expect("write");
+    // qemu-img info accepts this file (it reads past the end as zeros and
+    // shows no backing file at all); vdcache refuses the truncated name.
+    expect_refusal(
+        &s,
+        &a,
+        &[&["truncat", "short", "past", "end of"], &["backing"]],
+        CheckWant::Code(1),
+    );
+    s.finish();
+}
+
 /// A raw disk whose first bytes are a valid qcow2 header (one that points
 /// at a host file) used as a backing file with no recorded format: QEMU
 /// would probe it and expose the host file; vdcache must refuse and name it.

@@ -20,6 +20,7 @@
 pub mod blkparse;
 pub mod fio;
 pub mod fiu;
+pub mod fuzzing;
 mod line;
 pub mod msr;
 

@@ -1,7 +1,7 @@
 //! `vdcache serve` and its companions (`stats`, `flush`, `recover`): the
 //! daemon that exports disks over NBD through the shared flash cache.
 
-pub mod config;
+pub use vdcache::config;
 pub mod control;
 pub mod daemon;
 pub mod export;

@@ -5,6 +5,7 @@
 use crate::size::parse_size;
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// A whole server: listeners, the shared cache, the exports.
@@ -93,10 +94,15 @@ impl ServerConfig {
     pub fn load(path: &Path) -> Result<ServerConfig> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config {}", path.display()))?;
-        let cfg: ServerConfig = toml::from_str(&text)
-            .with_context(|| format!("config {} is not valid", path.display()))?;
-        cfg.validate()
-            .with_context(|| format!("config {}", path.display()))?;
+        Self::parse(&text).map_err(|e| e.in_file(path))
+    }
+
+    /// Parses and validates the text of a configuration file: all that
+    /// [`ServerConfig::load`] does once the file is read (and what the fuzz
+    /// target feeds).
+    pub fn parse(text: &str) -> Result<ServerConfig, ConfigError> {
+        let cfg: ServerConfig = toml::from_str(text).map_err(ConfigError::Syntax)?;
+        cfg.validate().map_err(ConfigError::Invalid)?;
         Ok(cfg)
     }
 
@@ -111,7 +117,11 @@ impl ServerConfig {
         }
         for e in &self.exports {
             if e.name.len() > 4096 {
-                bail!("export name '{}…' is longer than 4096 bytes", &e.name[..32]);
+                let cut = e.name.floor_char_boundary(32);
+                bail!(
+                    "export name '{}…' is longer than 4096 bytes",
+                    &e.name[..cut]
+                );
             }
             if e.image.is_empty() {
                 bail!("export '{}': image is empty", e.name);
@@ -145,6 +155,39 @@ impl ServerConfig {
         Ok(())
     }
 }
+
+/// Why [`ServerConfig::parse`] rejects a text.
+#[derive(Debug)]
+pub enum ConfigError {
+    /// Not TOML, or a key or value that does not fit the schema (the TOML
+    /// error names the key and its line).
+    Syntax(toml::de::Error),
+    /// Well-formed, but not a server that can run (the error names the key).
+    Invalid(anyhow::Error),
+}
+
+impl ConfigError {
+    /// The error as [`ServerConfig::load`] reports it for the file `path`.
+    fn in_file(self, path: &Path) -> anyhow::Error {
+        match self {
+            ConfigError::Syntax(e) => {
+                anyhow::Error::new(e).context(format!("config {} is not valid", path.display()))
+            }
+            ConfigError::Invalid(e) => e.context(format!("config {}", path.display())),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Syntax(e) => write!(f, "not valid: {e}"),
+            ConfigError::Invalid(e) => write!(f, "{e:#}"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
 
 #[cfg(test)]
 mod tests {
@@ -184,6 +227,47 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("used twice")
+        );
+    }
+
+    /// `load` names the file in front of what `parse` reports, as it did
+    /// before parsing was split from reading.
+    #[test]
+    fn load_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[server]\nsockett = \"x\"\n").unwrap();
+        let err = format!("{:#}", ServerConfig::load(&path).unwrap_err());
+        let prefix = format!("config {} is not valid: ", path.display());
+        assert!(err.starts_with(&prefix), "{err}");
+        assert!(err.contains("unknown field `sockett`"), "{err}");
+        std::fs::write(&path, "[server]\nsocket = \"s\"\n").unwrap();
+        let err = format!("{:#}", ServerConfig::load(&path).unwrap_err());
+        assert_eq!(
+            err,
+            format!("config {}: no [[export]] is configured", path.display())
+        );
+        std::fs::write(
+            &path,
+            "[server]\nsocket = \"s\"\n[[export]]\nname = \"a\"\nimage = \"i\"\n",
+        )
+        .unwrap();
+        let cfg = ServerConfig::load(&path).unwrap();
+        assert_eq!(cfg.exports[0].image, "i");
+    }
+
+    /// A long export name whose 32nd byte falls inside a character is
+    /// reported, not a panic (slicing it at byte 32 used to panic).
+    #[test]
+    fn overlong_multibyte_export_name_is_an_error() {
+        let name = format!("a{}", "é".repeat(3000));
+        let text =
+            format!("[server]\nsocket = \"s\"\n[[export]]\nname = \"{name}\"\nimage = \"i\"\n");
+        let cfg: ServerConfig = toml::from_str(&text).unwrap();
+        let err = cfg.validate().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!("export name '{}…' is longer than 4096 bytes", &name[..31])
         );
     }
 }

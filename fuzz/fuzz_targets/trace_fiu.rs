@@ -1,0 +1,8 @@
+//! Arbitrary bytes read to the end as a FIU (with content digests) trace.
+#![no_main]
+
+use vdcache_eval::trace::{Format, fuzzing::exercise_reader};
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    exercise_reader(Format::Fiu, data);
+});
