@@ -74,6 +74,10 @@ pub struct ServeArgs {
     /// this host instead of writing it back.
     #[arg(long, requires = "cache", conflicts_with = "config")]
     keep_dirty: bool,
+    /// Do not fill partially valid clusters from their backing files while
+    /// the server is idle (`vdcache flush --fill` and a clean stop still do).
+    #[arg(long, requires = "cache", conflicts_with = "config")]
+    no_idle_fill: bool,
     /// Format the cache device even if it holds something that is not a
     /// vdcache cache (its content is lost).
     #[arg(long)]
@@ -111,6 +115,7 @@ impl ServeArgs {
             region_size: self.region_size,
             cow: self.cow,
             keep_dirty: Some(self.keep_dirty),
+            idle_fill: Some(!self.no_idle_fill),
             ..CacheSection::default()
         });
         let meta = self.meta;

@@ -61,6 +61,9 @@ pub struct CacheSection {
     /// stacked | cow-aware (the default)
     pub cow: Option<String>,
     pub keep_dirty: Option<bool>,
+    /// Fill partially valid clusters from their backing files while the
+    /// server is idle (default true).
+    pub idle_fill: Option<bool>,
     pub high_watermark: Option<f64>,
     pub low_watermark: Option<f64>,
 }

@@ -9,7 +9,7 @@
 mod common;
 mod qcow2_patch;
 
-use common::{Out, Scratch, assert_no_panic, be64, exec, ok, put_be32, put_be64};
+use common::{Out, Scratch, assert_no_panic, be32, be64, exec, ok, put_be32, put_be64};
 use qcow2_patch::{OUTSIDE, drop_backing_format, l2_of_first_l1, names_problem, qemu_rejects};
 use std::path::{Path, PathBuf};
 

@@ -56,6 +56,17 @@ impl FlashCache {
         Ok(st)
     }
 
+    /// Syncs image `id`'s backend if it holds write-through data not yet
+    /// synced, without the lock held across the sync.
+    pub(crate) fn sync_image(&self, id: u16) -> Result<()> {
+        let m = marked(&self.lock(), id);
+        if let Some(m) = m {
+            self.sync_backend(&m)?;
+            m.synced(&mut self.lock());
+        }
+        Ok(())
+    }
+
     /// Returns once a backend sync that started after the image's mark
     /// ran: this one, or one another flush started meanwhile.
     fn sync_backend(&self, m: &Marked) -> Result<()> {

@@ -645,12 +645,7 @@ impl FlashCache {
             let len = data.len() as u64;
             self.write_through(image, id, off.0, len, &segment, tag, Keep::Nothing)?;
         }
-        image
-            .backend
-            .flush()
-            .map_err(CacheError::device("sync backend"))?;
-        bump(&self.stats.disk(tag.disk).backend_syncs, 1);
-        Ok(())
+        self.sync_image(id)
     }
 
     /// Stores clean copies of whole written blocks (write-through), to be

@@ -159,9 +159,15 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             .map(|p| format!(", control {}", p.display()))
             .unwrap_or_default()
     );
-    let filler = Filler::start(daemon.clone(), server.clone());
+    let idle_fill = cfg
+        .cache
+        .as_ref()
+        .is_some_and(|c| c.idle_fill.unwrap_or(true));
+    let filler = idle_fill.then(|| Filler::start(daemon.clone(), server.clone()));
     let signal = signals.forever().next();
-    filler.stop();
+    if let Some(f) = filler {
+        f.stop();
+    }
     errln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
     server.shutdown();
     daemon.stop()?;
