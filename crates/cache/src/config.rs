@@ -182,6 +182,13 @@ pub struct CacheConfig {
     pub force_foreign: bool,
     /// This host's identity (default: /etc/machine-id).
     pub host: Option<String>,
+    /// Open a device whose metadata was damaged after it landed (a journal
+    /// batch or checkpoint that a later record says was durable does not
+    /// verify) with what does verify, instead of refusing it; and drop
+    /// dirty blocks that do not verify rather than keep them unreadable.
+    /// The images the damage touches have lost writes: `recover --full
+    /// --salvage` only.
+    pub salvage: bool,
     /// Test only: persist index records before the data they describe and
     /// trust them on replay, to prove the crash harness catches it.
     pub test_index_before_data: bool,
@@ -202,6 +209,7 @@ impl Default for CacheConfig {
             journal_buffer_bytes: 64 << 10,
             force_foreign: false,
             host: None,
+            salvage: false,
             test_index_before_data: false,
         }
     }

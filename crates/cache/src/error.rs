@@ -11,6 +11,14 @@ pub enum CacheError {
     NotBlank { device: String, what: String },
     #[error("cache device is corrupt: {0}")]
     Corrupt(String),
+    #[error(
+        "the cache device {device} is damaged: {what}. Affected: {affected}. Nothing was changed. Writes the damage touched are lost; `vdcache recover --full --salvage --cache {device}` writes back everything that still verifies and leaves the images standalone (check them afterwards)"
+    )]
+    Damaged {
+        device: String,
+        what: String,
+        affected: String,
+    },
     #[error("cache device {op} failed: {cause}")]
     Device {
         op: &'static str,
@@ -30,6 +38,10 @@ pub enum CacheError {
     },
     #[error("invalid cache setting: {0}")]
     Config(String),
+    #[error(
+        "{image}: the cache block at offset {offset} held data not yet written back, and the cache device no longer returns it intact: that data is lost (the guest gets an I/O error there until it writes the block again)"
+    )]
+    Unreadable { image: String, offset: u64 },
     #[error(transparent)]
     Image(#[from] vdcache_image::ImageError),
 }

@@ -97,6 +97,11 @@ impl GroupSync {
         round.durable = round.durable.max(seq);
     }
 
+    /// Every write numbered below this is durable.
+    pub fn durable(&self) -> u64 {
+        self.lock().durable
+    }
+
     /// Callers that waited for a sync another caller had started.
     pub fn waits(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)

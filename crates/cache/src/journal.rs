@@ -4,6 +4,13 @@
 //! the first torn batch, so what survives a crash is always a prefix of
 //! what was written.
 //!
+//! Every batch also says how far the journal was known durable when it was
+//! written (the sequence below which every batch was synced) and which
+//! checkpoint was durable. A batch that does not verify although a later
+//! one says it was durable was damaged after it landed, not torn by the
+//! crash: [`scan_claims`] reads those claims from the whole ring, so that
+//! recovery tells damage from a torn tail.
+//!
 //! This module encodes, writes and reads; it does not interpret entries.
 
 use crate::error::{CacheError, Result};
@@ -13,7 +20,7 @@ use vdcache_image::{ImageIdentity, MarkIdentity};
 
 const BATCH_MAGIC: u32 = 0x5644_4a52; // "VDJR"
 const CHECKPOINT_MAGIC: u32 = 0x5644_434b; // "VDCK"
-const HEADER: usize = 40;
+const HEADER: usize = 56;
 
 /// One change to the index.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,6 +67,9 @@ pub enum Entry {
     },
     /// The sector reached the backend, or newer bytes replaced it.
     MetaClean { image: u16, offset: u64 },
+    /// Dirty block `slot` of line `key` lost its only copy (`lost`; the
+    /// device damaged it), or was written whole again (not `lost`).
+    Lost { key: u64, slot: u8, lost: bool },
 }
 
 /// Bytes of qcow2 metadata one [`Entry::MetaSector`] carries.
@@ -184,6 +194,12 @@ impl Entry {
                 put16(out, *image);
                 put64(out, *offset);
             }
+            Entry::Lost { key, slot, lost } => {
+                out.push(10);
+                put64(out, *key);
+                out.push(*slot);
+                out.push(u8::from(*lost));
+            }
             Entry::MetaZero {
                 image,
                 offset,
@@ -249,6 +265,11 @@ impl Entry {
                 key: r.u64()?,
                 slot: r.u8()?,
                 sectors: r.u8()?,
+            },
+            10 => Entry::Lost {
+                key: r.u64()?,
+                slot: r.u8()?,
+                lost: r.u8()? != 0,
             },
             t => {
                 return Err(CacheError::Corrupt(format!(
@@ -324,7 +345,8 @@ fn batch_tag(uuid: &[u8; 16], generation: u64) -> u64 {
 }
 
 /// A framed, checksummed header shared by batches and checkpoints:
-/// magic, cache tag, sequence, position, payload length and checksum.
+/// magic, cache tag, sequence, position, payload length and checksum, and
+/// (batches) what was durable when it was written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Frame {
     magic: u32,
@@ -333,6 +355,10 @@ struct Frame {
     pos: u64,
     len: u32,
     payload_crc: u32,
+    /// Every batch numbered below this was durable.
+    durable_below: u64,
+    /// The newest durable checkpoint's generation.
+    checkpoint: u64,
 }
 
 impl Frame {
@@ -344,6 +370,8 @@ impl Frame {
         put64(&mut h, self.pos);
         put32(&mut h, self.len);
         put32(&mut h, self.payload_crc);
+        put64(&mut h, self.durable_below);
+        put64(&mut h, self.checkpoint);
         let crc = crc32c::crc32c(&h);
         put32(&mut h, crc);
         let mut out = [0u8; HEADER];
@@ -366,6 +394,8 @@ impl Frame {
             pos: r.u64().ok()?,
             len: r.u32().ok()?,
             payload_crc: r.u32().ok()?,
+            durable_below: r.u64().ok()?,
+            checkpoint: r.u64().ok()?,
         };
         let crc = r.u32().ok()?;
         (f.magic == magic && crc32c::crc32c(&h[..HEADER - 4]) == crc).then_some(f)
@@ -401,6 +431,9 @@ pub struct JournalWriter {
     /// ones written or dropped: `pending` holds the difference.
     pushed: u64,
     consumed: u64,
+    /// What the next batch claims was durable (see [`Frame`]).
+    durable_below: u64,
+    checkpoint: u64,
 }
 
 impl JournalWriter {
@@ -424,7 +457,14 @@ impl JournalWriter {
             pending: Vec::new(),
             pushed: 0,
             consumed: 0,
+            durable_below: next_seq,
+            checkpoint: generation,
         }
+    }
+
+    /// Every batch numbered below `seq` is durable (a sync covered it).
+    pub fn note_durable(&mut self, seq: u64) {
+        self.durable_below = self.durable_below.max(seq);
     }
 
     pub fn push(&mut self, e: &Entry) {
@@ -446,9 +486,11 @@ impl JournalWriter {
         self.since_started = 0;
     }
 
-    /// The checkpoint started last is durable: replay starts at its mark.
-    pub fn checkpoint_durable(&mut self) {
+    /// Checkpoint `generation`, the one started last, is durable: replay
+    /// starts at its mark.
+    pub fn checkpoint_durable(&mut self, generation: u64) {
         self.since_durable = self.since_started;
+        self.checkpoint = self.checkpoint.max(generation);
     }
 
     /// Drops pending entries: a checkpoint written before any later batch
@@ -529,6 +571,8 @@ impl JournalWriter {
             pos: self.pos,
             len: payload.len() as u32,
             payload_crc: crc32c::crc32c(&payload),
+            durable_below: self.durable_below,
+            checkpoint: self.checkpoint,
         };
         let mut buf = Vec::with_capacity(total as usize);
         buf.extend_from_slice(&frame.encode());
@@ -548,7 +592,8 @@ impl JournalWriter {
 /// What replay found in the ring after a checkpoint's mark.
 #[derive(Debug, Default)]
 pub struct JournalTail {
-    /// Payloads of the good batches, in order.
+    /// Payloads of the good batches, in order (the first numbered by the
+    /// mark's sequence).
     pub batches: Vec<Vec<u8>>,
     /// Position and sequence number after the last good batch.
     pub pos: u64,
@@ -637,6 +682,63 @@ pub fn read_batches(
     })
 }
 
+/// What the batches in the ring claim was durable when they were
+/// written (see [`Frame`]), and the batches numbered from some sequence on
+/// that verify.
+#[derive(Debug, Default)]
+pub struct Claims {
+    /// Every batch numbered below this was durable.
+    pub durable_below: u64,
+    /// The newest checkpoint a batch saw durable.
+    pub checkpoint: u64,
+    /// (sequence, payload) of the batches numbered at least the `from` of
+    /// [`scan_claims`] whose payload verifies, in sequence order.
+    pub later: Vec<(u64, Vec<u8>)>,
+}
+
+/// Reads every batch header in the ring written after checkpoint
+/// `generation` (in its epoch or the next one), a chunk at a time.
+pub fn scan_claims(
+    device: &dyn Backend,
+    layout: &Layout,
+    uuid: &[u8; 16],
+    generation: u64,
+    from: u64,
+) -> Result<Claims> {
+    const CHUNK: u64 = 1 << 20;
+    let tags = [batch_tag(uuid, generation), batch_tag(uuid, generation + 1)];
+    let mut claims = Claims::default();
+    let mut buf = vec![0u8; CHUNK as usize];
+    let mut at = 0;
+    while at < layout.journal_bytes {
+        let n = (layout.journal_bytes - at).min(CHUNK) as usize;
+        device
+            .read_at(&mut buf[..n], layout.journal_offset + at)
+            .map_err(CacheError::device("read journal"))?;
+        for block in (0..n).step_by(BLOCK as usize) {
+            let Some(f) = Frame::decode_any_tag(&buf[block..n], BATCH_MAGIC)
+                .filter(|f| tags.contains(&f.tag) && f.pos == at + block as u64)
+            else {
+                continue;
+            };
+            claims.durable_below = claims.durable_below.max(f.durable_below);
+            claims.checkpoint = claims.checkpoint.max(f.checkpoint);
+            if f.seq >= from {
+                let mut payload = vec![0u8; f.len as usize];
+                device
+                    .read_at(&mut payload, layout.journal_offset + f.pos + HEADER as u64)
+                    .map_err(CacheError::device("read journal"))?;
+                if crc32c::crc32c(&payload) == f.payload_crc {
+                    claims.later.push((f.seq, payload));
+                }
+            }
+        }
+        at += n as u64;
+    }
+    claims.later.sort_by_key(|(seq, _)| *seq);
+    Ok(claims)
+}
+
 /// Decodes every entry of a batch payload.
 pub fn decode_entries(payload: &[u8]) -> Result<Vec<Entry>> {
     let mut r = Reader::new(payload);
@@ -682,6 +784,8 @@ pub fn write_checkpoint(
         len: u32::try_from(payload.len())
             .map_err(|_| CacheError::Corrupt("checkpoint too large".into()))?,
         payload_crc: crc32c::crc32c(payload),
+        durable_below: 0,
+        checkpoint: 0,
     };
     let mut buf = Vec::with_capacity(HEADER + 8 + payload.len());
     buf.extend_from_slice(&frame.encode());
@@ -893,7 +997,7 @@ mod tests {
         w.start_epoch(2);
         assert!(!w.has_room());
         assert!(!w.needs_checkpoint(l.journal_bytes / 2));
-        w.checkpoint_durable();
+        w.checkpoint_durable(2);
         assert!(w.has_room());
     }
 

@@ -1,6 +1,8 @@
 //! The cache device's on-flash layout: superblock | checkpoint area (two
-//! alternating slots) | metadata zone (a ring of journal records) | data
-//! zone (regions the size of a flash erase block, filled append-only).
+//! alternating slots) | metadata zone (a ring of journal records) | a copy
+//! of the superblock | data zone (regions the size of a flash erase block,
+//! filled append-only). Everything before the data zone is placed by the
+//! device's size alone, so the superblock's copy is found without it.
 //!
 //! This module computes and validates the layout and reads and writes the
 //! superblock; it knows nothing about what the index or journal contain.
@@ -30,8 +32,8 @@ const SUPERBLOCK_BYTES: u64 = BLOCK;
 /// Room reserved in a checkpoint for the image registry.
 pub const REGISTRY_BYTES: u64 = 1 << 20;
 /// Checkpoint bytes per data block in the worst case (one line per block:
-/// key, guest line, three bitmaps, one block number).
-const CHECKPOINT_BYTES_PER_BLOCK: u64 = 32;
+/// key, guest line, three bitmaps, one block number and its checksum).
+const CHECKPOINT_BYTES_PER_BLOCK: u64 = 36;
 /// Checkpoint bytes per dirty metadata sector (image, offset, 512 bytes).
 const CHECKPOINT_BYTES_PER_SECTOR: u64 = 528;
 
@@ -73,8 +75,9 @@ impl Layout {
         );
         let checkpoint_offset = SUPERBLOCK_BYTES;
         let journal_offset = checkpoint_offset + 2 * slot;
-        let data_offset =
-            round(journal_offset + journal_bytes).div_ceil(region_bytes) * region_bytes;
+        let data_offset = round(journal_offset + journal_bytes + SUPERBLOCK_BYTES)
+            .div_ceil(region_bytes)
+            * region_bytes;
         if data_offset >= device_bytes {
             return Err(CacheError::Config(format!(
                 "cache size {device_bytes} leaves no room for data after {data_offset} bytes of metadata"
@@ -151,6 +154,11 @@ impl Layout {
 
     pub fn region_offset(&self, region: u32) -> u64 {
         self.data_offset + u64::from(region) * self.region_bytes
+    }
+
+    /// Where the superblock's copy lives: right after the journal.
+    pub fn backup_superblock_offset(&self) -> u64 {
+        self.journal_offset + self.journal_bytes
     }
 
     pub fn slot_offset(&self, slot: usize) -> u64 {
@@ -288,31 +296,76 @@ impl Superblock {
         })
     }
 
+    /// Reads the superblock, from its copy when the first one is damaged
+    /// (then written again from the copy, which is reported); a copy that
+    /// disagrees with a good superblock is written again too.
     pub fn read(device: &dyn Backend) -> Result<Superblock> {
-        let mut buf = vec![0u8; SUPERBLOCK_BYTES as usize];
-        device
-            .read_at(&mut buf, 0)
-            .map_err(CacheError::device("read superblock"))?;
-        let sb = Superblock::decode(&buf)?;
         let len = device.len().map_err(CacheError::device("stat"))?;
+        let primary = read_at(device, 0).and_then(|b| Superblock::decode(&b));
+        let sb = match primary {
+            Ok(sb) => {
+                let backup = sb.layout.backup_superblock_offset();
+                if read_at(device, backup).ok() != Some(sb.encode()) && backup < len {
+                    tracing::warn!("the cache's superblock copy was damaged: written again");
+                    sb.write_copy(device)?;
+                }
+                sb
+            }
+            Err(e @ (CacheError::NotACache | CacheError::Corrupt(_))) => {
+                let Some(sb) = backup_of(device, len) else {
+                    return Err(e);
+                };
+                tracing::warn!("the cache's superblock was damaged ({e}); restored from its copy");
+                device
+                    .write_at(&sb.encode(), 0)
+                    .and_then(|()| device.flush())
+                    .map_err(CacheError::device("repair superblock"))?;
+                sb
+            }
+            Err(e) => return Err(e),
+        };
         if len < sb.layout.device_bytes {
             return Err(CacheError::Corrupt(format!(
-                "the cache device is {len} bytes but its superblock describes {} bytes",
+                "the cache device is {len} bytes but its superblock describes {} bytes: it was truncated",
                 sb.layout.device_bytes
             )));
         }
         Ok(sb)
     }
 
+    /// Writes the superblock and its copy (not synced).
     pub fn write(&self, device: &dyn Backend) -> Result<()> {
+        self.write_copy(device)?;
         device
             .write_at(&self.encode(), 0)
             .map_err(CacheError::device("write superblock"))
     }
 
+    fn write_copy(&self, device: &dyn Backend) -> Result<()> {
+        device
+            .write_at(&self.encode(), self.layout.backup_superblock_offset())
+            .map_err(CacheError::device("write superblock copy"))
+    }
+
     pub fn uuid_hex(&self) -> String {
         self.uuid.iter().map(|b| format!("{b:02x}")).collect()
     }
+}
+
+fn read_at(device: &dyn Backend, offset: u64) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; SUPERBLOCK_BYTES as usize];
+    device
+        .read_at(&mut buf, offset)
+        .map_err(CacheError::device("read superblock"))?;
+    Ok(buf)
+}
+
+/// The superblock's copy, where a device of `len` bytes keeps it (its
+/// place depends on the device size alone), if it decodes.
+fn backup_of(device: &dyn Backend, len: u64) -> Option<Superblock> {
+    let probe = Layout::compute(len, BLOCK).ok()?;
+    let sb = Superblock::decode(&read_at(device, probe.backup_superblock_offset()).ok()?).ok()?;
+    (sb.layout.backup_superblock_offset() == probe.backup_superblock_offset()).then_some(sb)
 }
 
 /// This host's identity: /etc/machine-id, else the host name.

@@ -9,6 +9,7 @@
 //! what to admit for which class is a policy decided above it.
 
 pub mod admission;
+mod checksums;
 pub mod config;
 pub mod error;
 pub mod group_sync;

@@ -727,7 +727,11 @@ fn sequential_runs_bypass_without_syncs() {
         // its cache mark, durably, before any other write (a raw image
         // cannot carry one).
         let at_open = cache.report().total.backend_syncs;
-        assert_eq!(at_open > 0, format == ImageFormat::Qcow2, "{at_open} syncs at open");
+        assert_eq!(
+            at_open > 0,
+            format == ImageFormat::Qcow2,
+            "{at_open} syncs at open"
+        );
         let mut model = vec![0u8; IMAGE as usize];
         let mut write = |off: u64, data: Vec<u8>| {
             disk.write(off, &data, false).expect("write");

@@ -345,7 +345,8 @@ impl Locked<'_> {
                         if self.img.external_data {
                             continue;
                         }
-                        if let Some((c, kind)) = self.m.map.conflict(&g, h.0, g.cluster_size(), None)
+                        if let Some((c, kind)) =
+                            self.m.map.conflict(&g, h.0, g.cluster_size(), None)
                         {
                             t.damage(format!(
                                 "ERROR L2 entry of guest cluster {guest}: its data cluster {c} overlaps the {} (metadata overlap)",

@@ -98,9 +98,7 @@ fn compare_marks(found: &MarkIdentity, rec: &MarkIdentity, cache_id: &[u8; 16]) 
         ));
     }
     if found.cache_id != *cache_id {
-        return Verdict::Different(
-            "another vdcache cache served it since this one did".into(),
-        );
+        return Verdict::Different("another vdcache cache served it since this one did".into());
     }
     if !found.coherent {
         return Verdict::Different(

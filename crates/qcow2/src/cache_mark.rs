@@ -86,7 +86,8 @@ impl CacheMark {
         let mut cache_id = [0u8; 16];
         cache_id.copy_from_slice(&slot[28..44]);
         let len = usize::from(u16::from_be_bytes([slot[44], slot[45]])).min(MAX_CACHE_PATH);
-        let cache_path = String::from_utf8_lossy(&slot[FIXED_BYTES..FIXED_BYTES + len]).into_owned();
+        let cache_path =
+            String::from_utf8_lossy(&slot[FIXED_BYTES..FIXED_BYTES + len]).into_owned();
         Some(CacheMark {
             image_id,
             generation: u64::from_be_bytes(generation),
@@ -142,10 +143,7 @@ impl MarkSlots {
 
     /// The newest valid mark.
     pub fn current(&self) -> Option<&CacheMark> {
-        self.slots
-            .iter()
-            .flatten()
-            .max_by_key(|m| m.generation)
+        self.slots.iter().flatten().max_by_key(|m| m.generation)
     }
 
     /// Records `mark` in its slot.
@@ -196,7 +194,10 @@ mod tests {
         assert_eq!(torn.slots[1], None);
         assert_eq!(torn.current(), Some(&mark(4)));
         assert!(MarkSlots::decode(&bytes[..100]).is_err());
-        assert_eq!(MarkSlots::decode(&[0u8; EXT_BYTES]).unwrap().current(), None);
+        assert_eq!(
+            MarkSlots::decode(&[0u8; EXT_BYTES]).unwrap().current(),
+            None
+        );
     }
 
     #[test]

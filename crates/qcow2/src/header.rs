@@ -774,8 +774,8 @@ impl Header {
         let old_start = self.header_length as usize;
         let mut used_end = walk_extensions(buf, self, |_, _, _| Ok(()))? + 8;
         if self.backing_file_offset != 0 {
-            used_end = used_end
-                .max(self.backing_file_offset as usize + self.backing_file_size as usize);
+            used_end =
+                used_end.max(self.backing_file_offset as usize + self.backing_file_size as usize);
         }
         let start = if old_start >= fields + area.len() {
             fields

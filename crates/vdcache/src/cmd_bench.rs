@@ -156,7 +156,8 @@ fn run_engine(a: EngineArgs) -> Result<u8> {
     }
     outln!(
         "| workload (QD1, {} requests, {} MiB fully allocated image, page cache) | vdcache engine IOPS | qemu-img bench IOPS | vdcache/qemu |",
-        a.count, a.size_mib
+        a.count,
+        a.size_mib
     );
     outln!("|---|---:|---:|---:|");
     for r in rows {
@@ -170,7 +171,8 @@ fn run_engine(a: EngineArgs) -> Result<u8> {
             ),
             None => outln!(
                 "| {} | {:.0} | (qemu-img not installed) | |",
-                r.name, r.ours
+                r.name,
+                r.ours
             ),
         }
     }

@@ -142,15 +142,20 @@ fn describe(layer: &Layer) -> ImageInfo {
                     extended_l2: h.has_extended_l2(),
                     data_file: h.extensions.external_data_file.clone(),
                     features,
-                    cache_mark: h.extensions.cache_mark.as_ref().and_then(|m| m.current()).map(|m| CacheMarkInfo {
-                        image_id: m.image_id_hex(),
-                        generation: m.generation,
-                        cache_id: m.cache_id_hex(),
-                        cache: m.cache_path.clone(),
-                        needs_cache: h.incompatible_features
-                            & vdcache_qcow2::features::incompatible::IN_CACHE
-                            != 0,
-                    }),
+                    cache_mark: h
+                        .extensions
+                        .cache_mark
+                        .as_ref()
+                        .and_then(|m| m.current())
+                        .map(|m| CacheMarkInfo {
+                            image_id: m.image_id_hex(),
+                            generation: m.generation,
+                            cache_id: m.cache_id_hex(),
+                            cache: m.cache_path.clone(),
+                            needs_cache: h.incompatible_features
+                                & vdcache_qcow2::features::incompatible::IN_CACHE
+                                != 0,
+                        }),
                 }),
                 snapshots: q
                     .snapshots()

@@ -91,7 +91,9 @@ impl ServeArgs {
     fn config(self) -> Result<ServerConfig> {
         if let Some(path) = &self.config {
             let m = &self.meta;
-            if m.l2_cache_size.is_some() || m.refcount_cache_size.is_some() || m.slice_size.is_some()
+            if m.l2_cache_size.is_some()
+                || m.refcount_cache_size.is_some()
+                || m.slice_size.is_some()
             {
                 bail!(
                     "--l2-cache-size, --refcount-cache-size and --meta-slice-size cannot be used with --config: set them per [[export]] in the file"
@@ -220,6 +222,12 @@ fn print_stats(d: &serde_json::Value) {
             n(&t["backend_bytes_written"]),
             n(&t["backend_syncs"])
         );
+        if n(&c["unreadable_blocks"]) > 0 {
+            outln!(
+                "LOST: {} dirty blocks no longer verify on the cache device (reads of them fail; see the log)",
+                n(&c["unreadable_blocks"])
+            );
+        }
         let dev = &c["device"];
         outln!(
             "device: data zone written {} metadata zone written {} read {} syncs {} (commits waited for one in flight {} times) discarded {}; checkpoints {} (writers waited for one {} times)",
@@ -296,6 +304,11 @@ pub struct RecoverArgs {
     /// The cache device or file.
     #[arg(long)]
     cache: Option<PathBuf>,
+    /// With --full on a cache the device damaged: write back everything
+    /// that still verifies and give up the rest (the images affected lose
+    /// those writes; check them afterwards).
+    #[arg(long, requires = "full")]
+    salvage: bool,
     /// The cache of IMAGE is lost: make IMAGE usable without it, giving up
     /// the newer data the cache held (then check it: `vdcache check -r all`).
     #[arg(long, value_name = "IMAGE", conflicts_with_all = ["full", "cache"])]
@@ -311,7 +324,7 @@ pub fn recover(a: RecoverArgs) -> Result<u8> {
             "give --full --cache PATH to write a cache's data back to its images (fast recovery happens when serve opens the cache), or --without-cache IMAGE if an image's cache is lost"
         );
     };
-    let written = crate::serve::daemon::recover_full(cache)?;
+    let written = crate::serve::daemon::recover_full(cache, a.salvage)?;
     if written.is_empty() {
         outln!(
             "no dirty data in {}; the images are already complete",

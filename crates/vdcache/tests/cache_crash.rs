@@ -92,7 +92,11 @@ fn crash_round(
     let (c, i) = (cache.to_str().expect("utf-8"), img.to_str().expect("utf-8"));
     // The idle filler writes to the store when the client pauses (a slow
     // machine makes pauses): with a quiet backend asserted, it is off.
-    let extra: &[&str] = if quiet_backend { &["--no-idle-fill"] } else { &[] };
+    let extra: &[&str] = if quiet_backend {
+        &["--no-idle-fill"]
+    } else {
+        &[]
+    };
     let mut args = cache_args(c, i, extra);
     args[3] = cache_size;
     let sock = s.path(&format!("{tag}.sock"));
@@ -236,7 +240,10 @@ fn keep_dirty_stop_then_restart_and_write_back() {
     let server = serve(&s, &sock, &cache_args(c, i, &["--keep-dirty"]));
     // Opening stamped the image's cache mark, durably.
     let at_open = total(&stats(&s, &sock), "backend_syncs");
-    assert!(at_open > 0, "the open synced no store: was the image stamped?");
+    assert!(
+        at_open > 0,
+        "the open synced no store: was the image stamped?"
+    );
     qemu_io(
         &s,
         "raw",

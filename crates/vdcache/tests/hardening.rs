@@ -37,10 +37,7 @@ fn create_refuses_an_image_in_use_and_changes_nothing() {
     let sock = s.path("d2.sock");
     let server = serve(&s, &sock, &[img.to_str().expect("utf-8")]);
     let before = sha(&img);
-    for args in [
-        vec!["create", "-f", "qcow2"],
-        vec!["create", "-f", "raw"],
-    ] {
+    for args in [vec!["create", "-f", "qcow2"], vec!["create", "-f", "raw"]] {
         let out = exec(s.vdcache().args(&args).arg(&img).arg("1G"));
         assert_no_panic(&out);
         assert!(
@@ -53,12 +50,24 @@ fn create_refuses_an_image_in_use_and_changes_nothing() {
     // convert into it is refused the same way.
     let src = s.path("src.qcow2");
     qcow2(&s, &src, 16 * M, None);
-    let out = exec(s.vdcache().args(["convert", "-O", "qcow2"]).arg(&src).arg(&img));
-    assert!(!out.success() && out.stderr.contains("in use"), "{}", out.report());
+    let out = exec(
+        s.vdcache()
+            .args(["convert", "-O", "qcow2"])
+            .arg(&src)
+            .arg(&img),
+    );
+    assert!(
+        !out.success() && out.stderr.contains("in use"),
+        "{}",
+        out.report()
+    );
     assert_eq!(sha(&img), before);
     server.stop_clean();
     // Once the server is gone, creating works (as qemu-img create does).
-    ok(s.vdcache().args(["create", "-f", "qcow2"]).arg(&img).arg("1G"));
+    ok(s.vdcache()
+        .args(["create", "-f", "qcow2"])
+        .arg(&img)
+        .arg("1G"));
     s.finish();
 }
 
@@ -76,9 +85,17 @@ fn an_image_created_again_under_the_cache_is_never_served_its_old_data() {
     let sock = s.path("r.sock");
     let u = uri(&sock, "");
     let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["write -P 0x11 0 4M".into(), "flush".into()]);
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x11 0 4M".into(), "flush".into()],
+    );
     assert!(
-        stats(&s, &sock)["cache"]["dirty_bytes"].as_u64().unwrap_or(0) > 0,
+        stats(&s, &sock)["cache"]["dirty_bytes"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0,
         "the test needs dirty data in the cache"
     );
     server.kill9();
@@ -126,7 +143,12 @@ fn clean_copies_of_a_replaced_image_are_dropped() {
     let sock = s.path("cl.sock");
     let u = uri(&sock, "");
     let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["write -P 0x33 0 2M".into(), "flush".into()]);
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x33 0 2M".into(), "flush".into()],
+    );
     qemu_io(&s, "raw", &u, &["read -P 0x33 0 2M".into()]);
     server.stop_clean();
 
@@ -157,11 +179,21 @@ fn a_restored_backup_is_told_apart_by_its_generation() {
     let sock = s.path("b.sock");
     let u = uri(&sock, "");
     let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["write -P 0x55 0 1M".into(), "flush".into()]);
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x55 0 1M".into(), "flush".into()],
+    );
     server.stop_clean();
     let backup = sha(&img);
     let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["write -P 0x66 0 1M".into(), "flush".into()]);
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x66 0 1M".into(), "flush".into()],
+    );
     qemu_io(&s, "raw", &u, &["read -P 0x66 0 1M".into()]);
     server.stop_clean();
     std::fs::write(&img, &backup).expect("restore the backup");
@@ -231,7 +263,11 @@ fn a_cache_file_is_created_whole_or_not_at_all_and_keeps_its_size() {
     let sock = s.path("c.sock");
     let log = serve_refused(&s, &sock, &["--cache", c, "--cache-size", "1K", i]);
     assert!(log.contains("minimum"), "{log}");
-    assert!(!cache.exists(), "a failed creation left {}", cache.display());
+    assert!(
+        !cache.exists(),
+        "a failed creation left {}",
+        cache.display()
+    );
     let leftovers: Vec<_> = std::fs::read_dir(s.root())
         .expect("ls")
         .filter_map(|e| e.ok())
@@ -258,7 +294,14 @@ fn a_cache_file_is_created_whole_or_not_at_all_and_keeps_its_size() {
         ["--cache-size", "64M"],
         ["--admission", "hot"],
     ] {
-        let out = exec(s.vdcache().arg("serve").arg("--socket").arg(&sock).args(opt).arg(i));
+        let out = exec(
+            s.vdcache()
+                .arg("serve")
+                .arg("--socket")
+                .arg(&sock)
+                .args(opt)
+                .arg(i),
+        );
         assert_no_panic(&out);
         assert!(
             !out.success() && out.stderr.contains("--cache"),
@@ -310,7 +353,12 @@ fn an_image_whose_data_is_in_the_cache_is_refused_until_recovered() {
     let sock = s.path("m.sock");
     let u = uri(&sock, "");
     let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["write -P 0x22 0 1M".into(), "flush".into()]);
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x22 0 1M".into(), "flush".into()],
+    );
     server.kill9();
 
     let out = exec(s.qemu_img().arg("check").arg(&img));
@@ -320,7 +368,11 @@ fn an_image_whose_data_is_in_the_cache_is_refused_until_recovered() {
         out.report()
     );
     let out = exec(s.qemu_io().args(["-c", "read 0 512"]).arg(&img));
-    assert!(!out.success() || out.all().contains("Unsupported"), "{}", out.report());
+    assert!(
+        !out.success() || out.all().contains("Unsupported"),
+        "{}",
+        out.report()
+    );
     let out = exec(s.vdcache().arg("check").arg(&img));
     assert!(
         out.code() == Some(1) && out.stderr.contains(&c) && out.stderr.contains("recover"),
@@ -356,7 +408,12 @@ fn an_image_whose_cache_is_lost_can_be_given_up() {
     let sock = s.path("l.sock");
     let u = uri(&sock, "");
     let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["write -P 0x22 0 1M".into(), "flush".into()]);
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x22 0 1M".into(), "flush".into()],
+    );
     server.kill9();
     std::fs::remove_file(&c).expect("lose the cache");
     let out = ok(s.vdcache().args(["recover", "--without-cache", &i]));
@@ -378,7 +435,12 @@ fn a_cache_without_its_superblock_is_not_reformatted() {
     let sock = s.path("z.sock");
     let u = uri(&sock, "");
     let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["write -P 0x22 0 1M".into(), "flush".into()]);
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x22 0 1M".into(), "flush".into()],
+    );
     server.kill9();
     let mut bytes = sha(&cache);
     bytes[..4096].fill(0);
@@ -406,7 +468,12 @@ fn dirty_data_of_an_image_not_served_is_named_and_does_not_block_the_stop() {
     let sock = s.path("ab.sock");
     let u = uri(&sock, "");
     let server = serve(&s, &sock, &cache_args(&c, &a, &[]));
-    qemu_io(&s, "raw", &u, &["write -P 0x77 0 1M".into(), "flush".into()]);
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0x77 0 1M".into(), "flush".into()],
+    );
     server.kill9();
 
     let server = match try_serve(&s, &sock, &cache_args(&c, &b, &[])) {

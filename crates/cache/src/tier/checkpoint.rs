@@ -191,6 +191,7 @@ impl FlashCache {
         if st.journal.pending_bytes() == 0 {
             return Ok(());
         }
+        st.journal.note_durable(self.group_sync.durable());
         if self.config.inline_background && st.checkpoint_running && st.epoch.is_multiple_of(2) {
             self.finish_checkpoint(st)?;
         }
@@ -250,6 +251,7 @@ impl FlashCache {
     /// snapshot and the mark.
     fn begin_checkpoint(&self, st: &mut State) -> Result<Job> {
         self.sync_backends(st, Unsynced::Indexed)?;
+        st.journal.note_durable(self.group_sync.durable());
         if st.journal.has_room() {
             st.journal.write_pending(&*self.device)?;
         } else {
@@ -302,7 +304,7 @@ impl FlashCache {
         let mark = result?;
         st.generation = mark.generation;
         st.durable_slot = mark.slot;
-        st.journal.checkpoint_durable();
+        st.journal.checkpoint_durable(mark.generation);
         self.counted.note_checkpoint();
         Ok(())
     }
@@ -348,6 +350,7 @@ fn encode_checkpoint(st: &State) -> Vec<u8> {
         put(&mut out, &l.partial.to_le_bytes());
         for (_, cbn) in l.blocks() {
             put(&mut out, &cbn.to_le_bytes());
+            put(&mut out, &st.crcs.get(cbn).unwrap_or(0).to_le_bytes());
         }
         if l.partial != 0 {
             let sectors: Vec<(usize, u8)> = (0..LINE_BLOCKS as usize)
@@ -375,6 +378,15 @@ fn encode_checkpoint(st: &State) -> Vec<u8> {
         }
         .encode(&mut out);
     }
+    put(&mut out, &(st.unreadable.len() as u64).to_le_bytes());
+    for &(key, slot) in &st.unreadable {
+        crate::journal::Entry::Lost {
+            key,
+            slot,
+            lost: true,
+        }
+        .encode(&mut out);
+    }
     out
 }
 
@@ -384,15 +396,18 @@ pub(crate) struct SavedLine {
     pub guest: u64,
     pub dirty: u16,
     pub partial: u16,
-    pub cbn: Vec<(usize, u32)>,
+    /// (slot, cache block, checksum of its content).
+    pub cbn: Vec<(usize, u32, u32)>,
     /// (slot, valid sectors) of partially valid blocks with some.
     pub valid_sectors: Vec<(usize, u8)>,
 }
 
-/// A decoded checkpoint: image entries, lines, metadata sector entries.
+/// A decoded checkpoint: image entries, lines, metadata sector entries,
+/// lost blocks.
 type Checkpoint = (
     Vec<crate::journal::Entry>,
     Vec<SavedLine>,
+    Vec<crate::journal::Entry>,
     Vec<crate::journal::Entry>,
 );
 
@@ -415,7 +430,7 @@ pub(crate) fn decode_checkpoint(payload: &[u8]) -> Result<Checkpoint> {
         let mut cbn = Vec::with_capacity(present.count_ones() as usize);
         for slot in 0..LINE_BLOCKS as usize {
             if present & (1 << slot) != 0 {
-                cbn.push((slot, r.u32()?));
+                cbn.push((slot, r.u32()?, r.u32()?));
             }
         }
         let mut valid_sectors = Vec::new();
@@ -450,5 +465,16 @@ pub(crate) fn decode_checkpoint(payload: &[u8]) -> Result<Checkpoint> {
         }
         sectors.push(e);
     }
-    Ok((entries, lines, sectors))
+    let count = r.u64()?;
+    let mut lost = Vec::with_capacity((count as usize).min(payload.len() / 11 + 1));
+    for _ in 0..count {
+        let e = crate::journal::Entry::decode(&mut r)?;
+        if !matches!(e, crate::journal::Entry::Lost { .. }) {
+            return Err(CacheError::Corrupt(
+                "checkpoint holds another entry among lost blocks".into(),
+            ));
+        }
+        lost.push(e);
+    }
+    Ok((entries, lines, sectors, lost))
 }

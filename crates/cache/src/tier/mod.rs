@@ -94,6 +94,12 @@ const HOT_FILTER_ENTRIES: usize = 1 << 16;
 
 pub(crate) struct State {
     pub index: Index,
+    /// Checksums of what each cache block holds (see `checksums`).
+    pub crcs: crate::checksums::BlockCrcs,
+    /// Dirty blocks whose flash copy no longer verifies: the only copy is
+    /// lost, so they are never served nor written back until the guest
+    /// writes them again.
+    pub unreadable: BTreeSet<(u64, u8)>,
     pub regions: Regions,
     pub journal: JournalWriter,
     /// Generation and slot of the newest durable checkpoint.
@@ -156,6 +162,22 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Maps block `slot` of line `key` to `cbn`, which holds bytes with
+    /// checksum `crc`; returns the block it replaced, as [`Index::map`].
+    pub(crate) fn map_block(
+        &mut self,
+        key: u64,
+        guest: u64,
+        slot: usize,
+        cbn: Cbn,
+        dirty: bool,
+        crc: u32,
+    ) -> Option<(Cbn, crate::index::BlockRef)> {
+        self.crcs.set(cbn, crc);
+        self.unreadable.remove(&(key, slot as u8));
+        self.index.map(key, guest, slot, cbn, dirty)
+    }
+
     fn policy(&self, disk: DiskId, default: DiskPolicy) -> DiskPolicy {
         self.policies.get(&disk.0).copied().unwrap_or(default)
     }
@@ -200,10 +222,20 @@ impl State {
                 && (self
                     .dirty_lines
                     .range(crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX))
-                    .next()
-                    .is_some()
+                    .any(|&key| self.has_writable_dirty(key))
                     || self.meta.has_dirty_of(id))
         })
+    }
+
+    /// Whether line `key` has a dirty block that can still be written
+    /// back (not one whose flash copy was lost).
+    fn has_writable_dirty(&self, key: u64) -> bool {
+        let Some(l) = self.index.get(key) else {
+            return false;
+        };
+        self.unreadable.is_empty()
+            || (0..crate::layout::LINE_BLOCKS as u8)
+                .any(|s| l.dirty & (1 << s) != 0 && !self.unreadable.contains(&(key, s)))
     }
 
     /// Records a write of `[start, end)` of an image.
@@ -252,6 +284,10 @@ pub struct CacheReport {
     /// Index memory beyond the fixed part, as a fraction of the cached
     /// bytes.
     pub index_memory_ratio: f64,
+    /// Memory of the checksums of cached blocks.
+    pub checksum_memory_bytes: u64,
+    /// Dirty blocks whose only copy the device damaged (reads fail).
+    pub unreadable_blocks: u64,
     /// Dirty metadata sectors held (cow-aware write-back), and their memory.
     pub meta_sectors: u64,
     pub meta_sector_memory_bytes: u64,
@@ -369,6 +405,8 @@ impl FlashCache {
     ) -> State {
         State {
             index: Index::new(layout.regions, layout.blocks_per_region()),
+            crcs: crate::checksums::BlockCrcs::new(layout.regions, layout.blocks_per_region()),
+            unreadable: BTreeSet::new(),
             regions: Regions::new(
                 layout.regions,
                 layout.blocks_per_region(),
@@ -600,7 +638,12 @@ impl FlashCache {
     /// dirty blocks, partially valid clusters, dirty metadata sectors.
     pub(crate) fn holds_newer_of(&self, st: &State, id: u16) -> bool {
         let keys = crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX);
-        st.dirty_lines.range(keys).next().is_some()
+        st.dirty_lines.range(keys.clone()).next().is_some()
+            || st
+                .unreadable
+                .range((*keys.start(), 0)..=(*keys.end(), u8::MAX))
+                .next()
+                .is_some()
             || st.meta.has_dirty_of(id)
             || st
                 .index
@@ -666,6 +709,8 @@ impl FlashCache {
             .collect();
         let dirty = st.index.dirty_blocks() * BLOCK;
         let meta_sectors = st.meta.dirty_len() as u64;
+        let checksum_memory_bytes = st.crcs.memory_bytes();
+        let unreadable_blocks = st.unreadable.len() as u64;
         let meta_sector_memory_bytes = st.meta.memory_bytes();
         let emptied = (st.emptied_by_summary, st.emptied_by_scan);
         drop(st);
@@ -692,6 +737,8 @@ impl FlashCache {
             } else {
                 memory.saturating_sub(fixed) as f64 / cached as f64
             },
+            checksum_memory_bytes,
+            unreadable_blocks,
             meta_sectors,
             meta_sector_memory_bytes,
             regions_emptied_by_summary: emptied.0,

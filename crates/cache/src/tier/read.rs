@@ -42,6 +42,39 @@ pub(crate) fn runs(pairs: &[(u64, Cbn)]) -> Vec<&[(u64, Cbn)]> {
     out
 }
 
+/// The blocks of a run read from flash whose bytes do not match their
+/// checksums.
+fn unverified(run: &[(u64, Cbn)], crcs: &[u32], bytes: &[u8]) -> Vec<(u64, Cbn)> {
+    run.iter()
+        .zip(crcs)
+        .zip(bytes.chunks(BLOCK as usize))
+        .filter(|((_, crc), data)| crc32c::crc32c(data) != **crc)
+        .map(|((hit, _), _)| *hit)
+        .collect()
+}
+
+/// Whether block `block` of image `id` lost its only copy (see
+/// `State::unreadable`).
+pub(crate) fn is_unreadable(st: &State, id: u16, block: u64) -> bool {
+    !st.unreadable.is_empty()
+        && st.unreadable.contains(&(
+            line_key(id, block / LINE_BLOCKS),
+            (block % LINE_BLOCKS) as u8,
+        ))
+}
+
+/// The error of a read of a dirty block whose flash copy the device
+/// damaged: its newest content is lost.
+pub(crate) fn unreadable_block(st: &State, id: u16, block: u64) -> CacheError {
+    let name = st.images.get(id as usize).map_or("?", |r| r.name.as_str());
+    let e = CacheError::Unreadable {
+        image: name.to_string(),
+        offset: block * BLOCK,
+    };
+    tracing::error!("{e}");
+    e
+}
+
 impl FlashCache {
     pub(crate) fn read_blocks(
         &self,
@@ -66,17 +99,23 @@ impl FlashCache {
         let first = off / BLOCK;
         let last = (off + buf.len() as u64 - 1) / BLOCK;
         let mut hits: Vec<(u64, Cbn)> = Vec::new();
+        let mut expected: Vec<u32> = Vec::new();
         let mut misses: Vec<u64> = Vec::new();
         let (read_seq, policy, sectors) = {
             let mut st = self.lock();
+            if let Some(b) = (first..=last).find(|&b| is_unreadable(&st, id, b)) {
+                return Err(unreadable_block(&st, id, b));
+            }
             for b in first..=last {
                 let key = line_key(id, b / LINE_BLOCKS);
-                match st.index.block(key, (b % LINE_BLOCKS) as usize) {
+                let slot = (b % LINE_BLOCKS) as usize;
+                match st.index.block(key, slot) {
                     Some(cbn) => {
                         let r = st.regions.region_of(cbn);
                         st.regions.pin(r);
                         st.regions.touch(r);
                         hits.push((b, cbn));
+                        expected.push(st.crcs.get(cbn).unwrap_or(0));
                     }
                     None => {
                         st.regions.note_miss(key);
@@ -101,7 +140,7 @@ impl FlashCache {
             bump(&counters.read_hit_blocks, hit_blocks);
             bump(&counters.read_miss_blocks, misses.len() as u64);
         }
-        let flash = self.read_hits(&hits, off, buf);
+        let flash = self.read_hits(&hits, &expected, off, buf);
         {
             let mut st = self.lock();
             for &(_, cbn) in &hits {
@@ -113,7 +152,11 @@ impl FlashCache {
         if matches!(tag.class, IoClass::Metadata(_)) {
             bump(&counters.meta_flash_bytes_read, hit_blocks * BLOCK);
         }
-        flash?;
+        let damaged = flash?;
+        if !damaged.is_empty() {
+            let refetch = self.drop_damaged(id, &damaged)?;
+            self.read_misses(image, &refetch, off, buf, &counters)?;
+        }
         if !misses.is_empty() {
             let fetched = self.read_misses(image, &misses, off, buf, &counters)?;
             // Copy-on-write filler has no locality of its own.
@@ -157,25 +200,75 @@ impl FlashCache {
         misses.dedup();
     }
 
-    fn read_hits(&self, hits: &[(u64, Cbn)], off: u64, buf: &mut [u8]) -> Result<()> {
+    /// Reads the hit blocks from flash into `buf`, checking each against
+    /// its checksum; returns the (block, cbn) of those that do not verify.
+    fn read_hits(
+        &self,
+        hits: &[(u64, Cbn)],
+        expected: &[u32],
+        off: u64,
+        buf: &mut [u8],
+    ) -> Result<Vec<(u64, Cbn)>> {
+        let mut damaged = Vec::new();
+        let mut done = 0;
         for run in runs(hits) {
             let at = run[0].0 * BLOCK;
             let len = run.len() as u64 * BLOCK;
             let dev_off = self.layout.block_offset(run[0].1);
+            let crcs = &expected[done..done + run.len()];
+            done += run.len();
             if at >= off && at + len <= off + buf.len() as u64 {
                 let dst = &mut buf[(at - off) as usize..(at - off + len) as usize];
                 self.device
                     .read_at(dst, dev_off)
                     .map_err(CacheError::device("read block"))?;
+                damaged.extend(unverified(run, crcs, dst));
             } else {
                 let mut tmp = vec![0u8; len as usize];
                 self.device
                     .read_at(&mut tmp, dev_off)
                     .map_err(CacheError::device("read block"))?;
+                damaged.extend(unverified(run, crcs, &tmp));
                 copy_overlap(&tmp, at, buf, off);
             }
         }
-        Ok(())
+        Ok(damaged)
+    }
+
+    /// Blocks read from flash that do not verify: a clean copy is dropped
+    /// (returned, to be read from the image instead), a dirty one (the
+    /// only copy) is kept unreadable and the read fails.
+    pub(crate) fn drop_damaged(&self, id: u16, damaged: &[(u64, Cbn)]) -> Result<Vec<u64>> {
+        let mut st = self.lock();
+        let mut refetch = Vec::new();
+        for &(b, cbn) in damaged {
+            let key = line_key(id, b / LINE_BLOCKS);
+            let slot = (b % LINE_BLOCKS) as usize;
+            if st.index.block(key, slot) != Some(cbn) {
+                // Replaced meanwhile: the read raced a write, as any read may.
+                continue;
+            }
+            let dirty = st
+                .index
+                .get(key)
+                .is_some_and(|l| l.dirty & (1 << slot) != 0);
+            if dirty {
+                self.lose_block(&mut st, key, slot);
+                if !self.config.salvage {
+                    return Err(unreadable_block(&st, id, b));
+                }
+                refetch.push(b);
+                continue;
+            }
+            tracing::warn!(
+                image = st.images.get(id as usize).map_or("?", |r| r.name.as_str()),
+                offset = b * BLOCK,
+                "a clean cache block does not verify (the device damaged it): dropped, read from the image"
+            );
+            self.unmap_block(&mut st, key, slot);
+            refetch.push(b);
+        }
+        Ok(refetch)
     }
 
     /// Reads missing blocks from the backend in runs; returns the whole
@@ -293,7 +386,8 @@ impl FlashCache {
                         continue;
                     }
                     let guest = tag.guest_cluster.unwrap_or(u64::MAX);
-                    st.index.map(key, guest, slot, cbn, false);
+                    let crc = crc32c::crc32c(bytes);
+                    st.map_block(key, guest, slot, cbn, false, crc);
                     st.clean_copy_needs_sync(id);
                     st.journal.push(&Entry::Map {
                         key,
@@ -301,7 +395,7 @@ impl FlashCache {
                         cbn,
                         guest,
                         dirty: false,
-                        crc: crc32c::crc32c(bytes),
+                        crc,
                     });
                 }
             }

@@ -24,6 +24,11 @@ pub struct RecoveryReport {
     /// The journal went on past a checkpoint that never landed, and replay
     /// followed it.
     pub entered_next_epoch: bool,
+    /// Blocks written and synced that no longer verify (the device damaged
+    /// them): never served nor written back.
+    pub damaged_blocks: u64,
+    /// Damaged metadata was accepted (salvage): writes were lost.
+    pub salvaged: bool,
 }
 
 impl FlashCache {
@@ -52,8 +57,9 @@ impl FlashCache {
                 .write_at(&zero, layout.slot_offset(slot))
                 .map_err(CacheError::device("write checkpoint"))?;
         }
-        // No images (u32), no lines (u64), no metadata sectors (u64).
-        let empty_index = [0u8; 20];
+        // No images (u32), no lines (u64), no metadata sectors (u64), no
+        // lost blocks (u64).
+        let empty_index = [0u8; 28];
         let mark = CheckpointMark {
             generation: 1,
             slot: 1,
@@ -231,19 +237,20 @@ fn blank_state(device: &dyn vdcache_backend::Backend) -> Result<Blank> {
     device
         .read_at(&mut head, 0)
         .map_err(CacheError::device("read"))?;
-    if is_zero(&head) {
-        return Ok(Blank::Empty);
-    }
-    let Ok(layout) = Layout::compute(len, BLOCK) else {
-        return Ok(Blank::Holds("data that is not a vdcache cache".into()));
-    };
-    if let Some(generation) = journal::stray_checkpoint_generation(device, &layout)? {
+    // A cache's checkpoints lie where the device's size puts them, which
+    // may be past the bytes probed for blankness.
+    if let Ok(layout) = Layout::compute(len, BLOCK)
+        && let Some(generation) = journal::stray_checkpoint_generation(device, &layout)?
+    {
         if generation == 1 && format_cut_short(device, &layout, &head)? {
             return Ok(Blank::FormatCutShort);
         }
         return Ok(Blank::Holds(format!(
             "a vdcache checkpoint (generation {generation}) but no valid superblock: a cache whose superblock was damaged"
         )));
+    }
+    if is_zero(&head) {
+        return Ok(Blank::Empty);
     }
     Ok(Blank::Holds("data that is not a vdcache cache".into()))
 }
@@ -272,7 +279,7 @@ fn recover_state(
 ) -> Result<(State, RecoveryReport)> {
     let layout = sb.layout;
     let (mark, payload) = journal::read_checkpoint(device, &layout, &sb.uuid)?;
-    let (images, lines, sectors) = decode_checkpoint(&payload)?;
+    let (images, lines, sectors, lost) = decode_checkpoint(&payload)?;
     // The crashed run may have started the next epoch; this run writes
     // in the one after, so none of that run's batches can follow its own.
     let epoch = mark.generation + 2;
@@ -282,10 +289,10 @@ fn recover_state(
         apply(&mut st, &layout, e)?;
     }
     for l in lines {
-        for (slot, cbn) in l.cbn {
+        for (slot, cbn, crc) in l.cbn {
             check_cbn(&layout, cbn)?;
             let dirty = l.dirty & (1 << slot) != 0;
-            st.index.map(l.key, l.guest, slot, cbn, dirty);
+            st.map_block(l.key, l.guest, slot, cbn, dirty, crc);
             st.regions.restore_block(cbn);
             if dirty {
                 st.dirty_lines.insert(l.key);
@@ -298,7 +305,7 @@ fn recover_state(
             }
         }
     }
-    for e in sectors {
+    for e in sectors.into_iter().chain(lost) {
         apply(&mut st, &layout, e)?;
     }
     let report = replay(device, sb, config, &mut st, mark)?;
@@ -359,10 +366,17 @@ fn check_cbn(layout: &Layout, cbn: u32) -> Result<()> {
 
 /// Applies the journal after the checkpoint. Its tail may not have been
 /// synced: a Map record whose block does not match its checksum, while
-/// that mapping is still the live one, proves the log was cut there (a
-/// sync after the record would have made the block durable), so replay
-/// keeps only the records before it. A mapping superseded later in the
-/// replayed log may legitimately point at reused space and is not checked.
+/// that mapping is still the live one and no later batch says its batch
+/// was durable, proves the log was cut there (a sync after the record would
+/// have made the block durable), so replay keeps only the records before
+/// it. A mapping superseded later in the replayed log may legitimately
+/// point at reused space and is not checked.
+///
+/// What a later batch says was durable but does not verify was damaged
+/// after it landed: a journal batch or a checkpoint (the device is refused
+/// with the images affected, unless salvaging), or a block (kept mapped
+/// with its checksum, so a dirty one is never served nor written back, and
+/// dropped if clean).
 fn replay(
     device: &dyn vdcache_backend::Backend,
     sb: &Superblock,
@@ -374,74 +388,199 @@ fn replay(
     let mut report = RecoveryReport::default();
     let tail = journal::read_batches(device, &layout, &sb.uuid, mark)?;
     report.entered_next_epoch = tail.entered_next_epoch;
-    let batches = tail.batches;
-    let mut log: Vec<Entry> = Vec::new();
-    for payload in &batches {
+    let mut log: Vec<(u64, Entry)> = Vec::new();
+    for (i, payload) in tail.batches.iter().enumerate() {
+        let seq = mark.journal_seq + i as u64;
         match journal::decode_entries(payload) {
-            Ok(e) => log.extend(e),
+            Ok(e) => log.extend(e.into_iter().map(|e| (seq, e))),
             Err(e) => {
-                tracing::warn!("journal batch does not decode ({e}); replay stops there");
+                tracing::warn!("journal batch {seq} does not decode ({e}); replay stops there");
                 break;
             }
         }
         report.batches_replayed += 1;
     }
-    let mut end = log.len();
-    if !config.test_index_before_data {
-        let mut verified: std::collections::HashMap<usize, bool> = std::collections::HashMap::new();
-        let mut block = vec![0u8; BLOCK as usize];
-        loop {
-            let mut live: std::collections::HashMap<(u64, u8), Option<usize>> =
-                std::collections::HashMap::new();
-            for (i, e) in log[..end].iter().enumerate() {
-                match e {
-                    Entry::Map { key, slot, .. } => {
-                        live.insert((*key, *slot), Some(i));
-                    }
-                    Entry::Unmap { key, slot } => {
-                        live.insert((*key, *slot), None);
-                    }
-                    _ => {}
-                }
-            }
-            let mut candidates: Vec<usize> = live.values().flatten().copied().collect();
-            candidates.sort_unstable();
-            let mut cut = None;
-            for i in candidates {
-                let Entry::Map { cbn, crc, .. } = &log[i] else {
-                    continue;
-                };
-                check_cbn(&layout, *cbn)?;
-                let ok = match verified.get(&i) {
-                    Some(&ok) => ok,
-                    None => {
-                        device
-                            .read_at(&mut block, layout.block_offset(*cbn))
-                            .map_err(CacheError::device("read block"))?;
-                        let ok = crc32c::crc32c(&block) == *crc;
-                        verified.insert(i, ok);
-                        ok
-                    }
-                };
-                if !ok {
-                    cut = Some(i);
-                    break;
-                }
-            }
-            match cut {
-                Some(i) => {
-                    end = i;
-                    report.stopped_at_torn_block = true;
-                }
-                None => break,
-            }
-        }
+    let stop = mark.journal_seq + report.batches_replayed;
+    let claims = journal::scan_claims(device, &layout, &sb.uuid, mark.generation, stop)?;
+    let mut damage = Vec::new();
+    if claims.checkpoint > mark.generation {
+        damage.push(format!(
+            "checkpoint {} was written and synced but does not verify (the older checkpoint {} no longer has its journal)",
+            claims.checkpoint, mark.generation
+        ));
     }
-    for e in log.into_iter().take(end) {
+    if claims.durable_below > stop {
+        damage.push(format!(
+            "journal batch {stop} does not verify, although later batches record it as synced"
+        ));
+    }
+    let end = if config.test_index_before_data {
+        log.len()
+    } else {
+        verify_live_blocks(device, &layout, &log, claims.durable_below, &mut report)?
+    };
+    if !damage.is_empty() {
+        let affected = affected_images(st, &log[..end], &claims.later);
+        if !config.salvage {
+            return Err(CacheError::Damaged {
+                device: device.name().to_string(),
+                what: damage.join("; "),
+                affected,
+            });
+        }
+        tracing::error!(
+            "salvaging a damaged cache: {}; affected: {affected}",
+            damage.join("; ")
+        );
+        report.salvaged = true;
+    }
+    for (_, e) in log.into_iter().take(end) {
         apply(st, &layout, e)?;
         report.entries_replayed += 1;
     }
     Ok(report)
+}
+
+/// Checks the blocks of the live Map records of the replayed log against
+/// their checksums; returns how much of the log to keep. A failing record
+/// in a batch numbered below `durable_below` is damage, counted and kept
+/// (its checksum then fails reads); a failing one past it is the torn end
+/// of the log, which is cut there.
+fn verify_live_blocks(
+    device: &dyn vdcache_backend::Backend,
+    layout: &Layout,
+    log: &[(u64, Entry)],
+    durable_below: u64,
+    report: &mut RecoveryReport,
+) -> Result<usize> {
+    let mut end = log.len();
+    let mut verified: std::collections::HashMap<usize, bool> = std::collections::HashMap::new();
+    let mut block = vec![0u8; BLOCK as usize];
+    loop {
+        let mut live: std::collections::HashMap<(u64, u8), Option<usize>> =
+            std::collections::HashMap::new();
+        for (i, (_, e)) in log[..end].iter().enumerate() {
+            match e {
+                Entry::Map { key, slot, .. } => {
+                    live.insert((*key, *slot), Some(i));
+                }
+                Entry::Unmap { key, slot } => {
+                    live.insert((*key, *slot), None);
+                }
+                _ => {}
+            }
+        }
+        let mut candidates: Vec<usize> = live.values().flatten().copied().collect();
+        candidates.sort_unstable();
+        let mut cut = None;
+        for i in candidates {
+            let (
+                seq,
+                Entry::Map {
+                    key,
+                    slot,
+                    cbn,
+                    crc,
+                    ..
+                },
+            ) = &log[i]
+            else {
+                continue;
+            };
+            check_cbn(layout, *cbn)?;
+            let ok = match verified.get(&i) {
+                Some(&ok) => ok,
+                None => {
+                    device
+                        .read_at(&mut block, layout.block_offset(*cbn))
+                        .map_err(CacheError::device("read block"))?;
+                    let ok = crc32c::crc32c(&block) == *crc;
+                    if !ok && *seq < durable_below {
+                        report.damaged_blocks += 1;
+                        tracing::error!(
+                            image = crate::index::key_image(*key),
+                            offset = crate::index::key_line(*key) * crate::layout::LINE
+                                + u64::from(*slot) * BLOCK,
+                            "a cache block written and synced does not verify: the device damaged it"
+                        );
+                    }
+                    verified.insert(i, ok || *seq < durable_below);
+                    ok || *seq < durable_below
+                }
+            };
+            if !ok {
+                cut = Some(i);
+                break;
+            }
+        }
+        match cut {
+            Some(i) => {
+                end = i;
+                report.stopped_at_torn_block = true;
+            }
+            None => return Ok(end),
+        }
+    }
+}
+
+/// The images a damage may have cost writes: those named by records after
+/// it (which recovery cannot apply), and those holding data the files
+/// lack, by name.
+fn affected_images(st: &State, log: &[(u64, Entry)], later: &[(u64, Vec<u8>)]) -> String {
+    let mut names: std::collections::BTreeMap<u16, String> = st
+        .images
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (i as u16, r.name.clone()))
+        .collect();
+    for (_, e) in log {
+        if let Entry::Image { id, name, .. } = e {
+            names.insert(*id, name.clone());
+        }
+    }
+    let mut touched = std::collections::BTreeSet::new();
+    for (_, payload) in later {
+        for e in journal::decode_entries(payload).unwrap_or_default() {
+            match e {
+                Entry::Image { id, name, .. } => {
+                    names.insert(id, name);
+                    touched.insert(id);
+                }
+                Entry::Map { key, .. }
+                | Entry::Unmap { key, .. }
+                | Entry::Clean { key, .. }
+                | Entry::Partial { key, .. }
+                | Entry::ValidSectors { key, .. }
+                | Entry::Lost { key, .. } => {
+                    touched.insert(crate::index::key_image(key));
+                }
+                Entry::MetaSector { image, .. }
+                | Entry::MetaZero { image, .. }
+                | Entry::MetaClean { image, .. } => {
+                    touched.insert(image);
+                }
+            }
+        }
+    }
+    for l in st.index.lines().filter(|l| l.dirty != 0 || l.partial != 0) {
+        touched.insert(crate::index::key_image(l.key));
+    }
+    for (image, _, _) in st.meta.dirty_sectors() {
+        touched.insert(image);
+    }
+    if touched.is_empty() {
+        return "no image has data in the cache that its file lacks".into();
+    }
+    touched
+        .into_iter()
+        .map(|id| {
+            names
+                .get(&id)
+                .cloned()
+                .unwrap_or_else(|| format!("image #{id} (name not recorded)"))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
@@ -452,11 +591,11 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
             cbn,
             guest,
             dirty,
-            ..
+            crc,
         } => {
             check_cbn(layout, cbn)?;
             let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
-            if let Some((old, r)) = st.index.map(key, guest, slot, cbn, dirty)
+            if let Some((old, r)) = st.map_block(key, guest, slot, cbn, dirty, crc)
                 && st.index.release(old, r)
             {
                 st.regions.release_block(old);
@@ -536,6 +675,13 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
         }
         Entry::MetaClean { image, offset } => {
             st.meta.remove(image, offset);
+        }
+        Entry::Lost { key, slot, lost } => {
+            if lost {
+                st.unreadable.insert((key, slot));
+            } else {
+                st.unreadable.remove(&(key, slot));
+            }
         }
     }
     Ok(())

@@ -231,9 +231,14 @@ impl FlashCache {
         if !dirty.is_empty() {
             self.commit_before_bypass(st)?;
             let backends = self.backends_of(st, &dirty)?;
-            self.copy_to_backends(&backends, &dirty)?;
+            let crcs = expected_crcs(st, &dirty);
+            let damaged = self.copy_to_backends(&backends, &dirty, &crcs)?;
             for &(key, slot, cbn) in &dirty {
-                if st.index.mark_clean(key, slot, cbn) {
+                if damaged.contains(&(key, slot, cbn)) {
+                    // Its content is lost: the region goes, the loss stays
+                    // (reads of the block fail until it is written again).
+                    self.lose_block(st, key, slot);
+                } else if st.index.mark_clean(key, slot, cbn) {
                     st.journal.push(&Entry::Clean {
                         key,
                         slot: slot as u8,
@@ -264,7 +269,16 @@ impl FlashCache {
                 .write_at(&buf, self.layout.block_offset(dst))
                 .map_err(CacheError::device("write block"))?;
             let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
-            if let Some((old, r)) = st.index.map(key, guest, slot, dst, false)
+            let crc = crc32c::crc32c(&buf);
+            if st.crcs.get(cbn) != Some(crc) {
+                // The device damaged this clean copy: drop it, the image
+                // still has the bytes.
+                tracing::warn!(cbn, "a clean cache block does not verify: dropped");
+                self.unmap_block(st, key, slot);
+                st.regions.release_block(dst);
+                continue;
+            }
+            if let Some((old, r)) = st.map_block(key, guest, slot, dst, false, crc)
                 && st.index.release(old, r)
             {
                 st.regions.release_block(old);
@@ -276,7 +290,7 @@ impl FlashCache {
                 cbn: dst,
                 guest,
                 dirty: false,
-                crc: crc32c::crc32c(&buf),
+                crc,
             });
         }
         Ok(())
@@ -305,19 +319,61 @@ impl FlashCache {
         Ok(out)
     }
 
+    /// Dirty block `slot` of line `key` no longer verifies in flash: its
+    /// only copy is lost. It becomes unreadable (reads fail rather than
+    /// return what the image holds, which is older), or, when salvaging,
+    /// is given up (the image's older bytes are what remains).
+    pub(crate) fn lose_block(&self, st: &mut State, key: u64, slot: usize) {
+        let image = crate::index::key_image(key);
+        let name = st
+            .images
+            .get(image as usize)
+            .map_or("?", |r| r.name.as_str());
+        let offset = crate::index::key_line(key) * crate::layout::LINE + slot as u64 * BLOCK;
+        if self.config.salvage {
+            tracing::error!(
+                image = name,
+                offset,
+                "salvage: a damaged dirty block is given up; the image keeps its older bytes there"
+            );
+            self.unmap_block(st, key, slot);
+        } else {
+            tracing::error!(
+                image = name,
+                offset,
+                "a dirty cache block no longer verifies: its data is lost and reads of it fail"
+            );
+            st.unreadable.insert((key, slot as u8));
+            st.journal.push(&Entry::Lost {
+                key,
+                slot: slot as u8,
+                lost: true,
+            });
+        }
+    }
+
     /// Reads dirty blocks from flash and writes them to their images,
     /// coalescing neighbours into one request, then syncs each image.
-    pub(crate) fn copy_to_backends(&self, targets: &[Target], blocks: &[DirtyBlock]) -> Result<()> {
-        let mut sorted: Vec<DirtyBlock> = blocks.to_vec();
-        sorted.sort_unstable_by_key(|&(key, slot, _)| (key, slot));
+    /// Blocks that do not match their checksum in `crcs` (the device
+    /// damaged them) are not written: they are returned.
+    pub(crate) fn copy_to_backends(
+        &self,
+        targets: &[Target],
+        blocks: &[DirtyBlock],
+        crcs: &[u32],
+    ) -> Result<Vec<DirtyBlock>> {
+        let mut sorted: Vec<(DirtyBlock, u32)> =
+            blocks.iter().copied().zip(crcs.iter().copied()).collect();
+        sorted.sort_unstable_by_key(|&((key, slot, _), _)| (key, slot));
+        let mut damaged = Vec::new();
         let mut i = 0;
         while i < sorted.len() {
-            let (key, slot, _) = sorted[i];
+            let ((key, slot, _), _) = sorted[i];
             let image = crate::index::key_image(key);
             let start = crate::index::key_line(key) * crate::layout::LINE + slot as u64 * BLOCK;
             let mut j = i + 1;
             while j < sorted.len() {
-                let (k2, s2, _) = sorted[j];
+                let ((k2, s2, _), _) = sorted[j];
                 let pos = crate::index::key_line(k2) * crate::layout::LINE + s2 as u64 * BLOCK;
                 if crate::index::key_image(k2) != image
                     || pos != start + (j - i) as u64 * BLOCK
@@ -328,7 +384,7 @@ impl FlashCache {
                 j += 1;
             }
             let mut data = vec![0u8; (j - i) * BLOCK as usize];
-            for (n, &(_, _, cbn)) in sorted[i..j].iter().enumerate() {
+            for (n, &((_, _, cbn), _)) in sorted[i..j].iter().enumerate() {
                 self.device
                     .read_at(
                         &mut data[n * BLOCK as usize..(n + 1) * BLOCK as usize],
@@ -340,12 +396,32 @@ impl FlashCache {
                 .iter()
                 .find(|(id, _, _)| *id == image)
                 .ok_or_else(|| CacheError::Corrupt(format!("no store for image {image}")))?;
-            backend
-                .write_at(&data, start)
-                .map_err(CacheError::device("write back"))?;
-            let c = self.stats.disk(*disk);
-            bump(&c.flash_bytes_read, data.len() as u64);
-            bump(&c.backend_bytes_written, data.len() as u64);
+            // Write the runs of blocks that verify; never a damaged one.
+            let mut run_start = 0;
+            for n in 0..=(j - i) {
+                let good = n < j - i && {
+                    let (block, crc) = sorted[i + n];
+                    let bytes = &data[n * BLOCK as usize..(n + 1) * BLOCK as usize];
+                    let ok = crc32c::crc32c(bytes) == crc;
+                    if !ok {
+                        damaged.push(block);
+                    }
+                    ok
+                };
+                if good {
+                    continue;
+                }
+                if n > run_start {
+                    let run = &data[run_start * BLOCK as usize..n * BLOCK as usize];
+                    backend
+                        .write_at(run, start + run_start as u64 * BLOCK)
+                        .map_err(CacheError::device("write back"))?;
+                    let c = self.stats.disk(*disk);
+                    bump(&c.flash_bytes_read, run.len() as u64);
+                    bump(&c.backend_bytes_written, run.len() as u64);
+                }
+                run_start = n + 1;
+            }
             i = j;
         }
         for (_, backend, disk) in targets {
@@ -354,6 +430,14 @@ impl FlashCache {
                 .map_err(CacheError::device("sync backend"))?;
             bump(&self.stats.disk(*disk).backend_syncs, 1);
         }
-        Ok(())
+        Ok(damaged)
     }
+}
+
+/// The checksums the blocks were written with, in the same order.
+pub(crate) fn expected_crcs(st: &State, blocks: &[DirtyBlock]) -> Vec<u32> {
+    blocks
+        .iter()
+        .map(|&(_, _, cbn)| st.crcs.get(cbn).unwrap_or(0))
+        .collect()
 }

@@ -302,17 +302,25 @@ impl FlashCache {
         out: &mut [u8],
     ) -> Result<()> {
         let key = line_key(id, block / LINE_BLOCKS);
+        let slot = (block % LINE_BLOCKS) as usize;
         let (cached, sectors) = {
             let mut st = self.lock();
-            let c = st.index.block(key, (block % LINE_BLOCKS) as usize);
+            if super::read::is_unreadable(&st, id, block) {
+                return Err(super::read::unreadable_block(&st, id, block));
+            }
+            let c = st.index.block(key, slot);
             if let Some(cbn) = c {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);
             }
-            (c, self.meta_snapshot(&st, id, block * BLOCK, BLOCK))
+            let expected = c.and_then(|cbn| st.crcs.get(cbn));
+            (
+                c.zip(expected),
+                self.meta_snapshot(&st, id, block * BLOCK, BLOCK),
+            )
         };
         let result = match cached {
-            Some(cbn) => self
+            Some((cbn, _)) => self
                 .device
                 .read_at(out, self.layout.block_offset(cbn))
                 .map_err(CacheError::device("read block")),
@@ -321,13 +329,22 @@ impl FlashCache {
                 .read_at(out, block * BLOCK)
                 .map_err(CacheError::device("read backend")),
         };
-        if let Some(cbn) = cached {
+        if let Some((cbn, _)) = cached {
             let mut st = self.lock();
             let r = st.regions.region_of(cbn);
             st.regions.unpin(r);
         }
+        result?;
+        if let Some((cbn, crc)) = cached
+            && crc32c::crc32c(out) != crc
+        {
+            // The device damaged the copy: a clean one is dropped and the
+            // image read instead; a dirty one fails.
+            self.drop_damaged(id, &[(block, cbn)])?;
+            return self.block_content(image, id, block, out);
+        }
         overlay(&sectors, block * BLOCK, out);
-        result
+        Ok(())
     }
 
     /// Old content of a block a write covers in part; none (zeros) for a
@@ -508,7 +525,7 @@ impl FlashCache {
                 let key = line_key(id, block / LINE_BLOCKS);
                 let slot = (block % LINE_BLOCKS) as usize;
                 let guest = guests[i];
-                if let Some((old, r)) = st.index.map(key, guest, slot, cbn, true)
+                if let Some((old, r)) = st.map_block(key, guest, slot, cbn, true, crcs[i])
                     && st.index.release(old, r)
                 {
                     st.regions.release_block(old);
@@ -597,6 +614,19 @@ impl FlashCache {
             .backend
             .write_vectored_at(&bufs, off)
             .map_err(CacheError::device("write backend"))?;
+        if !self.lock().unreadable.is_empty() {
+            let mut st = self.lock();
+            for b in off.div_ceil(BLOCK)..(off + len) / BLOCK {
+                let (key, slot) = (line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as u8);
+                if st.unreadable.remove(&(key, slot)) {
+                    st.journal.push(&Entry::Lost {
+                        key,
+                        slot,
+                        lost: false,
+                    });
+                }
+            }
+        }
         bump(&self.stats.disk(tag.disk).backend_bytes_written, len);
         let cached = cacheable_ranges(off, segments, keep_copy);
         let whole: Vec<u64> = (first..=last)
@@ -708,7 +738,7 @@ impl FlashCache {
             let key = line_key(id, b / LINE_BLOCKS);
             let slot = (b % LINE_BLOCKS) as usize;
             let guest = guests[(b - first_block) as usize];
-            if let Some((old, r)) = st.index.map(key, guest, slot, cbn, false)
+            if let Some((old, r)) = st.map_block(key, guest, slot, cbn, false, crc)
                 && st.index.release(old, r)
             {
                 st.regions.release_block(old);

@@ -116,10 +116,15 @@ impl FlashCache {
                 return Ok(false);
             }
             st.writeback_busy = true;
+            let from = *cursor;
             let batch = collect(&st, cursor);
             if batch.is_empty() {
-                if *cursor == 0 {
+                // A pass from the start that found nothing to write: what
+                // is dirty cannot be written (images not open, blocks lost).
+                if from == 0 {
+                    *cursor = 0;
                     st.writeback_busy = false;
+                    self.progress.notify_all();
                     return Ok(false);
                 }
                 *cursor = 0;
@@ -155,16 +160,23 @@ impl FlashCache {
                 st.regions.pin(r);
             }
             let targets = self.backends_of(&st, &batch);
-            (batch, targets)
+            let crcs = super::space::expected_crcs(&st, &batch);
+            (batch, targets.map(|t| (t, crcs)))
         };
-        let copied = targets.and_then(|t| self.copy_to_backends(&t, &batch));
+        let copied = targets.and_then(|(t, crcs)| self.copy_to_backends(&t, &batch, &crcs));
         let mut st = self.lock();
         for &(_, _, cbn) in &batch {
             let r = st.regions.region_of(cbn);
             st.regions.unpin(r);
         }
-        copied?;
+        let damaged = copied?;
         for &(key, slot, cbn) in &batch {
+            if damaged.contains(&(key, slot, cbn)) {
+                if st.index.block(key, slot) == Some(cbn) {
+                    self.lose_block(&mut st, key, slot);
+                }
+                continue;
+            }
             if st.index.mark_clean(key, slot, cbn) {
                 st.journal.push(&Entry::Clean {
                     key,
@@ -231,7 +243,7 @@ fn collect(st: &super::State, cursor: &mut u64) -> Vec<DirtyBlock> {
     for key in keys {
         if let Some(l) = st.index.get(key) {
             for slot in 0..LINE_BLOCKS as usize {
-                if l.dirty & (1 << slot) != 0 {
+                if l.dirty & (1 << slot) != 0 && !st.unreadable.contains(&(key, slot as u8)) {
                     out.push((key, slot, l.cbn(slot)));
                 }
             }

@@ -20,15 +20,18 @@ use crate::error::{ImageError, Result};
 use crate::hostio::{Holder, IoTag, MetaTable};
 use crate::identity::{self, ImageIdentity};
 use std::sync::atomic::Ordering;
+use vdcache_qcow2::Header;
 use vdcache_qcow2::HostOffset;
 use vdcache_qcow2::cache_mark::{CacheMark, MarkSlots, SLOT_BYTES};
 use vdcache_qcow2::features::{self, FeatureKind, autoclear, incompatible};
-use vdcache_qcow2::Header;
 use vdcache_qcow2::header::{self, FeatureName, field_offset};
 
 /// The feature bits a cache mark sets, whose names the header must carry
 /// (QEMU names the in-cache bit when it refuses the image).
-const MARK_BITS: [(FeatureKind, u8); 2] = [(FeatureKind::Incompatible, 56), (FeatureKind::Autoclear, 56)];
+const MARK_BITS: [(FeatureKind, u8); 2] = [
+    (FeatureKind::Incompatible, 56),
+    (FeatureKind::Autoclear, 56),
+];
 
 impl Qcow2Image {
     /// Refuses an image whose newest data is in a cache this open does
@@ -80,7 +83,9 @@ impl Qcow2Image {
         let at = header::cache_mark_offset(&first, &h)
             .ok()
             .flatten()
-            .ok_or_else(|| ImageError::corrupt(self.name(), "the cache mark vanished from the header"))?;
+            .ok_or_else(|| {
+                ImageError::corrupt(self.name(), "the cache mark vanished from the header")
+            })?;
         let slots = h.extensions.cache_mark.clone().unwrap_or_default();
         let mark = next_mark(slots.current(), &holder);
         let holds = self
@@ -333,7 +338,10 @@ pub fn abandon_cache(path: &std::path::Path) -> Result<Option<String>> {
     let store = &handle.backend;
     let io = |e| ImageError::io(&name, "write the header", e);
     store
-        .write_at(&incompatible.to_be_bytes(), field_offset::INCOMPATIBLE_FEATURES)
+        .write_at(
+            &incompatible.to_be_bytes(),
+            field_offset::INCOMPATIBLE_FEATURES,
+        )
         .map_err(io)?;
     store
         .write_at(&autoclear.to_be_bytes(), field_offset::AUTOCLEAR_FEATURES)

@@ -619,7 +619,10 @@ impl Locked<'_> {
 
     pub(crate) fn write_meta(&mut self, table: MetaTable, offset: u64, data: &[u8]) -> Result<()> {
         let g = self.img.geometry;
-        if let Some((cluster, kind)) = self.m.map.conflict(&g, offset, data.len() as u64, Some(table))
+        if let Some((cluster, kind)) =
+            self.m
+                .map
+                .conflict(&g, offset, data.len() as u64, Some(table))
         {
             return Err(self.corruption(format!(
                 "Preventing invalid write on metadata: a write of the {} at {offset:#x} overlaps the {} at cluster {cluster}",

@@ -192,7 +192,11 @@ pub(crate) fn build(g: &Geometry, m: &Meta) -> (MetaMap, Vec<Overlap>) {
     let cs = g.cluster_size();
     let mut places: Vec<(u64, u64, MetaKind)> = vec![
         (0, cs, MetaKind::Header),
-        (h.l1_table_offset, u64::from(h.l1_size) * 8, MetaKind::ActiveL1),
+        (
+            h.l1_table_offset,
+            u64::from(h.l1_size) * 8,
+            MetaKind::ActiveL1,
+        ),
         (
             h.refcount_table_offset,
             h.refcount_table_bytes(),
@@ -270,16 +274,16 @@ mod tests {
             m.conflict(&g, 3 * cs, 512, Some(MetaTable::RefcountBlock)),
             Some((3, MetaKind::ActiveL1))
         );
-        assert_eq!(
-            m.conflict(&g, 512, 8, None),
-            Some((0, MetaKind::Header))
-        );
+        assert_eq!(m.conflict(&g, 512, 8, None), Some((0, MetaKind::Header)));
         // A refcount block placed on the L1 table is an overlap.
         let e = m
             .insert(&g, 3 * cs, cs, MetaKind::RefcountBlock(0))
             .unwrap_err();
         assert_eq!(e.existing, MetaKind::ActiveL1);
-        assert!(e.to_string().contains("overlaps the active L1 table"), "{e}");
+        assert!(
+            e.to_string().contains("overlaps the active L1 table"),
+            "{e}"
+        );
         // Two L1 entries sharing one L2 table are one too.
         assert!(m.insert(&g, 5 * cs, cs, MetaKind::ActiveL2(1)).is_err());
         m.remove(&g, 5 * cs, cs, MetaKind::ActiveL2(0));

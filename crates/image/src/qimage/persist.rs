@@ -90,9 +90,12 @@ impl Locked<'_> {
             let g = self.img.geometry;
             let cs = g.cluster_size();
             let old_len = u64::from(old_clusters) * cs;
-            self.m
-                .map
-                .remove(&g, old_off, old_len, super::overlap::MetaKind::RefcountTable);
+            self.m.map.remove(
+                &g,
+                old_off,
+                old_len,
+                super::overlap::MetaKind::RefcountTable,
+            );
             for c in 0..u64::from(old_clusters) {
                 self.m.pending_frees.push(old_off / cs + c);
             }

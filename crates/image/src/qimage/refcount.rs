@@ -3,8 +3,8 @@
 //! growing the refcount table when allocation reaches past what it covers.
 
 use super::Locked;
-use super::overlap::MetaKind;
 use super::l2::Sliced;
+use super::overlap::MetaKind;
 use crate::error::{ImageError, Result};
 use crate::hostio::MetaTable;
 use std::ops::Range;

@@ -69,7 +69,11 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
 /// leaves nothing behind. An existing cache keeps the size it was created
 /// with: `size` must then match it or be absent. A device that holds
 /// something but no cache is refused unless `format_anyway`.
-pub fn open_cache(c: &CacheSection, cfg: CacheConfig, format_anyway: bool) -> Result<Arc<FlashCache>> {
+pub fn open_cache(
+    c: &CacheSection,
+    cfg: CacheConfig,
+    format_anyway: bool,
+) -> Result<Arc<FlashCache>> {
     let path = &c.path;
     let size = c
         .size
@@ -207,7 +211,10 @@ impl Daemon {
         let (cache, keep_dirty) = match &cfg.cache {
             Some(c) => {
                 let cc = cache_config(c)?;
-                (Some(open_cache(c, cc, format_cache)?), c.keep_dirty.unwrap_or(false))
+                (
+                    Some(open_cache(c, cc, format_cache)?),
+                    c.keep_dirty.unwrap_or(false),
+                )
             }
             None => (None, false),
         };
@@ -326,9 +333,10 @@ fn open_device(path: &Path) -> Result<vdcache_backend::BackendRef> {
 /// it still caches may be stale where the images move). Returns the
 /// images made standalone; an image that could not be is an error, after
 /// the others were done.
-pub fn recover_full(cache_path: &Path) -> Result<Vec<String>> {
+pub fn recover_full(cache_path: &Path, salvage: bool) -> Result<Vec<String>> {
     let cfg = CacheConfig {
         force_foreign: true,
+        salvage,
         ..CacheConfig::default()
     };
     let cache = FlashCache::open(open_device(cache_path)?, cfg.clone())
