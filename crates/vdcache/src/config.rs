@@ -82,7 +82,7 @@ pub struct ExportConfig {
     pub cache_mode: Option<String>,
     pub admission: Option<String>,
     pub sequential_write_cutoff: Option<String>,
-    /// stacked | cow-aware; overrides [cache] cow for this export.
+    /// stacked | cow-aware; overrides `cow` of `[cache]` for this export.
     pub cow: Option<String>,
     pub l2_cache_size: Option<String>,
     pub refcount_cache_size: Option<String>,

@@ -339,7 +339,7 @@ fn config_seeds_pass() {
 // ---------------------------------------------------------------------------
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 4000, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 20_000, ..ProptestConfig::default() })]
 
     #[test]
     fn mutated_traces_pass_every_reader(
