@@ -252,6 +252,14 @@ pub fn open_chain(name: &str, opts: &OpenOptions) -> Result<VirtualDisk> {
         let Some((backing, backing_format)) = next.filter(|_| !opts.no_backing) else {
             break;
         };
+        if backing.starts_with("json:") {
+            return Err(ImageError::Unsupported {
+                image: layer_name,
+                reason: format!(
+                    "backing file name '{backing}' uses QEMU's json: pseudo-protocol, which is not supported (it can name any host file); point it at a file with qemu-img rebase -u"
+                ),
+            });
+        }
         let resolved = opts.opener.resolve(&layer_name, &backing);
         format = match backing_format.as_deref() {
             Some(f) => {
@@ -275,6 +283,7 @@ pub fn open_chain(name: &str, opts: &OpenOptions) -> Result<VirtualDisk> {
         parent = Some((layer_name, backing));
         current = resolved;
     }
+    prepare_top(&layers, opts)?;
     VirtualDisk::new(layers, io, opts.disk, opts.read_only)
 }
 
@@ -385,14 +394,24 @@ fn open_layer(
         },
     )?;
     img.check_cache_mark(opts.inspect && !writable)?;
-    if writable {
-        if !opts.for_check {
-            img.stamp_for_holder()?;
-            img.repair_if_dirty()?;
-        }
-        img.prepare_for_writes()?;
-    }
     Ok((Layer::Qcow2(Box::new(img)), next))
+}
+
+/// Once the whole chain opened (nothing is written to an image whose chain
+/// is refused): the writable top image is stamped for the cache below,
+/// repaired if a crash left it dirty, and readied for writes.
+fn prepare_top(layers: &[Layer], opts: &OpenOptions) -> Result<()> {
+    let Some(Layer::Qcow2(img)) = layers.first() else {
+        return Ok(());
+    };
+    if opts.read_only {
+        return Ok(());
+    }
+    if !opts.for_check {
+        img.stamp_for_holder()?;
+        img.repair_if_dirty()?;
+    }
+    img.prepare_for_writes()
 }
 
 /// Tells the layer below which file `handle` is, before it serves any

@@ -474,9 +474,62 @@ impl Header {
         u64::from(self.refcount_table_clusters) << self.cluster_bits
     }
 
+    /// The first two of the tables the header places (header, active L1,
+    /// refcount table, snapshot table, bitmap directory) that share a
+    /// cluster: writing one would destroy the other, and reading one
+    /// through the other yields nonsense.
+    pub fn table_overlap(&self) -> Option<String> {
+        let cs = self.cluster_size();
+        let mut tables: Vec<(&str, u64, u64)> = vec![("header", 0, cs)];
+        if self.l1_size > 0 {
+            tables.push((
+                "active L1 table",
+                self.l1_table_offset,
+                u64::from(self.l1_size) * 8,
+            ));
+        }
+        tables.push((
+            "refcount table",
+            self.refcount_table_offset,
+            self.refcount_table_bytes(),
+        ));
+        if self.nb_snapshots > 0 {
+            tables.push((
+                "snapshot table",
+                self.snapshots_offset,
+                u64::from(self.nb_snapshots) * 40,
+            ));
+        }
+        if let Some(b) = self.extensions.bitmaps {
+            tables.push(("bitmap directory", b.directory_offset, b.directory_size));
+        }
+        let clusters = |off: u64, len: u64| {
+            let first = off / cs;
+            (
+                first,
+                off.saturating_add(len.max(1)).div_ceil(cs).max(first + 1),
+            )
+        };
+        for (i, &(a, ao, al)) in tables.iter().enumerate() {
+            for &(b, bo, bl) in &tables[i + 1..] {
+                let ((a0, a1), (b0, b1)) = (clusters(ao, al), clusters(bo, bl));
+                if a0 < b1 && b0 < a1 {
+                    return Some(format!(
+                        "the {b} at {bo:#x} overlaps the {a} at {ao:#x} (metadata overlap)"
+                    ));
+                }
+            }
+        }
+        None
+    }
+
     /// Checks that the tables the header points to lie inside a file of
-    /// `file_len` bytes, so no table read is sized by a bogus field.
+    /// `file_len` bytes, so no table read is sized by a bogus field, and
+    /// that no two of them overlap.
     pub fn validate_against_file(&self, file_len: u64) -> Result<()> {
+        if let Some(overlap) = self.table_overlap() {
+            return Err(FormatError::invalid("table offsets", overlap));
+        }
         let within = |field: &'static str, off: u64, len: u64| -> Result<()> {
             match off.checked_add(len) {
                 Some(end) if end <= file_len => Ok(()),

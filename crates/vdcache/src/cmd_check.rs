@@ -37,6 +37,7 @@ fn check(a: &Args) -> Result<u8> {
         &OpenOptions {
             read_only: true,
             force_share: true,
+            for_check: true,
             ..OpenOptions::default()
         },
     )?);

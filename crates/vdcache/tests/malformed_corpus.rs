@@ -364,6 +364,45 @@ fn mask_corrupt(b: &[u8]) -> Vec<u8> {
     m
 }
 
+/// What serving changed beyond what it may: the corrupt bit, and the cache
+/// mark a server with a cache stamps into the header (its extension and
+/// feature names, the bits that go with it, and where the extension area
+/// and the backing file name lie in the first cluster). Everything after
+/// the first cluster, and every other header field, must be unchanged.
+fn changed_beyond_marks(before: &[u8], after: &[u8]) -> Option<String> {
+    use vdcache_qcow2::Header;
+    use vdcache_qcow2::features::{autoclear, incompatible};
+    if mask_corrupt(before) == mask_corrupt(after) {
+        return None;
+    }
+    let what = || {
+        Some(format!(
+            "MODIFIED the image beyond the corrupt bit and cache mark: {}",
+            difference(before, after)
+        ))
+    };
+    let (Ok(mut a), Ok(mut b)) = (Header::parse(before), Header::parse(after)) else {
+        return what();
+    };
+    let cs = a.cluster_size() as usize;
+    if before.len() != after.len() || before.get(cs..) != after.get(cs..) {
+        return what();
+    }
+    for h in [&mut a, &mut b] {
+        h.incompatible_features &= !(incompatible::CORRUPT | incompatible::IN_CACHE);
+        h.autoclear_features &= !autoclear::CACHE_COHERENT;
+        h.header_length = 0;
+        h.backing_file_offset = 0;
+        h.unknown_fields.clear();
+        h.extensions.cache_mark = None;
+        h.extensions.feature_names.clear();
+    }
+    if a != b {
+        return what();
+    }
+    None
+}
+
 fn corrupt_bit_set(b: &[u8]) -> bool {
     b.len() >= INCOMPATIBLE_FEATURES + 8
         && common::be32(b, 4) >= 3
@@ -573,11 +612,7 @@ impl Run<'_> {
                 ),
                 Err(t) => self.f.add(label, excerpt(&t)),
             }
-        } else if mask_corrupt(&now) != mask_corrupt(&self.orig) {
-            let what = format!(
-                "MODIFIED the image beyond the corrupt bit: {}",
-                difference(&self.orig, &now)
-            );
+        } else if let Some(what) = changed_beyond_marks(&self.orig, &now) {
             self.f.add(label, what);
         }
         if set && !w.corrupt_bit {

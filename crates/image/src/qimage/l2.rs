@@ -62,13 +62,10 @@ impl Locked<'_> {
             .checked_add(size as u64)
             .is_none_or(|end| end > file_len)
         {
-            return Err(ImageError::corrupt(
-                self.name(),
-                format!(
-                    "{} at {start:#x} lies past the end of the image file ({file_len} bytes)",
-                    kind.describe()
-                ),
-            ));
+            return Err(self.corruption(format!(
+                "{} at {start:#x} lies past the end of the image file ({file_len} bytes)",
+                kind.describe()
+            )));
         }
         self.make_room(kind)?;
         let mut data = vec![0u8; size].into_boxed_slice();
@@ -118,14 +115,44 @@ impl Locked<'_> {
     }
 
     /// Host offset of the L2 table covering `guest_cluster`, if allocated.
-    fn l2_table_of(&self, guest_cluster: u64) -> Result<Option<(u64, bool)>> {
-        let g = &self.img.geometry;
+    /// An entry that does not decode, has flags but no table, or points at
+    /// other metadata is corruption.
+    fn l2_table_of(&mut self, guest_cluster: u64) -> Result<Option<(u64, bool)>> {
+        let g = self.img.geometry;
         let l1i = g.l1_index(guest_cluster) as usize;
         let Some(&raw) = self.m.l1.get(l1i) else {
             return Ok(None);
         };
-        let e = L1Entry::decode(raw, g).map_err(|e| ImageError::format(self.name(), e))?;
-        Ok(e.l2_offset.map(|o| (o.0, e.copied)))
+        let e = match L1Entry::decode(raw, &g) {
+            Ok(e) => e,
+            Err(e) => return Err(self.corruption(format!("L1 entry {l1i}: {e}"))),
+        };
+        let Some(table) = e.l2_offset else {
+            if raw != 0 {
+                return Err(self.corruption(format!(
+                    "L1 entry {l1i} is {raw:#018x}: COPIED is set but there is no L2 table (offset 0 is the header)"
+                )));
+            }
+            return Ok(None);
+        };
+        let cluster = g.host_cluster(table);
+        match self.m.map.kind_at(cluster) {
+            None => {}
+            Some(MetaKind::ActiveL2(i)) if i == l1i as u64 => {}
+            Some(kind) => {
+                return Err(self.corruption(format!(
+                    "the L2 table of L1 entry {l1i} at {:#x} overlaps the {} at cluster {cluster} (metadata overlap{})",
+                    table.0,
+                    kind.describe(),
+                    if matches!(kind, MetaKind::ActiveL2(_)) {
+                        ": one L2 table shared by two L1 entries"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        }
+        Ok(Some((table.0, e.copied)))
     }
 
     /// (slice start, byte offset of the entry inside the slice).
@@ -191,7 +218,7 @@ impl Locked<'_> {
         match self.m.map.conflict(&g, start, len, None) {
             None => Ok(()),
             Some((cluster, kind)) => Err(self.corruption(format!(
-                "the L2 entry of guest cluster {guest_cluster} points at {start:#x}, into the {} at cluster {cluster}",
+                "the data of guest cluster {guest_cluster} at {start:#x} overlaps the {} at cluster {cluster} (metadata overlap)",
                 kind.describe()
             ))),
         }

@@ -465,13 +465,17 @@ impl Qcow2Image {
     ) -> Result<Vec<u8>> {
         let stored = desc.stored_len();
         if stored > 2 * self.geometry.cluster_size() + compressed::SECTOR {
-            return Err(ImageError::corrupt(
-                self.name(),
-                format!(
-                    "compressed cluster at {:#x} claims {stored} bytes",
-                    desc.offset
-                ),
-            ));
+            return Err(self.lock().corruption(format!(
+                "compressed cluster at {:#x} claims {stored} bytes",
+                desc.offset
+            )));
+        }
+        let file_end = self.lock().m.file_end;
+        if desc.offset.saturating_add(stored) > file_end.next_multiple_of(compressed::SECTOR) {
+            return Err(self.lock().corruption(format!(
+                "compressed cluster at {:#x} (+{stored} bytes) extends past the end of the image file ({file_end} bytes)",
+                desc.offset
+            )));
         }
         let mut src = vec![0u8; stored as usize];
         self.io

@@ -146,6 +146,11 @@ impl MetaMap {
         }
     }
 
+    /// What cluster `cluster` holds, if metadata.
+    pub(crate) fn kind_at(&self, cluster: u64) -> Option<MetaKind> {
+        self.clusters.get(&cluster).copied()
+    }
+
     /// Forgets a freed cluster, whatever it held.
     pub(crate) fn forget(&mut self, cluster: u64) {
         self.clusters.remove(&cluster);
