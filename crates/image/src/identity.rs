@@ -79,7 +79,7 @@ impl ImageIdentity {
                 a.ino, a.birth_ns, b.ino, b.birth_ns
             ));
         }
-        if !(self.writable || recorded.writable) && !a.same_content(b) {
+        if !(self.writable || recorded.writable || a.same_content(b)) {
             return Verdict::Different(format!(
                 "it was changed (size {} modified at {} ns, recorded size {} modified at {} ns)",
                 a.size, a.mtime_ns, b.size, b.mtime_ns
