@@ -10,9 +10,9 @@ mod common;
 mod serving;
 
 use common::{Scratch, assert_no_panic, exec, ok};
-use serving::{qcow2, qemu_io, serve, serve_refused, stats, try_serve, uri};
+use serving::{Proc, qcow2, qemu_io, serve, serve_refused, stats, try_serve, uri};
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,71 @@ fn cache_args<'a>(cache: &'a str, img: &'a str, extra: &[&'a str]) -> Vec<&'a st
     v.extend_from_slice(extra);
     v.push(img);
     v
+}
+
+/// A qcow2 image served through a write-back cache in a scratch
+/// directory: `tag.qcow2`, `tag.cache`, `tag.sock`.
+struct Rig {
+    s: Scratch,
+    img: PathBuf,
+    cache: PathBuf,
+    sock: PathBuf,
+}
+
+impl Rig {
+    fn new(tag: &str, backing: Option<&str>) -> Rig {
+        let s = Scratch::new();
+        let img = s.path(&format!("{tag}.qcow2"));
+        qcow2(&s, &img, 16 * M, backing);
+        let (cache, sock) = (s.path(&format!("{tag}.cache")), s.path(&format!("{tag}.sock")));
+        Rig {
+            s,
+            img,
+            cache,
+            sock,
+        }
+    }
+
+    fn i(&self) -> &str {
+        self.img.to_str().expect("utf-8")
+    }
+
+    fn c(&self) -> &str {
+        self.cache.to_str().expect("utf-8")
+    }
+
+    fn args(&self) -> Vec<&str> {
+        cache_args(self.c(), self.i(), &[])
+    }
+
+    fn serve(&self) -> Proc {
+        serve(&self.s, &self.sock, &self.args())
+    }
+
+    fn refused(&self) -> String {
+        serve_refused(&self.s, &self.sock, &self.args())
+    }
+
+    /// qemu-io commands over NBD.
+    fn nbd_io(&self, cmds: &[&str]) {
+        let cmds: Vec<String> = cmds.iter().map(|c| c.to_string()).collect();
+        qemu_io(&self.s, "raw", &uri(&self.sock, ""), &cmds);
+    }
+
+    /// Writes and flushes through a server, then kills it with -9: the
+    /// data stays dirty in the cache.
+    fn crash_after(&self, write: &str) {
+        let server = self.serve();
+        self.nbd_io(&[write, "flush"]);
+        server.kill9();
+    }
+
+    /// The image deleted and created again, with `write` (qemu-io) in it.
+    fn recreate(&self, write: &str) {
+        std::fs::remove_file(&self.img).expect("rm");
+        qcow2(&self.s, &self.img, 16 * M, None);
+        qemu_io(&self.s, "qcow2", self.i(), &[write.into()]);
+    }
 }
 
 #[test]
@@ -77,36 +142,17 @@ fn create_refuses_an_image_in_use_and_changes_nothing() {
 /// image's blocks over the new one.
 #[test]
 fn an_image_created_again_under_the_cache_is_never_served_its_old_data() {
-    let s = Scratch::new();
-    let img = s.path("r.qcow2");
-    qcow2(&s, &img, 16 * M, None);
-    let (c, i) = (s.path("r.cache"), img.to_str().expect("utf-8").to_string());
-    let c = c.to_str().expect("utf-8").to_string();
-    let sock = s.path("r.sock");
-    let u = uri(&sock, "");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["write -P 0x11 0 4M".into(), "flush".into()],
-    );
-    assert!(
-        stats(&s, &sock)["cache"]["dirty_bytes"]
-            .as_u64()
-            .unwrap_or(0)
-            > 0,
-        "the test needs dirty data in the cache"
-    );
+    let r = Rig::new("r", None);
+    let server = r.serve();
+    r.nbd_io(&["write -P 0x11 0 4M", "flush"]);
+    let dirty = stats(&r.s, &r.sock)["cache"]["dirty_bytes"].as_u64();
+    assert!(dirty.unwrap_or(0) > 0, "the test needs dirty data in the cache");
     server.kill9();
 
-    std::fs::remove_file(&img).expect("rm");
-    qcow2(&s, &img, 16 * M, None);
-    qemu_io(&s, "qcow2", &i, &["write -P 0x22 0 1M".into()]);
-    let new_image = sha(&img);
-
+    r.recreate("write -P 0x22 0 1M");
+    let new_image = sha(&r.img);
     // Dirty data of the old image: refused, in words, with what to do.
-    let log = serve_refused(&s, &sock, &cache_args(&c, &i, &[]));
+    let log = r.refused();
     assert!(
         log.contains("is not the image") && log.contains("recover"),
         "the refusal must say what happened and what to do\n{log}"
@@ -115,55 +161,31 @@ fn an_image_created_again_under_the_cache_is_never_served_its_old_data() {
         !log.contains("ImageIdentity") && !log.contains("{ "),
         "no struct dumps in messages\n{log}"
     );
-    assert_eq!(sha(&img), new_image, "the new image was changed");
+    assert_eq!(sha(&r.img), new_image, "the new image was changed");
 
     // Give the old data up (the cache goes), and the new image serves its
     // own content.
-    std::fs::remove_file(&c).expect("rm cache");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["read -P 0x22 0 1M".into(), "read -P 0 1M 3M".into()],
-    );
+    std::fs::remove_file(&r.cache).expect("rm cache");
+    let server = r.serve();
+    r.nbd_io(&["read -P 0x22 0 1M", "read -P 0 1M 3M"]);
     server.stop_clean();
-    s.finish();
+    r.s.finish();
 }
 
 /// The same without dirty data: the old image's clean copies are dropped
 /// and the new file's bytes are read.
 #[test]
 fn clean_copies_of_a_replaced_image_are_dropped() {
-    let s = Scratch::new();
-    let img = s.path("cl.qcow2");
-    qcow2(&s, &img, 16 * M, None);
-    let (c, i) = (s.path("cl.cache"), img.to_str().expect("utf-8").to_string());
-    let c = c.to_str().expect("utf-8").to_string();
-    let sock = s.path("cl.sock");
-    let u = uri(&sock, "");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["write -P 0x33 0 2M".into(), "flush".into()],
-    );
-    qemu_io(&s, "raw", &u, &["read -P 0x33 0 2M".into()]);
+    let r = Rig::new("cl", None);
+    let server = r.serve();
+    r.nbd_io(&["write -P 0x33 0 2M", "flush"]);
+    r.nbd_io(&["read -P 0x33 0 2M"]);
     server.stop_clean();
-
-    std::fs::remove_file(&img).expect("rm");
-    qcow2(&s, &img, 16 * M, None);
-    qemu_io(&s, "qcow2", &i, &["write -P 0x44 0 1M".into()]);
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["read -P 0x44 0 1M".into(), "read -P 0 1M 1M".into()],
-    );
+    r.recreate("write -P 0x44 0 1M");
+    let server = r.serve();
+    r.nbd_io(&["read -P 0x44 0 1M", "read -P 0 1M 1M"]);
     server.stop_clean();
-    s.finish();
+    r.s.finish();
 }
 
 /// A copy of the image from before the last session (a backup restored)
@@ -171,36 +193,20 @@ fn clean_copies_of_a_replaced_image_are_dropped() {
 /// are not served over it.
 #[test]
 fn a_restored_backup_is_told_apart_by_its_generation() {
-    let s = Scratch::new();
-    let img = s.path("b.qcow2");
-    qcow2(&s, &img, 16 * M, None);
-    let (c, i) = (s.path("b.cache"), img.to_str().expect("utf-8").to_string());
-    let c = c.to_str().expect("utf-8").to_string();
-    let sock = s.path("b.sock");
-    let u = uri(&sock, "");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["write -P 0x55 0 1M".into(), "flush".into()],
-    );
+    let r = Rig::new("b", None);
+    let server = r.serve();
+    r.nbd_io(&["write -P 0x55 0 1M", "flush"]);
     server.stop_clean();
-    let backup = sha(&img);
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["write -P 0x66 0 1M".into(), "flush".into()],
-    );
-    qemu_io(&s, "raw", &u, &["read -P 0x66 0 1M".into()]);
+    let backup = sha(&r.img);
+    let server = r.serve();
+    r.nbd_io(&["write -P 0x66 0 1M", "flush"]);
+    r.nbd_io(&["read -P 0x66 0 1M"]);
     server.stop_clean();
-    std::fs::write(&img, &backup).expect("restore the backup");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["read -P 0x55 0 1M".into()]);
+    std::fs::write(&r.img, &backup).expect("restore the backup");
+    let server = r.serve();
+    r.nbd_io(&["read -P 0x55 0 1M"]);
     server.stop_clean();
-    s.finish();
+    r.s.finish();
 }
 
 #[test]
@@ -346,80 +352,57 @@ fn an_image_whose_data_is_in_the_cache_is_refused_until_recovered() {
     qcow2(&s, &base, 16 * M, None);
     let b = base.to_str().expect("utf-8");
     qemu_io(&s, "qcow2", b, &["write -P 0x11 0 16M".into()]);
-    let img = s.path("m.qcow2");
-    qcow2(&s, &img, 16 * M, Some(b));
-    let (c, i) = (s.path("m.cache"), img.to_str().expect("utf-8").to_string());
-    let c = c.to_str().expect("utf-8").to_string();
-    let sock = s.path("m.sock");
-    let u = uri(&sock, "");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["write -P 0x22 0 1M".into(), "flush".into()],
-    );
-    server.kill9();
+    let r = Rig {
+        img: s.path("m.qcow2"),
+        cache: s.path("m.cache"),
+        sock: s.path("m.sock"),
+        s,
+    };
+    qcow2(&r.s, &r.img, 16 * M, Some(b));
+    r.crash_after("write -P 0x22 0 1M");
 
-    let out = exec(s.qemu_img().arg("check").arg(&img));
+    let out = exec(r.s.qemu_img().arg("check").arg(&r.img));
     assert!(
         !out.success() && out.stderr.contains("vdcache recover --full"),
         "qemu-img must refuse the stale image naming the recovery\n{}",
         out.report()
     );
-    let out = exec(s.qemu_io().args(["-c", "read 0 512"]).arg(&img));
+    let out = exec(r.s.qemu_io().args(["-c", "read 0 512"]).arg(&r.img));
     assert!(
         !out.success() || out.all().contains("Unsupported"),
         "{}",
         out.report()
     );
-    let out = exec(s.vdcache().arg("check").arg(&img));
+    let out = exec(r.s.vdcache().arg("check").arg(&r.img));
     assert!(
-        out.code() == Some(1) && out.stderr.contains(&c) && out.stderr.contains("recover"),
+        out.code() == Some(1) && out.stderr.contains(r.c()) && out.stderr.contains("recover"),
         "vdcache check must refuse naming the cache\n{}",
         out.report()
     );
-    let out = ok(s.vdcache().arg("info").arg(&img));
+    let out = ok(r.s.vdcache().arg("info").arg(&r.img));
     assert!(out.stdout.contains("NEEDS ITS CACHE"), "{}", out.report());
-    let out = exec(s.vdcache().args(["io", "-c", "read 0 512"]).arg(&img));
+    let out = exec(r.s.vdcache().args(["io", "-c", "read 0 512"]).arg(&r.img));
     assert!(!out.success(), "vdcache io must refuse\n{}", out.report());
 
-    ok(s.vdcache().args(["recover", "--full", "--cache", &c]));
-    let out = ok(s.qemu_img().arg("check").arg(&img));
+    ok(r.s.vdcache().args(["recover", "--full", "--cache", r.c()]));
+    let out = ok(r.s.qemu_img().arg("check").arg(&r.img));
     assert!(out.stdout.contains("No errors"), "{}", out.report());
-    qemu_io(
-        &s,
-        "qcow2",
-        &i,
-        &["read -P 0x22 0 1M".into(), "read -P 0x11 1M 15M".into()],
-    );
-    s.finish();
+    let reads = ["read -P 0x22 0 1M".into(), "read -P 0x11 1M 15M".into()];
+    qemu_io(&r.s, "qcow2", r.i(), &reads);
+    r.s.finish();
 }
 
 /// `vdcache recover --without-cache` makes an image usable whose cache is
 /// lost, saying so.
 #[test]
 fn an_image_whose_cache_is_lost_can_be_given_up() {
-    let s = Scratch::new();
-    let img = s.path("l.qcow2");
-    qcow2(&s, &img, 16 * M, None);
-    let (c, i) = (s.path("l.cache"), img.to_str().expect("utf-8").to_string());
-    let c = c.to_str().expect("utf-8").to_string();
-    let sock = s.path("l.sock");
-    let u = uri(&sock, "");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["write -P 0x22 0 1M".into(), "flush".into()],
-    );
-    server.kill9();
-    std::fs::remove_file(&c).expect("lose the cache");
-    let out = ok(s.vdcache().args(["recover", "--without-cache", &i]));
+    let r = Rig::new("l", None);
+    r.crash_after("write -P 0x22 0 1M");
+    std::fs::remove_file(&r.cache).expect("lose the cache");
+    let out = ok(r.s.vdcache().args(["recover", "--without-cache", r.i()]));
     assert!(out.stdout.contains("lost"), "{}", out.report());
-    ok(s.qemu_img().arg("check").arg(&img));
-    s.finish();
+    ok(r.s.qemu_img().arg("check").arg(&r.img));
+    r.s.finish();
 }
 
 /// A zeroed superblock: restored from its copy (never formatted again,
@@ -427,64 +410,35 @@ fn an_image_whose_cache_is_lost_can_be_given_up() {
 /// (A device without either copy is refused: tests/faults.rs of the cache.)
 #[test]
 fn a_cache_whose_superblock_was_zeroed_is_restored_not_reformatted() {
-    let s = Scratch::new();
-    let img = s.path("z.qcow2");
-    qcow2(&s, &img, 16 * M, None);
-    let (c, i) = (s.path("z.cache"), img.to_str().expect("utf-8").to_string());
-    let cache = c.clone();
-    let c = c.to_str().expect("utf-8").to_string();
-    let sock = s.path("z.sock");
-    let u = uri(&sock, "");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["write -P 0x22 0 1M".into(), "flush".into()],
-    );
-    server.kill9();
-    let original = sha(&cache);
+    let r = Rig::new("z", None);
+    r.crash_after("write -P 0x22 0 1M");
+    let original = sha(&r.cache);
     let mut bytes = original.clone();
     bytes[..4096].fill(0);
-    std::fs::write(&cache, &bytes).expect("zero the superblock");
-    let server = serve(&s, &sock, &cache_args(&c, &i, &[]));
-    qemu_io(&s, "raw", &u, &["read -P 0x22 0 1M".into()]);
+    std::fs::write(&r.cache, &bytes).expect("zero the superblock");
+    let server = r.serve();
+    r.nbd_io(&["read -P 0x22 0 1M"]);
     let log = server.stop_clean();
     assert!(log.contains("restored from its copy"), "{log}");
     assert_eq!(
-        sha(&cache)[..4096],
+        sha(&r.cache)[..4096],
         original[..4096],
         "the superblock was not restored"
     );
-    s.finish();
+    r.s.finish();
 }
 
 /// A cache holding dirty data of an image this server does not serve:
 /// a warning at start, that data left alone, and a stop that ends.
 #[test]
 fn dirty_data_of_an_image_not_served_is_named_and_does_not_block_the_stop() {
-    let s = Scratch::new();
-    let a = s.path("a.qcow2");
-    let b = s.path("b.qcow2");
-    qcow2(&s, &a, 16 * M, None);
-    qcow2(&s, &b, 16 * M, None);
-    let (a, b) = (
-        a.to_str().expect("utf-8").to_string(),
-        b.to_str().expect("utf-8").to_string(),
-    );
-    let c = s.path("ab.cache").to_str().expect("utf-8").to_string();
-    let sock = s.path("ab.sock");
-    let u = uri(&sock, "");
-    let server = serve(&s, &sock, &cache_args(&c, &a, &[]));
-    qemu_io(
-        &s,
-        "raw",
-        &u,
-        &["write -P 0x77 0 1M".into(), "flush".into()],
-    );
-    server.kill9();
+    let a = Rig::new("a", None);
+    let b = a.s.path("b.qcow2");
+    qcow2(&a.s, &b, 16 * M, None);
+    a.crash_after("write -P 0x77 0 1M");
 
-    let server = match try_serve(&s, &sock, &cache_args(&c, &b, &[])) {
+    let other = cache_args(a.c(), b.to_str().expect("utf-8"), &[]);
+    let server = match try_serve(&a.s, &a.sock, &other) {
         Ok(p) => p,
         Err(log) => panic!("serving another image on the cache failed\n{log}"),
     };
@@ -496,12 +450,12 @@ fn dirty_data_of_an_image_not_served_is_named_and_does_not_block_the_stop() {
         started.elapsed()
     );
     assert!(
-        log.contains(&a) && log.contains("not served"),
+        log.contains(a.i()) && log.contains("not served"),
         "the start must name the image whose dirty data stays in the cache\n{log}"
     );
     // The data is still there for its own image.
-    let server = serve(&s, &sock, &cache_args(&c, &a, &[]));
-    qemu_io(&s, "raw", &u, &["read -P 0x77 0 1M".into()]);
+    let server = a.serve();
+    a.nbd_io(&["read -P 0x77 0 1M"]);
     server.stop_clean();
-    s.finish();
+    a.s.finish();
 }

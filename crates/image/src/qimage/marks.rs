@@ -309,20 +309,14 @@ fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
 /// cleared, whatever the cache held is given up. Returns the cache the
 /// mark named, or `None` if the image was not marked.
 pub fn abandon_cache(path: &std::path::Path) -> Result<Option<String>> {
-    use vdcache_backend::{FileBackend, FileOptions, LockMode};
+    use crate::chain::StoreOpener;
     let name = path.display().to_string();
-    let backend = FileBackend::open(
-        path,
-        FileOptions {
-            read_only: false,
-            lock: Some(LockMode::Write),
-            create: false,
-        },
-    )?;
+    let backend =
+        crate::chain::LocalFiles.open(&name, true, Some(vdcache_backend::LockMode::Write))?;
     let handle = crate::hostio::ImageHandle {
         name: std::sync::Arc::from(name.as_str()),
         depth: 0,
-        backend: std::sync::Arc::new(backend),
+        backend,
     };
     let header = identity::read_header_direct(&handle)
         .map_err(|e| ImageError::io(&name, "read the header", e))?
