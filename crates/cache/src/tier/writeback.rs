@@ -150,18 +150,20 @@ impl FlashCache {
                         .is_some_and(|l| l.dirty & (1 << slot) != 0 && l.cbn(slot) == cbn)
                 })
                 .collect();
-            for &(_, _, cbn) in &batch {
+            for &(key, slot, cbn) in &batch {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);
+                st.copying.insert((key, slot as u8));
             }
             let targets = self.backends_of(&st, &batch);
             (batch, targets)
         };
         let copied = targets.and_then(|t| self.copy_to_backends(&t, &batch));
         let mut st = self.lock();
-        for &(_, _, cbn) in &batch {
+        for &(key, slot, cbn) in &batch {
             let r = st.regions.region_of(cbn);
             st.regions.unpin(r);
+            st.copying.remove(&(key, slot as u8));
         }
         copied?;
         for &(key, slot, cbn) in &batch {
