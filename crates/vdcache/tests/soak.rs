@@ -73,7 +73,10 @@ fn ten_kill9_restarts_per_mode_lose_no_flushed_write() {
         // The kills cut requests off: unflushed versions were at stake.
         assert!(u(c, "unanswered") > 0 && u(m, "sectors_with_unflushed") > 0);
     }
-    assert!(!dir.exists(), "a passing soak removes the directory it made");
+    assert!(
+        !dir.exists(),
+        "a passing soak removes the directory it made"
+    );
     s.finish();
 }
 

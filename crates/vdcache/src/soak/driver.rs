@@ -35,8 +35,10 @@ use vdcache_nbd::NbdClient;
 const CLUSTER: u64 = 64 << 10;
 /// The base image has data in about half of these chunks.
 const BASE_CHUNK: u64 = 256 << 10;
-/// Violations printed in full.
+/// Violations printed ...
 const SHOWN: usize = 20;
+/// ... and of those, printed with the cycle's requests on their sector.
+const EXPLAINED: usize = 3;
 /// Unit of the verification reads.
 const READ_CHUNK: u64 = 1 << 20;
 
@@ -333,11 +335,12 @@ impl Cycle<'_> {
         drop(clients);
         outcome?;
         if let Some(f) = shared.failure() {
-            let st = server.exited();
+            let died = server
+                .exited()
+                .map(|s| format!(" (the server died, {s}, though the soak did not kill it)"))
+                .unwrap_or_default();
             bail!(
-                "the load failed while the server was up{}: {f}\nend of the server log {}:\n{}",
-                st.map(|s| format!(" (the server exited: {s})"))
-                    .unwrap_or_default(),
+                "a request failed while the server was up{died}: {f}\nend of the server log {}:\n{}",
                 self.spec.log.display(),
                 log_tail(&self.spec.log)
             );
@@ -387,6 +390,7 @@ impl Cycle<'_> {
             self.kills.with_flush_in_flight += 1;
         }
         shared.killed.store(true, Ordering::SeqCst);
+        shared.lock().record.note(format!("kill -9 ({kill:?})"));
         server.kill9()?;
         match kill {
             // A kill during the restart that follows is counted there.
@@ -422,7 +426,9 @@ impl Verified {
                 Ok(Held::Durable) => {}
                 Err(v) => {
                     self.violations += 1;
-                    if self.shown.len() < SHOWN {
+                    if self.shown.len() < EXPLAINED {
+                        self.shown.push(format!("{v}; {}", st.record.explain(s)));
+                    } else if self.shown.len() < SHOWN {
                         self.shown.push(v.to_string());
                     }
                 }
@@ -563,17 +569,23 @@ pub fn run_mode(cfg: &Config, mode: &str, index: u64) -> Result<ModeReport> {
         let before = shared.lock().counts.clone();
         cycle.load(&mut server, kill, rng.random())?;
         if let Kill::DuringRestart(_, after) = kill {
+            shared
+                .lock()
+                .record
+                .note(format!("restart, killed again after {after:?}"));
             let mut s = spec.spawn(&format!("restart after cycle {n}, killed after {after:?}"))?;
             std::thread::sleep(after);
             s.kill9()?;
             cycle.kills.during_restart += 1;
         }
         server = spec.start(&format!("restart after cycle {n} ({kill:?})"))?;
-        if cfg.inject_fault && report.injected_faults == 0 {
-            if let Some(s) = inject_fault(&shared, &files.socket)? {
-                report.injected_faults = s.len() as u64;
-                eprintln!("soak: --inject-fault overwrote sectors {s:?} behind the record's back");
-            }
+        shared.lock().record.note("restarted".into());
+        if cfg.inject_fault
+            && report.injected_faults == 0
+            && let Some(s) = inject_fault(&shared, &files.socket)?
+        {
+            report.injected_faults = s.len() as u64;
+            eprintln!("soak: --inject-fault overwrote sectors {s:?} behind the record's back");
         }
         let v = verify(&shared, &files.socket, cfg.size, cfg.threads)?;
         report.cycles = n;
@@ -596,6 +608,7 @@ pub fn run_mode(cfg: &Config, mode: &str, index: u64) -> Result<ModeReport> {
                 v.violations
             );
         }
+        shared.lock().record.start_cycle();
         if v.violations > 0 {
             server.kill9()?;
             report.kills = cycle.kills.clone();
@@ -617,8 +630,8 @@ pub fn run_mode(cfg: &Config, mode: &str, index: u64) -> Result<ModeReport> {
     report.kills = cycle.kills.clone();
     {
         let mut st = shared.lock();
-        let p = st.record.flush_point();
-        st.record.flushed(p);
+        let f = st.record.flush_point();
+        st.record.flushed(f);
         if !st.record.settled() {
             bail!("internal: versions still in flight after the clean stop");
         }

@@ -11,7 +11,7 @@
 //! Owns the workload and its bookkeeping calls. Must not judge what the
 //! disk holds (the record does) or manage the server (the driver does).
 
-use super::record::Record;
+use super::record::{self, Record};
 use super::stamp::{SECTOR, fill};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -285,7 +285,12 @@ pub fn writer(shared: &Shared, client: &NbdClient, g: Geometry, seed: u64) {
                 continue;
             }
             st.inflight.push((req.first, req.end));
-            st.record.begin(a, b, req.kind != Kind::Write)
+            let kind = match req.kind {
+                Kind::Write => record::Kind::Write,
+                Kind::Zeroes { .. } => record::Kind::Zeroes,
+                Kind::Trim => record::Kind::Trim,
+            };
+            st.record.begin(a, b, kind, req.fua)
         };
         let (off, len) = (req.first * SECTOR, (req.end - req.first) * SECTOR);
         let result = match req.kind {
@@ -338,14 +343,14 @@ pub fn writer(shared: &Shared, client: &NbdClient, g: Geometry, seed: u64) {
 
 /// One flush; false if it failed.
 fn flush(shared: &Shared, client: &NbdClient) -> bool {
-    let point = shared.lock().record.flush_point();
+    let ticket = shared.lock().record.flush_point();
     shared.flushes_in_flight.fetch_add(1, Ordering::SeqCst);
     let result = client.flush();
     shared.flushes_in_flight.fetch_sub(1, Ordering::SeqCst);
     let mut st = shared.lock();
     match result {
         Ok(()) => {
-            st.record.flushed(point);
+            st.record.flushed(ticket);
             st.counts.flushes += 1;
             true
         }
