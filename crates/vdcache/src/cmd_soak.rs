@@ -24,7 +24,8 @@ pub struct Args {
     /// Longest load before a kill (each cycle picks a random moment in it).
     #[arg(long, default_value_t = 2.0)]
     seconds_per_cycle: f64,
-    /// Seed of every random choice (default: from the clock; printed).
+    /// Seed of every random choice (default: from the clock; printed). The
+    /// timing of threads and kills still varies: a run does not repeat exactly.
     #[arg(long)]
     seed: Option<u64>,
     /// Cache modes to run, one after the other, each on its own images.
