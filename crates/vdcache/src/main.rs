@@ -15,8 +15,10 @@ mod cmd_io;
 mod cmd_plot;
 mod cmd_replay;
 mod cmd_serve;
+mod cmd_soak;
 mod meta_args;
 mod serve;
+mod soak;
 
 use vdcache::size;
 
@@ -65,6 +67,8 @@ enum Command {
     Plot(cmd_plot::Args),
     /// Replay a block trace (MSR, FIU, blkparse, fio) through the real engine and cache.
     Replay(Box<cmd_replay::Args>),
+    /// Kill -9 restarts of `vdcache serve` under a flushing write load; every flushed write must survive.
+    Soak(Box<cmd_soak::Args>),
     /// Write a synthetic block trace of a workload class (boot storm, OLTP, file server).
     TraceGen(cmd_replay::GenArgs),
 }
@@ -96,6 +100,7 @@ fn main() -> ExitCode {
         Command::Plot(a) => cmd_plot::run(a),
         Command::Replay(a) => cmd_replay::run(*a),
         Command::TraceGen(a) => cmd_replay::generate(a),
+        Command::Soak(a) => cmd_soak::run(*a),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -43,7 +43,10 @@ impl Rig {
         let s = Scratch::new();
         let img = s.path(&format!("{tag}.qcow2"));
         qcow2(&s, &img, 16 * M, backing);
-        let (cache, sock) = (s.path(&format!("{tag}.cache")), s.path(&format!("{tag}.sock")));
+        let (cache, sock) = (
+            s.path(&format!("{tag}.cache")),
+            s.path(&format!("{tag}.sock")),
+        );
         Rig {
             s,
             img,
@@ -146,7 +149,10 @@ fn an_image_created_again_under_the_cache_is_never_served_its_old_data() {
     let server = r.serve();
     r.nbd_io(&["write -P 0x11 0 4M", "flush"]);
     let dirty = stats(&r.s, &r.sock)["cache"]["dirty_bytes"].as_u64();
-    assert!(dirty.unwrap_or(0) > 0, "the test needs dirty data in the cache");
+    assert!(
+        dirty.unwrap_or(0) > 0,
+        "the test needs dirty data in the cache"
+    );
     server.kill9();
 
     r.recreate("write -P 0x22 0 1M");

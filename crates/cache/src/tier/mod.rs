@@ -32,7 +32,7 @@ use crate::journal::{CheckpointMark, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
 use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -152,6 +152,11 @@ pub(crate) struct State {
     pub drain_requests: u64,
     /// Write-back thread is between collecting and completing a batch.
     pub writeback_busy: bool,
+    /// Dirty blocks (line key, slot) whose copies the write-back thread is
+    /// writing to their backends without the lock. A newer copy of one of
+    /// them must not be written back meanwhile (eviction would): the
+    /// older bytes could land after it, and nothing would correct them.
+    pub copying: HashSet<(u64, u8)>,
     /// Dirty metadata sectors (cow-aware write-back).
     pub meta: metastore::MetaStore,
     /// When the journal buffer was last written out.
@@ -434,6 +439,7 @@ impl FlashCache {
             uncommitted_dirty: false,
             drain_requests: 0,
             writeback_busy: false,
+            copying: HashSet::new(),
             meta: metastore::MetaStore::default(),
             journal_written: std::time::Instant::now(),
             emptied_by_summary: 0,

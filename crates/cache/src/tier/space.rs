@@ -1,7 +1,9 @@
 //! Allocating cache blocks and reclaiming regions: the victim region's
 //! dirty blocks are written back, hot clean blocks may be re-inserted,
 //! the rest are dropped; the region is reused only after the journal
-//! records that emptied it are durable, and its space is discarded.
+//! records that emptied it are durable, and its space is discarded. A
+//! region holding a newer copy of a block the write-back thread is still
+//! copying an older copy of is not a victim until that copy landed.
 
 use tracing::{debug, warn};
 
@@ -19,6 +21,16 @@ pub(crate) type DirtyBlock = (u64, usize, Cbn);
 
 /// Where an image's blocks go back to: (image id, store, disk to bill).
 pub(crate) type Target = (u16, vdcache_backend::BackendRef, vdcache_image::DiskId);
+
+/// Where a region's references were found.
+enum RefsFrom {
+    /// It held nothing live.
+    Nothing,
+    /// Its summary.
+    Summary,
+    /// A scan of the whole index.
+    Scan,
+}
 
 /// At most this share of a victim region is re-inserted as hot.
 const RELOCATE_LIMIT: u32 = 4;
@@ -94,13 +106,37 @@ impl FlashCache {
         }
     }
 
-    /// Reclaims one region; false when none can be reclaimed.
+    /// Reclaims one region; false when none can be reclaimed. A region
+    /// holding a newer dirty copy of a block the write-back thread is
+    /// copying is passed over until that copy landed (see
+    /// `State::copying`).
     pub(crate) fn evict_one(&self, st: &mut State) -> Result<bool> {
-        let Some(victim) = st.regions.choose_victim() else {
+        let mut passed = Vec::new();
+        let chosen = loop {
+            let Some(v) = st.regions.choose_victim() else {
+                break None;
+            };
+            let refs = self.region_refs(st, v);
+            if !self.holds_block_being_copied(st, &refs.0) {
+                break Some((v, refs));
+            }
+            // Pinned, the policy chooses among the others.
+            st.regions.pin(v);
+            passed.push(v);
+        };
+        for r in passed {
+            st.regions.unpin(r);
+        }
+        let Some((victim, (refs, from))) = chosen else {
             return Ok(false);
         };
+        match from {
+            RefsFrom::Summary => st.emptied_by_summary += 1,
+            RefsFrom::Scan => st.emptied_by_scan += 1,
+            RefsFrom::Nothing => {}
+        }
         st.regions.pin(victim);
-        let result = self.empty_region(st, victim);
+        let result = self.empty_region(st, victim, refs);
         st.regions.unpin(victim);
         result?;
         // The unmaps must be durable before anything overwrites the region.
@@ -113,14 +149,27 @@ impl FlashCache {
         Ok(true)
     }
 
+    /// Whether any of a region's `refs` is a dirty block of a (line, slot)
+    /// the write-back thread is copying an older copy of.
+    fn holds_block_being_copied(&self, st: &State, refs: &[DirtyBlock]) -> bool {
+        !st.copying.is_empty()
+            && refs.iter().any(|&(key, slot, _)| {
+                st.copying.contains(&(key, slot as u8))
+                    && st
+                        .index
+                        .get(key)
+                        .is_some_and(|l| l.dirty & (1 << slot) != 0)
+            })
+    }
+
     /// Every (key, slot, block) referencing a block of `region`: from its
     /// summary when that accounts for every live block, else (no summary,
     /// a stale or torn one, an unfinished one after a crash) from a scan
     /// of the whole index.
-    fn region_refs(&self, st: &mut State, region: u32) -> Vec<DirtyBlock> {
+    fn region_refs(&self, st: &mut State, region: u32) -> (Vec<DirtyBlock>, RefsFrom) {
         let live = st.regions.live_blocks(region);
         if live == 0 {
-            return Vec::new();
+            return (Vec::new(), RefsFrom::Nothing);
         }
         if let Some(entries) = self.summary_entries(st, region) {
             let start = region * self.layout.blocks_per_region();
@@ -142,15 +191,13 @@ impl FlashCache {
                 blocks += u32::from(refs.len() > before);
             }
             if blocks == live {
-                st.emptied_by_summary += 1;
-                return refs;
+                return (refs, RefsFrom::Summary);
             }
             debug!(
                 region,
                 blocks, live, "region summary incomplete; scanning the index"
             );
         }
-        st.emptied_by_scan += 1;
         let mut refs = Vec::new();
         for l in st.index.lines() {
             for (slot, cbn) in l.blocks() {
@@ -159,7 +206,7 @@ impl FlashCache {
                 }
             }
         }
-        refs
+        (refs, RefsFrom::Scan)
     }
 
     /// A region's summary entries: still in memory, or read back from
@@ -208,13 +255,13 @@ impl FlashCache {
         Ok(())
     }
 
-    fn empty_region(&self, st: &mut State, victim: u32) -> Result<()> {
+    fn empty_region(&self, st: &mut State, victim: u32, refs: Vec<DirtyBlock>) -> Result<()> {
         let hot = self.config.relocate_hot && st.regions.is_hot(victim);
         let budget = st.regions.blocks_per_region() / RELOCATE_LIMIT;
         let mut dirty: Vec<DirtyBlock> = Vec::new();
         let mut relocate: Vec<DirtyBlock> = Vec::new();
         let mut keys = Vec::new();
-        for (key, slot, cbn) in self.region_refs(st, victim) {
+        for (key, slot, cbn) in refs {
             keys.push(key);
             let is_dirty = st
                 .index

@@ -15,9 +15,14 @@ use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::region::Stream;
 use crate::stats::bump;
+use std::time::{Duration, Instant};
 use vdcache_image::hostio::WriteSegment;
 use vdcache_image::{ImageHandle, IoClass, IoTag};
 use vdcache_qcow2::HostOffset;
+
+/// How long a write over a dirty block waits for flash room before it
+/// fails (room short only while the write-back thread copies a batch).
+const ROOM_WAIT: Duration = Duration::from_secs(60);
 
 /// The bytes of a block range: old content around the written segments.
 struct Blocks<'a> {
@@ -647,11 +652,7 @@ impl FlashCache {
         for (b0, b1) in consecutive_runs(&dirty) {
             let (s, e) = ((b0 * BLOCK).max(off), (b1 * BLOCK).min(off + len));
             let part = sub_segments(off, segments, s, e);
-            if !self.write_back(image, id, s, e - s, &part, tag)? {
-                return Err(CacheError::Config(
-                    "no flash space to update a dirty block".into(),
-                ));
-            }
+            self.update_dirty(image, id, s, e - s, &part, tag)?;
         }
         if !whole.is_empty() {
             self.keep_clean_copies(id, off, segments, &whole, tag, mark)?;
@@ -676,6 +677,34 @@ impl FlashCache {
             self.write_through(image, id, off.0, len, &segment, tag, Keep::Nothing)?;
         }
         self.sync_image(id)
+    }
+
+    /// Writes over blocks dirty in flash, in flash (their only current
+    /// copies). Flash may have no room for a moment: every full region
+    /// pinned by the write-back thread's batch or holding a newer copy of a
+    /// block it copies (`State::copying`). Both end without waiting for
+    /// this write's range, so the write waits for them (bounded) instead
+    /// of failing the guest's request.
+    fn update_dirty(
+        &self,
+        image: &ImageHandle,
+        id: u16,
+        off: u64,
+        len: u64,
+        segments: &[WriteSegment<'_>],
+        tag: IoTag,
+    ) -> Result<()> {
+        let deadline = Instant::now() + ROOM_WAIT;
+        while !self.write_back(image, id, off, len, segments, tag)? {
+            if Instant::now() >= deadline {
+                return Err(CacheError::Config(format!(
+                    "no flash space to update a dirty block within {ROOM_WAIT:?}"
+                )));
+            }
+            let st = self.lock();
+            drop(self.progress.wait_timeout(st, Duration::from_millis(10)));
+        }
+        Ok(())
     }
 
     /// Stores clean copies of whole written blocks (write-through), to be

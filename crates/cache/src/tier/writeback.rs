@@ -155,9 +155,10 @@ impl FlashCache {
                         .is_some_and(|l| l.dirty & (1 << slot) != 0 && l.cbn(slot) == cbn)
                 })
                 .collect();
-            for &(_, _, cbn) in &batch {
+            for &(key, slot, cbn) in &batch {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);
+                st.copying.insert((key, slot as u8));
             }
             let targets = self.backends_of(&st, &batch);
             let crcs = super::space::expected_crcs(&st, &batch);
@@ -165,9 +166,10 @@ impl FlashCache {
         };
         let copied = targets.and_then(|(t, crcs)| self.copy_to_backends(&t, &batch, &crcs));
         let mut st = self.lock();
-        for &(_, _, cbn) in &batch {
+        for &(key, slot, cbn) in &batch {
             let r = st.regions.region_of(cbn);
             st.regions.unpin(r);
+            st.copying.remove(&(key, slot as u8));
         }
         let damaged = copied?;
         for &(key, slot, cbn) in &batch {
