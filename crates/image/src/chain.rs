@@ -408,8 +408,12 @@ fn prepare_top(layers: &[Layer], opts: &OpenOptions) -> Result<()> {
         return Ok(());
     }
     if !opts.for_check {
+        let crashed = img.is_dirty();
         img.stamp_for_holder()?;
-        img.repair_if_dirty()?;
+        if crashed {
+            // A session through a cache keeps the bit until its clean close.
+            img.repair_dirty(img.is_stamped())?;
+        }
     }
     img.prepare_for_writes()
 }

@@ -166,10 +166,17 @@ impl Qcow2Image {
         Ok(tally.report)
     }
 
-    /// Rebuilds refcounts of an image a crash left dirty (lazy refcounts),
-    /// then clears the dirty bit, as QEMU does when it opens such an image.
-    pub(crate) fn repair_if_dirty(&self) -> Result<()> {
-        if self.read_only || !self.lock().m.dirty_on_disk {
+    /// Whether the dirty bit is set: a crash may have left refcounts
+    /// inconsistent (lazy refcounts, or a session through a cache).
+    pub(crate) fn is_dirty(&self) -> bool {
+        self.lock().m.dirty_on_disk
+    }
+
+    /// Rebuilds refcounts of an image a crash left dirty, then clears the
+    /// dirty bit (unless this session keeps it), as QEMU does when it opens
+    /// such an image.
+    pub(crate) fn repair_dirty(&self, keep_dirty_bit: bool) -> Result<()> {
+        if self.read_only {
             return Ok(());
         }
         tracing::info!(image = self.name(), "image is dirty: rebuilding refcounts");
@@ -182,6 +189,9 @@ impl Qcow2Image {
                     report.corruptions.join("; ")
                 ),
             ));
+        }
+        if keep_dirty_bit {
+            return Ok(());
         }
         let mut l = self.lock();
         l.set_dirty_bit(false)

@@ -67,6 +67,7 @@ fn ten_kill9_restarts_per_mode_lose_no_flushed_write() {
         assert!(kills >= 10, "{name}: {kills} kills");
         assert_eq!(u(m, "violations"), 0, "{m:#}");
         assert_eq!(m["image_corrupt"], false);
+        assert_eq!(u(m, "leaked_clusters"), 0, "a clean stop left leaks: {m:#}");
         assert_eq!(m["final_checked"], true);
         // Every restart read the whole disk, and the image qemu-img read
         // after the clean stop matched the record sector by sector.

@@ -99,6 +99,11 @@ impl Qcow2Image {
             bits.incompatible_features |= incompatible::IN_CACHE;
         }
         bits.autoclear_features |= autoclear::CACHE_COHERENT;
+        // Refcounts may be inconsistent while the session is open (a crash
+        // leaves allocations half recorded): the dirty bit says so, and the
+        // next open (vdcache's or QEMU's) rebuilds them; a clean close
+        // clears it.
+        bits.incompatible_features |= incompatible::DIRTY;
         // The new generation goes into the slot the current one does not
         // use, and the bits into the header's first sector: either write
         // alone leaves a valid image, so one sync serves both.
@@ -116,6 +121,7 @@ impl Qcow2Image {
             .get_or_insert_with(MarkSlots::default)
             .set(mark);
         l.m.header = stamped;
+        l.m.dirty_on_disk = true;
         drop(l);
         self.marked.store(marked, Ordering::SeqCst);
         self.keeps_newer.store(keeps_newer, Ordering::SeqCst);
@@ -176,6 +182,11 @@ impl Qcow2Image {
             )
             .map_err(|e| ImageError::io(self.name(), "read the header", e))?;
         Ok(buf)
+    }
+
+    /// Whether this open stamped the image for a cache below.
+    pub(crate) fn is_stamped(&self) -> bool {
+        self.stamped.load(Ordering::SeqCst)
     }
 
     /// Sets the in-cache bit before a change the cache may keep newer than

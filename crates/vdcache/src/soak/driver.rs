@@ -123,8 +123,11 @@ pub struct ModeReport {
 }
 
 impl ModeReport {
+    /// A lost or damaged write, or an image `qemu-img check` does not pass
+    /// cleanly after the clean stop (leaks included: a clean stop leaves
+    /// the images as qemu-img check wants them, crashes or not).
     pub fn failed(&self) -> bool {
-        self.violations > 0 || self.image_corrupt
+        self.violations > 0 || self.image_corrupt || self.leaked_clusters > 0
     }
 }
 
