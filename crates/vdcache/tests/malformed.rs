@@ -420,27 +420,26 @@ fn backing_self_loop() {
     s.finish();
 }
 
+/// A 1 MiB qcow2 overlay `name` over `backing`, made by qemu-img without
+/// opening the backing file (`-u`).
+fn overlay_unchecked(s: &Scratch, name: &str, backing: &str) -> PathBuf {
+    let a = s.path(name);
+    let mut c = s.qemu_img();
+    c.args([
+        "create", "-q", "-f", "qcow2", "-u", "-b", backing, "-F", "qcow2",
+    ])
+    .arg(&a)
+    .arg("1M");
+    ok(&mut c);
+    a
+}
+
 /// qemu-img check exits 1 on an image whose backing file is missing
 /// ("Could not open backing file"); vdcache check must too.
 #[test]
 fn missing_backing_file() {
     let s = Scratch::new();
-    let a = s.path("orphan.qcow2");
-    let mut c = s.qemu_img();
-    c.args([
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-u",
-        "-b",
-        "no-such-base.qcow2",
-        "-F",
-        "qcow2",
-    ])
-    .arg(&a)
-    .arg("1M");
-    ok(&mut c);
+    let a = overlay_unchecked(&s, "orphan.qcow2", "no-such-base.qcow2");
     let mut q = s.qemu_img();
     q.arg("check").arg(&a);
     let qo = exec(&mut q);
@@ -470,22 +469,7 @@ fn missing_backing_file() {
 #[test]
 fn truncated_before_backing_name() {
     let s = Scratch::new();
-    let a = s.path("cut.qcow2");
-    let mut c = s.qemu_img();
-    c.args([
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-u",
-        "-b",
-        "base.qcow2",
-        "-F",
-        "qcow2",
-    ])
-    .arg(&a)
-    .arg("1M");
-    ok(&mut c);
+    let a = overlay_unchecked(&s, "cut.qcow2", "base.qcow2");
     let b = std::fs::read(&a).expect("read image");
     let name_at = be64(&b, 8) as usize;
     assert!(
