@@ -114,6 +114,7 @@ impl ServeArgs {
                     psk: self.tls_psk,
                 }),
                 workers: self.workers,
+                ..Listen::default()
             },
             cache,
             exports: vec![ExportConfig {
