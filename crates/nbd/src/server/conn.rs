@@ -929,7 +929,7 @@ fn read(s: &Session, req: &Request) {
             req.cookie,
             proto::REPLY_FLAG_DONE,
             proto::REPLY_TYPE_OFFSET_DATA,
-            8 + req.length,
+            (8 + u64::from(req.length)) as u32,
         ));
         hdr[proto::CHUNK_HEADER_LEN..].copy_from_slice(&req.offset.to_be_bytes());
         read_contiguous(s, req, &hdr);

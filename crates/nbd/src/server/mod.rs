@@ -691,9 +691,10 @@ impl ServerBuilder {
                 "connection, worker and in-flight limits must be positive".into(),
             ));
         }
-        if l.max_payload < 4096 {
+        // A data chunk's length (offset + data) must fit its u32 field.
+        if l.max_payload < 4096 || l.max_payload > u32::MAX - 8 {
             return Err(ServerError::Config(
-                "max_payload must be at least 4096".into(),
+                "max_payload must be at least 4096 and below 4 GiB - 8".into(),
             ));
         }
         if l.payload_chunk < 4096 || l.payload_chunk > l.max_payload {
