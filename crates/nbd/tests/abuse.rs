@@ -986,3 +986,129 @@ fn per_client_limits_keep_room_for_other_clients() {
     assert_eq!(server.stats().refused, 2);
     drop(held);
 }
+
+/// Limits under which every read or write over 64 KiB is streamed.
+fn streaming() -> Limits {
+    Limits {
+        payload_chunk: 64 << 10,
+        max_buffered_bytes: 64 << 10,
+        ..Default::default()
+    }
+}
+
+/// Reads the chunks of one structured read reply into `buf` (at
+/// `offset`): (data chunks, hole chunks, error value if any).
+fn structured_read(
+    s: &mut UnixStream,
+    cookie: u64,
+    offset: u64,
+    buf: &mut [u8],
+) -> (usize, usize, Option<u32>) {
+    let (mut data, mut holes, mut error) = (0, 0, None);
+    loop {
+        let (flags, kind, c, d) = chunk(s);
+        assert_eq!(c, cookie);
+        match kind {
+            REPLY_TYPE_OFFSET_DATA => {
+                let at = (be64(&d) - offset) as usize;
+                buf[at..at + d.len() - 8].copy_from_slice(&d[8..]);
+                data += 1;
+            }
+            REPLY_TYPE_OFFSET_HOLE => {
+                let at = (be64(&d) - offset) as usize;
+                buf[at..at + be32(&d[8..]) as usize].fill(0);
+                holes += 1;
+            }
+            REPLY_TYPE_ERROR => error = Some(be32(&d)),
+            k => panic!("chunk type {k}"),
+        }
+        if flags & REPLY_FLAG_DONE != 0 {
+            return (data, holes, error);
+        }
+    }
+}
+
+#[test]
+fn streamed_payloads_arrive_whole_and_in_order() {
+    let disk = Arc::new(MemExport::new(SIZE));
+    let data = pattern(300 << 10, 41);
+    disk.write(0, &data, false).unwrap();
+    disk.write(1 << 20, &data, false).unwrap();
+    let t = TestServer::start_with(
+        Server::builder()
+            .export("", disk.clone() as Arc<dyn Export>)
+            .export(
+                "bad",
+                Arc::new(NoZero(MemExport::with_data(&data), 128 << 10..132 << 10)),
+            )
+            .limits(streaming()),
+    );
+    let mut expect = vec![0u8; 2 << 20];
+    expect[..data.len()].copy_from_slice(&data);
+    expect[1 << 20..(1 << 20) + data.len()].copy_from_slice(&data);
+
+    // Structured, no DF: data in pieces of at most 64 KiB, holes whole.
+    let mut s = connect(&t.socket);
+    greet(&mut s);
+    structured(&mut s);
+    go(&mut s, "");
+    let mut got = vec![0xeeu8; 2 << 20];
+    request(&mut s, 0, CMD_READ, 1, 0, 2 << 20, &[]);
+    let (chunks, holes, error) = structured_read(&mut s, 1, 0, &mut got);
+    assert!(got == expect);
+    assert_eq!((chunks, holes, error), (10, 2, None));
+    // DF: one data chunk however large.
+    let mut got = vec![0xeeu8; 2 << 20];
+    request(&mut s, CMD_FLAG_DF, CMD_READ, 2, 0, 2 << 20, &[]);
+    assert_eq!(structured_read(&mut s, 2, 0, &mut got), (1, 0, None));
+    assert!(got == expect);
+    // A streamed write, read back.
+    let new = pattern(200 << 10, 42);
+    request(
+        &mut s,
+        CMD_FLAG_FUA,
+        CMD_WRITE,
+        3,
+        4096,
+        new.len() as u32,
+        &new,
+    );
+    assert_eq!(simple(&mut s), (0, 3));
+    assert!(disk.contents()[4096..4096 + new.len()] == new[..]);
+    drop(s);
+
+    // Simple replies: the header, then all the data.
+    let mut s = session(&t.socket, "", false);
+    request(&mut s, 0, CMD_READ, 4, 0, 2 << 20, &[]);
+    assert_eq!(simple(&mut s), (0, 4));
+    let mut got = vec![0u8; 2 << 20];
+    s.read_exact(&mut got).unwrap();
+    expect[4096..4096 + new.len()].copy_from_slice(&new);
+    assert!(got == expect);
+    drop(s);
+
+    // A read failing in its first piece gets an error reply; in a later
+    // piece, a structured reply ends with an error chunk after the data
+    // already sent, and a simple one (which cannot report it) with the
+    // connection.
+    let mut s = session(&t.socket, "bad", false);
+    request(&mut s, 0, CMD_READ, 5, 100 << 10, 200 << 10, &[]);
+    assert_eq!(simple(&mut s), (EIO, 5));
+    request(&mut s, 0, CMD_READ, 6, 0, 256 << 10, &[]);
+    assert_eq!(simple(&mut s), (0, 6));
+    let mut head = vec![0u8; 128 << 10];
+    s.read_exact(&mut head).unwrap();
+    assert!(head[..] == data[..128 << 10]);
+    assert!(closed(&mut s));
+    let mut s = session(&t.socket, "bad", true);
+    let mut got = vec![0u8; 256 << 10];
+    request(&mut s, 0, CMD_READ, 7, 0, 256 << 10, &[]);
+    assert_eq!(structured_read(&mut s, 7, 0, &mut got), (2, 0, Some(EIO)));
+    assert!(got[..128 << 10] == data[..128 << 10]);
+    request(&mut s, 0, CMD_FLUSH, 8, 0, 0, &[]);
+    assert_eq!(simple(&mut s), (0, 8));
+    // A read gives its bytes back right after its reply left.
+    eventually("buffered payloads given back", || {
+        t.server.stats().buffered_bytes == 0
+    });
+}

@@ -10,10 +10,11 @@
 //! write for a burst of replies. Held replies are sent before the reading
 //! thread waits.
 //!
-//! Payloads larger than `Limits::payload_chunk` are never buffered whole:
-//! a large write is read and stored piece by piece on the reading thread,
-//! a large read is read from the export and sent piece by piece. Every
-//! buffered payload byte is taken from the server-wide budget first.
+//! Every buffered payload byte is taken from the server-wide budget first.
+//! A payload larger than `Limits::payload_chunk`, or one the budget has no
+//! room for, is never buffered whole: a write is read in pieces, each
+//! stored by its own job as soon as it is read (so large writes still run
+//! in parallel); a read is read from the export and sent piece by piece.
 //!
 //! Owns: request validation (magic, flags, bounds, alignment, payload
 //! limits, read-only), reply encoding (simple and structured), payload
@@ -27,12 +28,13 @@ use std::cell::Cell;
 use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use tracing::{debug, warn};
 
+use super::budget::MIN_PIECE;
 use super::handshake::{self, Negotiated};
 use super::outbox::Outbox;
 use super::payloads::Payload;
@@ -190,14 +192,21 @@ struct Session {
 }
 
 impl Session {
-    /// Takes `n` bytes of the server-wide payload budget. Replies held for
-    /// a burst go out first if it has to wait: their client may need them
-    /// before it reads what frees the budget.
-    fn take_buffered(&self, n: u64) {
+    /// Takes room in the server-wide payload budget for the next piece of
+    /// a payload with `remaining` bytes: all of them up to the chunk size
+    /// if they fit, else (when this connection holds nothing) a small
+    /// piece. Replies held for a burst go out first if it has to wait:
+    /// their client may need them before it reads what frees the budget.
+    fn take_piece(&self, remaining: u64) -> u64 {
         let budget = &self.inner.budget;
-        if !budget.try_take(n, &self.buffered) {
-            send_held(self);
-            budget.take(n, &self.buffered);
+        let want = remaining.min(u64::from(self.chunk));
+        let alone = remaining.min(MIN_PIECE);
+        match budget.try_take(want, alone, &self.buffered) {
+            Some(n) => n,
+            None => {
+                send_held(self);
+                budget.take(want, alone, &self.buffered)
+            }
         }
     }
 
@@ -224,8 +233,32 @@ struct Job {
     /// Budget units held until the reply is sent.
     cost: u64,
     /// Bytes of the server-wide payload budget held until the payload is
-    /// stored (writes) or sent (reads).
+    /// stored (writes) or sent (reads); less than a READ's length when its
+    /// data goes out in pieces of this size.
     buffered: u64,
+    /// Set for one piece of a streamed write (`req` is then the piece's).
+    part: Option<Arc<StreamedWrite>>,
+}
+
+/// A write streamed in pieces, each stored by its own job; the reply goes
+/// out once the last piece is stored.
+struct StreamedWrite {
+    req: Request,
+    /// Pieces not yet stored, plus one while the reading thread still
+    /// reads the payload; whoever takes it to zero replies.
+    left: AtomicUsize,
+    /// The first failure.
+    error: Mutex<Option<ExportError>>,
+}
+
+impl StreamedWrite {
+    /// Counts one part done; the last one sends the reply.
+    fn done(&self, s: &Session) {
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let error = lock(&self.error).take();
+            reply(s, &self.req, error.map_or(Ok(()), Err));
+        }
+    }
 }
 
 /// An inline request slower than this counts as slow.
@@ -310,7 +343,6 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
         let mut payload = Payload::default();
         let mut cost = 0u64;
         let mut buffered = 0u64;
-        let chunk = s.chunk;
         if req.kind == proto::CMD_WRITE {
             if req.length > max_payload {
                 // The payload follows and cannot be skipped cheaply: the
@@ -320,16 +352,15 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
                     req.length
                 ));
             }
-            if req.length > chunk {
-                if let Err(end) = stream_write(s, r, &req) {
+            cost = u64::from(req.length);
+            buffered = s.take_piece(cost);
+            if buffered < cost {
+                if let Err(end) = stream_write(s, r, &req, buffered, pool, &mut placement) {
                     return end;
                 }
                 continue;
             }
-            cost = u64::from(req.length);
-            buffered = cost;
             s.budget.acquire(cost);
-            s.take_buffered(buffered);
             payload = s.inner.payloads.take(req.length as usize);
             if let Err(e) = r.read_exact(payload.as_mut_slice()) {
                 s.inner.payloads.give_back(payload);
@@ -339,9 +370,9 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
             }
         } else if req.kind == proto::CMD_READ && req.length <= max_payload {
             cost = u64::from(req.length);
-            buffered = cost.min(u64::from(chunk));
+            // All of it, or the size of the pieces it is sent in.
+            buffered = s.take_piece(cost);
             s.budget.acquire(cost);
-            s.take_buffered(buffered);
         } else {
             s.budget.acquire(0);
         }
@@ -356,6 +387,7 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
                 error,
                 cost,
                 buffered,
+                part: None,
             },
             more,
         );
@@ -369,43 +401,86 @@ fn vanished(e: &io::Error) -> String {
     }
 }
 
-/// A write whose payload is larger than the session's chunk: read and
-/// stored one piece at a time on the reading thread (which must read the
-/// whole payload before the next request anyway), so it never holds more
-/// than one piece. A piece that fails to store stops the storing, not the
-/// reading; the reply reports the first failure.
-fn stream_write(s: &Session, r: &mut ConnReader, req: &Request) -> Result<(), LoopEnd> {
-    let chunk = u64::from(s.chunk);
+/// A write whose payload is larger than the session's chunk, or did not
+/// fit the budget: read in pieces (the first, of `first` bytes, already
+/// taken from the budget), each stored by a job of its own as soon as it
+/// is read, so no more than the budget allows is ever held and large
+/// writes still run in parallel. A write that failed validation has its
+/// payload read into one piece and dropped.
+fn stream_write(
+    s: &Session,
+    r: &mut ConnReader,
+    req: &Request,
+    first: u64,
+    pool: &Pool,
+    placement: &mut Placement,
+) -> Result<(), LoopEnd> {
     let len = u64::from(req.length);
-    let fua = req.flags & proto::CMD_FLAG_FUA != 0;
-    let mut error = validate(s, req).err();
-    send_held(s);
-    s.budget.acquire(chunk);
-    s.take_buffered(chunk);
-    let mut piece = s.inner.payloads.take(s.chunk as usize);
+    if let Err(e) = validate(s, req) {
+        let mut piece = s.inner.payloads.take(first as usize);
+        let mut pos = 0u64;
+        let mut read = Ok(());
+        while pos < len {
+            let n = (len - pos).min(first) as usize;
+            if let Err(e) = r.read_exact(&mut piece.as_mut_slice()[..n]) {
+                read = Err(LoopEnd::Abuse(vanished(&e)));
+                break;
+            }
+            pos += n as u64;
+        }
+        s.inner.payloads.give_back(piece);
+        s.give_back_buffered(first);
+        if read.is_ok() {
+            send_error(s, req, &e);
+        }
+        return read;
+    }
+    let stream = Arc::new(StreamedWrite {
+        req: *req,
+        left: AtomicUsize::new(1),
+        error: Mutex::new(None),
+    });
     let mut pos = 0u64;
-    let mut read = Ok(());
-    while pos < len {
-        let n = (len - pos).min(chunk) as usize;
-        let buf = &mut piece.as_mut_slice()[..n];
-        if let Err(e) = r.read_exact(buf) {
-            read = Err(LoopEnd::Abuse(vanished(&e)));
+    let mut taken = first;
+    loop {
+        let n = taken;
+        s.budget.acquire(n);
+        let mut payload = s.inner.payloads.take(n as usize);
+        if let Err(e) = r.read_exact(payload.as_mut_slice()) {
+            s.inner.payloads.give_back(payload);
+            s.give_back_buffered(n);
+            s.budget.release(n);
+            // The reading thread's count stays: no reply for a write
+            // whose client is gone.
+            return Err(LoopEnd::Abuse(vanished(&e)));
+        }
+        stream.left.fetch_add(1, Ordering::AcqRel);
+        let piece = Request {
+            offset: req.offset + pos,
+            length: n as u32,
+            ..*req
+        };
+        placement.run(
+            s,
+            pool,
+            Job {
+                req: piece,
+                payload,
+                error: None,
+                cost: n,
+                buffered: n,
+                part: Some(stream.clone()),
+            },
+            false,
+        );
+        pos += n;
+        if pos == len {
             break;
         }
-        if error.is_none()
-            && let Err(e) = guarded(|| s.export.write(req.offset + pos, buf, fua))
-        {
-            error = Some(e);
-        }
-        pos += n as u64;
+        taken = s.take_piece(len - pos);
     }
-    s.inner.payloads.give_back(piece);
-    s.give_back_buffered(chunk);
-    if read.is_ok() {
-        reply(s, req, error.map_or(Ok(()), Err));
-    }
-    s.budget.release(chunk);
-    read
+    stream.done(s);
+    Ok(())
 }
 
 fn inval(m: impl Into<String>) -> ExportError {
@@ -642,6 +717,18 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, ExportError>) -> Result<T, ExportErr
 
 fn run_job(s: &Session, job: Job) {
     let req = job.req;
+    if let Some(stream) = job.part {
+        let fua = req.flags & proto::CMD_FLAG_FUA != 0;
+        let res = guarded(|| s.export.write(req.offset, &job.payload, fua));
+        s.inner.payloads.give_back(job.payload);
+        s.give_back_buffered(job.buffered);
+        if let Err(e) = res {
+            lock(&stream.error).get_or_insert(e);
+        }
+        s.budget.release(job.cost);
+        stream.done(s);
+        return;
+    }
     match (job.error, req.kind) {
         (Some(e), _) => {
             s.inner.payloads.give_back(job.payload);
@@ -649,7 +736,7 @@ fn run_job(s: &Session, job: Job) {
             send_error(s, &req, &e);
         }
         (None, proto::CMD_READ) => {
-            read(s, &req);
+            read(s, &req, job.buffered);
             s.give_back_buffered(job.buffered);
         }
         (None, proto::CMD_BLOCK_STATUS) => block_status(s, &req),
@@ -906,13 +993,15 @@ fn push_run(runs: &mut Vec<Run>, r: Run) {
     }
 }
 
-fn read(s: &Session, req: &Request) {
+/// A READ for which `piece` bytes of the budget were taken: all of its
+/// data, or the size of the pieces it is sent in.
+fn read(s: &Session, req: &Request, piece: u64) {
     let len = u64::from(req.length);
     let e = &s.export;
-    let streamed = len > u64::from(s.chunk);
+    let streamed = piece < len;
     if !s.neg.structured {
         if streamed {
-            read_contiguous(s, req, &proto::simple_reply(req.cookie, 0));
+            read_contiguous(s, req, &proto::simple_reply(req.cookie, 0), piece);
             return;
         }
         reply_in_outbox(s, req, Stat::ok(len, 0), |out| {
@@ -932,7 +1021,7 @@ fn read(s: &Session, req: &Request) {
             (8 + u64::from(req.length)) as u32,
         ));
         hdr[proto::CHUNK_HEADER_LEN..].copy_from_slice(&req.offset.to_be_bytes());
-        read_contiguous(s, req, &hdr);
+        read_contiguous(s, req, &hdr, piece);
         return;
     }
     let runs = if len == 0 {
@@ -961,9 +1050,9 @@ fn read(s: &Session, req: &Request) {
     }
     // Chunks already sent are valid on their own: a failure ends the
     // reply with an error chunk after them.
-    let pieces = split_runs(&runs, u64::from(s.chunk));
+    let pieces = split_runs(&runs, piece);
     let result = Outbox::with(|out| {
-        let result = encode_runs(s, req, &pieces, out, Some(s.chunk as usize));
+        let result = encode_runs(s, req, &pieces, out, Some(piece as usize));
         if result.is_ok() {
             finish_reply(s, Stat::ok(len, 0), out);
         }
@@ -996,13 +1085,13 @@ fn split_runs(runs: &[Run], chunk: u64) -> Vec<Run> {
     pieces
 }
 
-/// A READ larger than the chunk whose data must follow `header` in one
-/// piece (a simple reply, or a structured one that must not be
+/// A READ sent in pieces of `piece` bytes whose data must follow `header`
+/// in one piece (a simple reply, or a structured one that must not be
 /// fragmented): after the first piece the writer lock is held while the
 /// export reads piece after piece. A failure after the header left cannot
 /// be reported any more: the connection is cut, as the protocol asks.
-fn read_contiguous(s: &Session, req: &Request, header: &[u8]) {
-    let chunk = s.chunk as usize;
+fn read_contiguous(s: &Session, req: &Request, header: &[u8], piece: u64) {
+    let chunk = piece as usize;
     let len = req.length as usize;
     let first = Outbox::with(|out| {
         let mark = out.len();

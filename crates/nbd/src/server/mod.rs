@@ -58,8 +58,9 @@ pub enum ServerError {
 /// Resource limits; every one bounds what a client can make the server hold.
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Connections served at once; a connection over the limit evicts the
-    /// oldest one still in its handshake, or is closed if there is none.
+    /// Connections served at once; a connection over the limit evicts a
+    /// connection still in its handshake (as with `max_handshakes`), or is
+    /// closed at once if every connection finished its handshake.
     pub max_connections: usize,
     /// Connections still in the handshake (before TLS and option
     /// negotiation complete). A connection over this limit evicts the
@@ -81,14 +82,14 @@ pub struct Limits {
     pub workers_per_connection: usize,
     /// Largest READ/WRITE payload (also caps the advertised maximum block size).
     pub max_payload: u32,
-    /// Payloads larger than this are streamed between the socket and the
-    /// export in pieces of this size instead of buffered whole.
+    /// Payloads larger than this are never buffered whole: they are
+    /// streamed between the socket and the export in pieces of this size
+    /// (write pieces are stored in parallel as they arrive).
     pub payload_chunk: u32,
     /// Payload bytes buffered across all connections (write data not yet
     /// stored, read data not yet sent) before connections wait for room.
-    /// A connection holding none may still take one request's worth (at
-    /// most `payload_chunk`), so the server holds at most this plus
-    /// `max_connections * payload_chunk`.
+    /// A connection holding none may still take a piece of 64 KiB, so the
+    /// server holds at most this plus `max_connections * 64 KiB`.
     pub max_buffered_bytes: u64,
     /// Payload bytes of requests in flight per connection before the server
     /// stops reading more (one request is always allowed).
