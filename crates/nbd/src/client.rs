@@ -365,182 +365,8 @@ impl NbdClient {
     ) -> Result<NbdClient, ClientError> {
         let ctl = sock.try_clone()?;
         let (mut r, mut w) = split_plain(sock)?;
-        let mut g = [0u8; 18];
-        r.read_exact(&mut g).map_err(handshake_io)?;
-        if proto::be64(&g[0..8]) != proto::NBD_MAGIC {
-            return Err(ClientError::NotNbd("bad greeting magic".into()));
-        }
-        match proto::be64(&g[8..16]) {
-            proto::IHAVEOPT => {}
-            proto::CLISERV_MAGIC => return Err(ClientError::NotNbd("oldstyle server".into())),
-            _ => return Err(ClientError::NotNbd("unknown handshake".into())),
-        }
-        let hflags = proto::be16(&g[16..18]);
-        if hflags & proto::FLAG_FIXED_NEWSTYLE == 0 {
-            return Err(ClientError::NotNbd("server is not fixed newstyle".into()));
-        }
-        let no_zeroes = hflags & proto::FLAG_NO_ZEROES != 0;
-        let cflags = proto::FLAG_C_FIXED_NEWSTYLE
-            | if no_zeroes {
-                proto::FLAG_C_NO_ZEROES
-            } else {
-                0
-            };
-        w.write_all(&cflags.to_be_bytes())?;
-
-        if let Some(tls) = tls {
-            send_option(&mut w, proto::OPT_STARTTLS, &[])?;
-            let (rep, data) = read_option_reply(&mut r, proto::OPT_STARTTLS)?;
-            if rep != proto::REP_ACK {
-                return Err(ClientError::Tls(format!(
-                    "server refused STARTTLS: {}{}",
-                    proto::reply_name(rep),
-                    fmt_msg(&String::from_utf8_lossy(&data))
-                )));
-            }
-            let mut sock = r
-                .into_plain_socket()
-                .ok_or_else(|| ClientError::Tls("already TLS".into()))?;
-            let conn = tls.session(server_name)?;
-            let conn =
-                tls_handshake(conn, &mut sock).map_err(|e| ClientError::Tls(e.to_string()))?;
-            (r, w) = split_tls(sock, conn)?;
-        }
-
-        let mut structured = false;
-        if opts.structured_replies {
-            send_option(&mut w, proto::OPT_STRUCTURED_REPLY, &[])?;
-            let (rep, data) = read_option_reply(&mut r, proto::OPT_STRUCTURED_REPLY)?;
-            match rep {
-                proto::REP_ACK => structured = true,
-                proto::REP_ERR_TLS_REQD => return Err(ClientError::TlsRequired),
-                x if x & proto::REP_ERR_BIT != 0 => {
-                    debug!(
-                        "nbd client: no structured replies: {}",
-                        proto::reply_name(x)
-                    );
-                }
-                x => return Err(refused(proto::OPT_STRUCTURED_REPLY, x, &data)),
-            }
-        }
-
-        let mut meta_id = None;
-        if structured && opts.block_status {
-            let mut d = Vec::new();
-            d.extend_from_slice(&(export.len() as u32).to_be_bytes());
-            d.extend_from_slice(export.as_bytes());
-            d.extend_from_slice(&1u32.to_be_bytes());
-            d.extend_from_slice(&(proto::META_BASE_ALLOCATION.len() as u32).to_be_bytes());
-            d.extend_from_slice(proto::META_BASE_ALLOCATION.as_bytes());
-            send_option(&mut w, proto::OPT_SET_META_CONTEXT, &d)?;
-            loop {
-                let (rep, data) = read_option_reply(&mut r, proto::OPT_SET_META_CONTEXT)?;
-                match rep {
-                    proto::REP_META_CONTEXT if data.len() >= 4 => {
-                        if &data[4..] == proto::META_BASE_ALLOCATION.as_bytes() {
-                            meta_id = Some(proto::be32(&data[0..4]));
-                        }
-                    }
-                    proto::REP_ACK => break,
-                    proto::REP_ERR_UNKNOWN => {
-                        return Err(ClientError::ExportNotFound {
-                            export: export.to_string(),
-                            message: String::from_utf8_lossy(&data).into_owned(),
-                        });
-                    }
-                    x if x & proto::REP_ERR_BIT != 0 => {
-                        meta_id = None;
-                        break;
-                    }
-                    x => return Err(refused(proto::OPT_SET_META_CONTEXT, x, &data)),
-                }
-            }
-        }
-
-        // NBD_OPT_GO, asking for block sizes (we honour them).
-        let mut d = Vec::new();
-        d.extend_from_slice(&(export.len() as u32).to_be_bytes());
-        d.extend_from_slice(export.as_bytes());
-        d.extend_from_slice(&1u16.to_be_bytes());
-        d.extend_from_slice(&proto::INFO_BLOCK_SIZE.to_be_bytes());
-        send_option(&mut w, proto::OPT_GO, &d)?;
-        let mut size_flags: Option<(u64, u16)> = None;
-        let mut bs: Option<BlockSizes> = None;
-        loop {
-            let (rep, data) = read_option_reply(&mut r, proto::OPT_GO)?;
-            match rep {
-                proto::REP_INFO => {
-                    let mut c = Cursor::new(&data);
-                    match c.u16() {
-                        Some(proto::INFO_EXPORT) => {
-                            let (Some(size), Some(flags)) = (c.u64(), c.u16()) else {
-                                return Err(ClientError::Protocol("short NBD_INFO_EXPORT".into()));
-                            };
-                            size_flags = Some((size, flags));
-                        }
-                        Some(proto::INFO_BLOCK_SIZE) => {
-                            let (Some(minimum), Some(preferred), Some(maximum)) =
-                                (c.u32(), c.u32(), c.u32())
-                            else {
-                                return Err(ClientError::Protocol(
-                                    "short NBD_INFO_BLOCK_SIZE".into(),
-                                ));
-                            };
-                            bs = Some(BlockSizes {
-                                minimum,
-                                preferred,
-                                maximum,
-                            });
-                        }
-                        _ => {}
-                    }
-                }
-                proto::REP_ACK => break,
-                proto::REP_ERR_UNSUP => {
-                    // Old server: NBD_OPT_EXPORT_NAME cannot report errors.
-                    send_option(&mut w, proto::OPT_EXPORT_NAME, export.as_bytes())?;
-                    let mut b = [0u8; 10];
-                    r.read_exact(&mut b).map_err(|e| match e.kind() {
-                        io::ErrorKind::UnexpectedEof => ClientError::ExportNotFound {
-                            export: export.to_string(),
-                            message: "server closed the connection".into(),
-                        },
-                        _ => ClientError::Io(e),
-                    })?;
-                    if !no_zeroes {
-                        let mut z = [0u8; 124];
-                        r.read_exact(&mut z).map_err(handshake_io)?;
-                    }
-                    size_flags = Some((proto::be64(&b[0..8]), proto::be16(&b[8..10])));
-                    // Structured replies and contexts stay as negotiated.
-                    break;
-                }
-                proto::REP_ERR_UNKNOWN => {
-                    return Err(ClientError::ExportNotFound {
-                        export: export.to_string(),
-                        message: String::from_utf8_lossy(&data).into_owned(),
-                    });
-                }
-                proto::REP_ERR_TLS_REQD => return Err(ClientError::TlsRequired),
-                x => return Err(refused(proto::OPT_GO, x, &data)),
-            }
-        }
-        let (size, flags) =
-            size_flags.ok_or_else(|| ClientError::Protocol("no NBD_INFO_EXPORT".into()))?;
-        let block_sizes = sane_client_block_sizes(bs);
-        let mut max_request = block_sizes
-            .maximum
-            .min(opts.max_request)
-            .max(block_sizes.minimum);
-        max_request -= max_request % block_sizes.minimum;
-        let info = ExportInfo {
-            size,
-            flags,
-            block_sizes,
-            structured,
-            meta_id,
-            max_request,
-        };
+        let info = negotiate(&mut r, &mut w, export, tls, server_name, opts)?;
+        let structured = info.structured;
         debug!("nbd client: connected, {info:?}");
         let inner = Arc::new(Inner {
             writer: Mutex::new(w),
@@ -552,10 +378,9 @@ impl NbdClient {
             ctl,
         });
         let rinner = inner.clone();
-        let structured_r = structured;
         let reader = std::thread::Builder::new()
             .name("nbd-client-reader".into())
-            .spawn(move || reader_thread(&rinner, r, structured_r))?;
+            .spawn(move || reader_thread(&rinner, r, structured))?;
         Ok(NbdClient {
             inner,
             info,
@@ -920,6 +745,193 @@ fn connect_error(addr: String, e: io::Error) -> ClientError {
     }
 }
 
+/// The client side of the handshake, up to the transmission phase:
+/// greeting, STARTTLS (swapping `r` and `w` for TLS halves), structured
+/// replies, `base:allocation`, NBD_OPT_GO (or EXPORT_NAME on old servers).
+/// Every reply is checked before it is believed.
+fn negotiate(
+    r: &mut ConnReader,
+    w: &mut ConnWriter,
+    export: &str,
+    tls: Option<&TlsClientConfig>,
+    server_name: &str,
+    opts: &ClientOptions,
+) -> Result<ExportInfo, ClientError> {
+    let mut g = [0u8; 18];
+    r.read_exact(&mut g).map_err(handshake_io)?;
+    if proto::be64(&g[0..8]) != proto::NBD_MAGIC {
+        return Err(ClientError::NotNbd("bad greeting magic".into()));
+    }
+    match proto::be64(&g[8..16]) {
+        proto::IHAVEOPT => {}
+        proto::CLISERV_MAGIC => return Err(ClientError::NotNbd("oldstyle server".into())),
+        _ => return Err(ClientError::NotNbd("unknown handshake".into())),
+    }
+    let hflags = proto::be16(&g[16..18]);
+    if hflags & proto::FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(ClientError::NotNbd("server is not fixed newstyle".into()));
+    }
+    let no_zeroes = hflags & proto::FLAG_NO_ZEROES != 0;
+    let cflags = proto::FLAG_C_FIXED_NEWSTYLE
+        | if no_zeroes {
+            proto::FLAG_C_NO_ZEROES
+        } else {
+            0
+        };
+    w.write_all(&cflags.to_be_bytes())?;
+
+    if let Some(tls) = tls {
+        send_option(w, proto::OPT_STARTTLS, &[])?;
+        let (rep, data) = read_option_reply(r, proto::OPT_STARTTLS)?;
+        if rep != proto::REP_ACK {
+            return Err(ClientError::Tls(format!(
+                "server refused STARTTLS: {}{}",
+                proto::reply_name(rep),
+                fmt_msg(&String::from_utf8_lossy(&data))
+            )));
+        }
+        let mut sock = std::mem::replace(r, ConnReader::Closed)
+            .into_plain_socket()
+            .ok_or_else(|| ClientError::Tls("already TLS".into()))?;
+        let conn = tls.session(server_name)?;
+        let conn = tls_handshake(conn, &mut sock).map_err(|e| ClientError::Tls(e.to_string()))?;
+        (*r, *w) = split_tls(sock, conn)?;
+    }
+
+    let mut structured = false;
+    if opts.structured_replies {
+        send_option(w, proto::OPT_STRUCTURED_REPLY, &[])?;
+        let (rep, data) = read_option_reply(r, proto::OPT_STRUCTURED_REPLY)?;
+        match rep {
+            proto::REP_ACK => structured = true,
+            proto::REP_ERR_TLS_REQD => return Err(ClientError::TlsRequired),
+            x if x & proto::REP_ERR_BIT != 0 => {
+                debug!(
+                    "nbd client: no structured replies: {}",
+                    proto::reply_name(x)
+                );
+            }
+            x => return Err(refused(proto::OPT_STRUCTURED_REPLY, x, &data)),
+        }
+    }
+
+    let mut meta_id = None;
+    if structured && opts.block_status {
+        let mut d = Vec::new();
+        d.extend_from_slice(&(export.len() as u32).to_be_bytes());
+        d.extend_from_slice(export.as_bytes());
+        d.extend_from_slice(&1u32.to_be_bytes());
+        d.extend_from_slice(&(proto::META_BASE_ALLOCATION.len() as u32).to_be_bytes());
+        d.extend_from_slice(proto::META_BASE_ALLOCATION.as_bytes());
+        send_option(w, proto::OPT_SET_META_CONTEXT, &d)?;
+        loop {
+            let (rep, data) = read_option_reply(r, proto::OPT_SET_META_CONTEXT)?;
+            match rep {
+                proto::REP_META_CONTEXT if data.len() >= 4 => {
+                    if &data[4..] == proto::META_BASE_ALLOCATION.as_bytes() {
+                        meta_id = Some(proto::be32(&data[0..4]));
+                    }
+                }
+                proto::REP_ACK => break,
+                proto::REP_ERR_UNKNOWN => {
+                    return Err(ClientError::ExportNotFound {
+                        export: export.to_string(),
+                        message: String::from_utf8_lossy(&data).into_owned(),
+                    });
+                }
+                x if x & proto::REP_ERR_BIT != 0 => {
+                    meta_id = None;
+                    break;
+                }
+                x => return Err(refused(proto::OPT_SET_META_CONTEXT, x, &data)),
+            }
+        }
+    }
+
+    // NBD_OPT_GO, asking for block sizes (we honour them).
+    let mut d = Vec::new();
+    d.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    d.extend_from_slice(export.as_bytes());
+    d.extend_from_slice(&1u16.to_be_bytes());
+    d.extend_from_slice(&proto::INFO_BLOCK_SIZE.to_be_bytes());
+    send_option(w, proto::OPT_GO, &d)?;
+    let mut size_flags: Option<(u64, u16)> = None;
+    let mut bs: Option<BlockSizes> = None;
+    loop {
+        let (rep, data) = read_option_reply(r, proto::OPT_GO)?;
+        match rep {
+            proto::REP_INFO => {
+                let mut c = Cursor::new(&data);
+                match c.u16() {
+                    Some(proto::INFO_EXPORT) => {
+                        let (Some(size), Some(flags)) = (c.u64(), c.u16()) else {
+                            return Err(ClientError::Protocol("short NBD_INFO_EXPORT".into()));
+                        };
+                        size_flags = Some((size, flags));
+                    }
+                    Some(proto::INFO_BLOCK_SIZE) => {
+                        let (Some(minimum), Some(preferred), Some(maximum)) =
+                            (c.u32(), c.u32(), c.u32())
+                        else {
+                            return Err(ClientError::Protocol("short NBD_INFO_BLOCK_SIZE".into()));
+                        };
+                        bs = Some(BlockSizes {
+                            minimum,
+                            preferred,
+                            maximum,
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            proto::REP_ACK => break,
+            proto::REP_ERR_UNSUP => {
+                // Old server: NBD_OPT_EXPORT_NAME cannot report errors.
+                send_option(w, proto::OPT_EXPORT_NAME, export.as_bytes())?;
+                let mut b = [0u8; 10];
+                r.read_exact(&mut b).map_err(|e| match e.kind() {
+                    io::ErrorKind::UnexpectedEof => ClientError::ExportNotFound {
+                        export: export.to_string(),
+                        message: "server closed the connection".into(),
+                    },
+                    _ => ClientError::Io(e),
+                })?;
+                if !no_zeroes {
+                    let mut z = [0u8; 124];
+                    r.read_exact(&mut z).map_err(handshake_io)?;
+                }
+                size_flags = Some((proto::be64(&b[0..8]), proto::be16(&b[8..10])));
+                // Structured replies and contexts stay as negotiated.
+                break;
+            }
+            proto::REP_ERR_UNKNOWN => {
+                return Err(ClientError::ExportNotFound {
+                    export: export.to_string(),
+                    message: String::from_utf8_lossy(&data).into_owned(),
+                });
+            }
+            proto::REP_ERR_TLS_REQD => return Err(ClientError::TlsRequired),
+            x => return Err(refused(proto::OPT_GO, x, &data)),
+        }
+    }
+    let (size, flags) =
+        size_flags.ok_or_else(|| ClientError::Protocol("no NBD_INFO_EXPORT".into()))?;
+    let block_sizes = sane_client_block_sizes(bs);
+    let mut max_request = block_sizes
+        .maximum
+        .min(opts.max_request)
+        .max(block_sizes.minimum);
+    max_request -= max_request % block_sizes.minimum;
+    Ok(ExportInfo {
+        size,
+        flags,
+        block_sizes,
+        structured,
+        meta_id,
+        max_request,
+    })
+}
+
 fn sane_client_block_sizes(bs: Option<BlockSizes>) -> BlockSizes {
     let d = BlockSizes {
         minimum: 1,
@@ -977,7 +989,7 @@ fn reader_thread(inner: &Inner, mut r: ConnReader, structured: bool) {
         inner,
         reason: "reader thread failed".to_string(),
     };
-    cleanup.reason = match read_replies(inner, &mut r, structured) {
+    cleanup.reason = match read_replies(&inner.table, &mut r, structured) {
         Ok(()) => "connection closed".to_string(),
         Err(e) => e,
     };
@@ -992,16 +1004,16 @@ fn complete(slot: &Slot, error: Option<ClientError>) {
     slot.cv.notify_all();
 }
 
-fn lookup(inner: &Inner, cookie: u64) -> Result<Arc<Slot>, String> {
-    lock(&inner.table)
+fn lookup(table: &Mutex<Table>, cookie: u64) -> Result<Arc<Slot>, String> {
+    lock(table)
         .slots
         .get(&cookie)
         .cloned()
         .ok_or_else(|| format!("reply for unknown cookie {cookie}"))
 }
 
-fn finish(inner: &Inner, cookie: u64, slot: &Slot, error: Option<ClientError>) {
-    lock(&inner.table).slots.remove(&cookie);
+fn finish(table: &Mutex<Table>, cookie: u64, slot: &Slot, error: Option<ClientError>) {
+    lock(table).slots.remove(&cookie);
     complete(slot, error);
 }
 
@@ -1041,7 +1053,9 @@ fn with_target<T>(
     Ok(f(dst))
 }
 
-fn read_replies(inner: &Inner, r: &mut ConnReader, structured: bool) -> Result<(), String> {
+/// Reads replies until EOF and completes the slots of `table` they answer;
+/// `Err` names what was wrong with the stream.
+fn read_replies(table: &Mutex<Table>, r: &mut ConnReader, structured: bool) -> Result<(), String> {
     loop {
         let mut magic = [0u8; 4];
         match r.read_exact(&mut magic) {
@@ -1055,10 +1069,10 @@ fn read_replies(inner: &Inner, r: &mut ConnReader, structured: bool) -> Result<(
                 r.read_exact(&mut h).map_err(io_reason)?;
                 let error = proto::be32(&h[0..4]);
                 let cookie = proto::be64(&h[4..12]);
-                let slot = lookup(inner, cookie)?;
+                let slot = lookup(table, cookie)?;
                 if error != 0 {
                     finish(
-                        inner,
+                        table,
                         cookie,
                         &slot,
                         Some(server_error(error, String::new())),
@@ -1076,7 +1090,7 @@ fn read_replies(inner: &Inner, r: &mut ConnReader, structured: bool) -> Result<(
                 } else if slot.kind == proto::CMD_BLOCK_STATUS {
                     return Err("simple reply to BLOCK_STATUS".into());
                 }
-                finish(inner, cookie, &slot, None);
+                finish(table, cookie, &slot, None);
             }
             proto::STRUCTURED_REPLY_MAGIC if structured => {
                 let mut h = [0u8; 16];
@@ -1085,11 +1099,11 @@ fn read_replies(inner: &Inner, r: &mut ConnReader, structured: bool) -> Result<(
                 let kind = proto::be16(&h[2..4]);
                 let cookie = proto::be64(&h[4..12]);
                 let length = proto::be32(&h[12..16]);
-                let slot = lookup(inner, cookie)?;
+                let slot = lookup(table, cookie)?;
                 chunk(r, &slot, kind, length)?;
                 if flags & proto::REPLY_FLAG_DONE != 0 {
                     let err = final_check(&slot);
-                    finish(inner, cookie, &slot, err);
+                    finish(table, cookie, &slot, err);
                 }
             }
             m => return Err(format!("bad reply magic {m:#x}")),
@@ -1178,6 +1192,106 @@ fn chunk(r: &mut ConnReader, slot: &Slot, kind: u16, length: u32) -> Result<(), 
         k => return Err(format!("unknown reply chunk type {k}")),
     }
     Ok(())
+}
+
+/// Runs the client's handshake against `input` as everything the server
+/// says (the fuzzing entry points): the export's size and flags, or why
+/// the server's side was refused.
+pub(crate) fn negotiate_bytes(
+    input: &[u8],
+    opts: &ClientOptions,
+) -> Result<(u64, u16), ClientError> {
+    let mut r = ConnReader::Bytes(io::Cursor::new(input.to_vec()));
+    let mut w = ConnWriter::Bytes(Arc::default());
+    negotiate(&mut r, &mut w, "", None, "localhost", opts).map(|i| (i.size, i.flags))
+}
+
+/// Requests pending while [`replies_bytes`] reads (cookie = index + 1):
+/// (command, offset, length).
+pub(crate) const PENDING: [(u16, u64, u64); 6] = [
+    (proto::CMD_READ, 0, 512),
+    (proto::CMD_READ, 4096, 65536),
+    (proto::CMD_BLOCK_STATUS, 0, 1 << 20),
+    (proto::CMD_WRITE, 0, 4096),
+    (proto::CMD_FLUSH, 0, 0),
+    (proto::CMD_READ, 1 << 40, 1),
+];
+
+/// Per request: its data (reads), its extents' lengths (block status),
+/// or its error.
+pub(crate) type RequestResults = Vec<Result<Vec<u8>, ClientError>>;
+
+/// Reads `input` as the server's replies to the [`PENDING`] requests (the
+/// fuzzing entry points), as the reader thread does: how the stream
+/// ended, and for each request its data (reads), its extents' lengths
+/// (block status), or its error.
+pub(crate) fn replies_bytes(
+    input: &[u8],
+    structured: bool,
+) -> (Result<(), String>, RequestResults) {
+    let mut bufs: Vec<Vec<u8>> = PENDING
+        .iter()
+        .map(|&(kind, _, len)| {
+            vec![
+                0u8;
+                if kind == proto::CMD_READ {
+                    len as usize
+                } else {
+                    0
+                }
+            ]
+        })
+        .collect();
+    let table = Mutex::new(Table {
+        slots: HashMap::new(),
+        next_cookie: PENDING.len() as u64 + 1,
+        dead: None,
+    });
+    // The buffers outlive the table and its slots, and nothing else
+    // touches them until `read_replies` returned: the `ReadTarget`
+    // contract, with this function as the waiting caller.
+    let slots: Vec<Arc<Slot>> = PENDING
+        .iter()
+        .zip(bufs.iter_mut())
+        .enumerate()
+        .map(|(i, (&(kind, offset, len), buf))| {
+            let slot = Arc::new(Slot {
+                kind,
+                offset,
+                len,
+                target: (kind == proto::CMD_READ).then_some(ReadTarget {
+                    ptr: buf.as_mut_ptr(),
+                    len: buf.len(),
+                }),
+                state: Mutex::new(SlotState::default()),
+                cv: Condvar::new(),
+            });
+            lock(&table).slots.insert(i as u64 + 1, slot.clone());
+            slot
+        })
+        .collect();
+    let mut r = ConnReader::Bytes(io::Cursor::new(input.to_vec()));
+    let end = read_replies(&table, &mut r, structured);
+    // What the stream left unanswered fails, as when the reader stops.
+    let left: Vec<Arc<Slot>> = lock(&table).slots.drain().map(|(_, s)| s).collect();
+    for s in left {
+        complete(&s, Some(ClientError::Disconnected("end of input".into())));
+    }
+    let results = slots
+        .iter()
+        .zip(bufs)
+        .map(|(slot, buf)| {
+            let mut st = lock(&slot.state);
+            match st.error.take() {
+                Some(e) => Err(e),
+                None => Ok(match st.extents.take() {
+                    Some(ext) => ext.iter().flat_map(|e| e.length.to_be_bytes()).collect(),
+                    None => buf,
+                }),
+            }
+        })
+        .collect();
+    (end, results)
 }
 
 /// After the final chunk: a READ must be fully and exactly covered.

@@ -18,6 +18,7 @@
 
 pub mod client;
 pub mod export;
+pub mod fuzzing;
 pub mod proto;
 pub mod psk;
 pub mod server;

@@ -57,7 +57,7 @@ impl PskKeys {
     }
 
     /// Parses `username:hexkey` lines (blank lines are skipped).
-    fn parse(text: &str) -> Result<Self, (usize, String)> {
+    pub(crate) fn parse(text: &str) -> Result<Self, (usize, String)> {
         let mut keys = HashMap::new();
         for (i, line) in text.lines().enumerate() {
             let line = line.trim();

@@ -151,7 +151,10 @@ impl TlsServerConfig {
     /// nbdkit's `--tls-psk`): a client must prove it holds the key of the
     /// user it names.
     pub fn from_psk_file(path: &Path) -> Result<Self, TlsConfigError> {
-        let keys = PskKeys::load(path)?;
+        Self::from_psk_keys(PskKeys::load(path)?)
+    }
+
+    pub(crate) fn from_psk_keys(keys: PskKeys) -> Result<Self, TlsConfigError> {
         Ok(TlsServerConfig {
             creds: ServerCreds::Psk(crate::psk::server_context(keys)?),
         })

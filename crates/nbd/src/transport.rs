@@ -3,16 +3,18 @@
 //!
 //! Owns: splitting one connection into a reading half (used by one thread)
 //! and a writing half (used under the caller's lock), TLS record handling
-//! for both halves, vectored writes, clean close (TLS close_notify).
+//! for both halves, vectored writes, clean close (TLS close_notify), and
+//! naming the peer for per-client limits. In-memory halves
+//! ([`ConnReader::Bytes`], [`ConnWriter::Bytes`]) run the same protocol
+//! code over a byte slice for the fuzzing entry points.
 //! Must not: interpret NBD messages, or block the reading half on a lock
 //! that a blocked writer holds (the reader never waits for the socket
 //! writer; see [`TlsShared`]).
 
 use std::io::{self, BufReader, IoSlice, Read, Write};
-use std::net::{Shutdown, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use crate::tls_session::TlsSession;
 
@@ -38,10 +40,16 @@ impl Socket {
         }
     }
 
-    pub(crate) fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+    /// The client at the other end, for per-client connection limits.
+    pub(crate) fn client(&self) -> PeerId {
         match self {
-            Socket::Unix(s) => s.set_read_timeout(t),
-            Socket::Tcp(s) => s.set_read_timeout(t),
+            Socket::Unix(s) => rustix::net::sockopt::socket_peercred(s)
+                .map(|c| PeerId::Uid(c.uid.as_raw()))
+                .unwrap_or(PeerId::Unknown),
+            Socket::Tcp(s) => s
+                .peer_addr()
+                .map(|a| PeerId::Ip(a.ip().to_canonical()))
+                .unwrap_or(PeerId::Unknown),
         }
     }
 
@@ -55,6 +63,16 @@ impl Socket {
                 .unwrap_or_else(|_| "tcp".to_string()),
         }
     }
+}
+
+/// Who connected: a TCP peer's IP address (an IPv4 address reached over
+/// IPv6 counts as the IPv4 address), or a Unix socket peer's uid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum PeerId {
+    Ip(IpAddr),
+    Uid(u32),
+    /// The kernel could not say (the peer already left).
+    Unknown,
 }
 
 impl Read for Socket {
@@ -206,12 +224,17 @@ pub(crate) enum ConnReader {
     Tls(TlsReader),
     /// Placeholder while a socket is being upgraded; reads see EOF.
     Closed,
+    /// Bytes in memory instead of a socket (fuzzing entry points).
+    Bytes(io::Cursor<Vec<u8>>),
 }
 
 /// The writing half of a connection.
 pub(crate) enum ConnWriter {
     Plain(Socket),
     Tls(Arc<TlsShared>),
+    /// Collects what would be sent (fuzzing entry points); shared so the
+    /// caller can look at it after the protocol code dropped the writer.
+    Bytes(Arc<Mutex<Vec<u8>>>),
 }
 
 /// Splits a plain socket into halves.
@@ -255,6 +278,7 @@ impl ConnReader {
             ConnReader::Plain(b) => !b.buffer().is_empty(),
             ConnReader::Tls(t) => t.pos < t.end,
             ConnReader::Closed => false,
+            ConnReader::Bytes(b) => remaining(b) > 0,
         }
     }
 
@@ -264,15 +288,7 @@ impl ConnReader {
         match self {
             ConnReader::Plain(b) => b.buffer().len(),
             ConnReader::Tls(_) | ConnReader::Closed => 0,
-        }
-    }
-
-    /// The underlying socket (for timeouts and TLS upgrade).
-    pub(crate) fn socket(&self) -> Option<&Socket> {
-        match self {
-            ConnReader::Plain(b) => Some(b.get_ref()),
-            ConnReader::Tls(t) => Some(&t.sock),
-            ConnReader::Closed => None,
+            ConnReader::Bytes(b) => remaining(b),
         }
     }
 
@@ -280,9 +296,14 @@ impl ConnReader {
     pub(crate) fn into_plain_socket(self) -> Option<Socket> {
         match self {
             ConnReader::Plain(b) => Some(b.into_inner()),
-            ConnReader::Tls(_) | ConnReader::Closed => None,
+            ConnReader::Tls(_) | ConnReader::Closed | ConnReader::Bytes(_) => None,
         }
     }
+}
+
+fn remaining(b: &io::Cursor<Vec<u8>>) -> usize {
+    let len = b.get_ref().len() as u64;
+    len.saturating_sub(b.position()) as usize
 }
 
 impl Read for ConnReader {
@@ -291,6 +312,7 @@ impl Read for ConnReader {
             ConnReader::Plain(b) => b.read(buf),
             ConnReader::Tls(t) => t.read(buf),
             ConnReader::Closed => Ok(0),
+            ConnReader::Bytes(b) => b.read(buf),
         }
     }
 }
@@ -300,6 +322,13 @@ impl ConnWriter {
     pub(crate) fn write_all_vectored(&mut self, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
         match self {
             ConnWriter::Plain(s) => write_all_vectored(s, bufs),
+            ConnWriter::Bytes(v) => {
+                let mut v = lock(v);
+                for b in bufs.iter() {
+                    v.extend_from_slice(b);
+                }
+                Ok(())
+            }
             ConnWriter::Tls(shared) => {
                 let mut sock = lock(&shared.send);
                 for b in bufs.iter() {
@@ -342,6 +371,7 @@ impl ConnWriter {
                 let _ = shared.drain(&mut sock);
                 let _ = sock.shutdown(Shutdown::Both);
             }
+            ConnWriter::Bytes(_) => {}
         }
     }
 
@@ -354,6 +384,7 @@ impl ConnWriter {
             ConnWriter::Tls(shared) => {
                 let _ = shared.ctl.shutdown(Shutdown::Both);
             }
+            ConnWriter::Bytes(_) => {}
         }
     }
 }

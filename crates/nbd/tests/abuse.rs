@@ -8,20 +8,34 @@
 mod common;
 
 use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
 use vdcache_nbd::proto::*;
 use vdcache_nbd::{
-    BlockSizes, Export, ExportError, Limits, MemExport, NbdClient, Server, ServerError,
-    TlsServerConfig, ZeroFlags,
+    Export, ExportError, Limits, MemExport, NbdClient, Server, ServerError, TlsServerConfig,
+    ZeroFlags,
 };
 
 const SIZE: u64 = 8 << 20;
+
+/// A TCP connection to `server` from the local address `from` (another
+/// loopback address is another client).
+fn tcp_from(from: &str, server: SocketAddr) -> TcpStream {
+    use rustix::net::{AddressFamily, SocketType};
+    let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    let local = SocketAddr::new(from.parse().unwrap(), 0);
+    rustix::net::bind(&fd, &local).unwrap();
+    rustix::net::connect(&fd, &server).unwrap();
+    let s = TcpStream::from(fd);
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s
+}
 
 fn connect(path: &Path) -> UnixStream {
     let s = UnixStream::connect(path).expect("connect");
@@ -31,7 +45,7 @@ fn connect(path: &Path) -> UnixStream {
 }
 
 /// Reads the greeting and answers fixed newstyle + no zeroes.
-fn greet(s: &mut UnixStream) {
+fn greet(s: &mut (impl Read + Write)) {
     let mut g = [0u8; 18];
     s.read_exact(&mut g).unwrap();
     assert_eq!(be64(&g[0..8]), NBD_MAGIC);
@@ -41,7 +55,7 @@ fn greet(s: &mut UnixStream) {
         .unwrap();
 }
 
-fn send_opt(s: &mut UnixStream, opt: u32, data: &[u8]) {
+fn send_opt(s: &mut impl Write, opt: u32, data: &[u8]) {
     let mut b = IHAVEOPT.to_be_bytes().to_vec();
     b.extend_from_slice(&opt.to_be_bytes());
     b.extend_from_slice(&(data.len() as u32).to_be_bytes());
@@ -49,7 +63,7 @@ fn send_opt(s: &mut UnixStream, opt: u32, data: &[u8]) {
     s.write_all(&b).unwrap();
 }
 
-fn opt_reply(s: &mut UnixStream) -> (u32, u32, Vec<u8>) {
+fn opt_reply(s: &mut impl Read) -> (u32, u32, Vec<u8>) {
     let mut h = [0u8; 20];
     s.read_exact(&mut h).unwrap();
     assert_eq!(be64(&h[0..8]), REPLY_MAGIC);
@@ -66,7 +80,7 @@ fn go_data(name: &str) -> Vec<u8> {
 }
 
 /// NBD_OPT_GO; returns (size, flags).
-fn go(s: &mut UnixStream, name: &str) -> (u64, u16) {
+fn go(s: &mut (impl Read + Write), name: &str) -> (u64, u16) {
     send_opt(s, OPT_GO, &go_data(name));
     let mut sf = None;
     loop {
@@ -81,7 +95,7 @@ fn go(s: &mut UnixStream, name: &str) -> (u64, u16) {
     }
 }
 
-fn structured(s: &mut UnixStream) {
+fn structured(s: &mut (impl Read + Write)) {
     send_opt(s, OPT_STRUCTURED_REPLY, &[]);
     assert_eq!(opt_reply(s).1, REP_ACK);
 }
@@ -98,7 +112,7 @@ fn session(path: &Path, name: &str, sr: bool) -> UnixStream {
 }
 
 fn request(
-    s: &mut UnixStream,
+    s: &mut impl Write,
     flags: u16,
     kind: u16,
     cookie: u64,
@@ -120,7 +134,7 @@ fn request(
 }
 
 /// Reads a simple reply header: (error, cookie).
-fn simple(s: &mut UnixStream) -> (u32, u64) {
+fn simple(s: &mut impl Read) -> (u32, u64) {
     let mut h = [0u8; 16];
     s.read_exact(&mut h).unwrap();
     assert_eq!(be32(&h[0..4]), SIMPLE_REPLY_MAGIC);
@@ -138,7 +152,7 @@ fn chunk(s: &mut UnixStream) -> (u16, u16, u64, Vec<u8>) {
 }
 
 /// True when the server closed the connection (EOF or reset).
-fn closed(s: &mut UnixStream) -> bool {
+fn closed(s: &mut impl Read) -> bool {
     let mut b = [0u8; 64];
     loop {
         match s.read(&mut b) {
@@ -620,73 +634,19 @@ fn tls_required_before_any_option() {
     assert!(closed(&mut s));
 }
 
-/// An export whose writes wait at a gate the test opens.
-struct Gated {
-    mem: MemExport,
-    gate: Mutex<(bool, bool)>, // (entered, open)
-    cv: Condvar,
-}
-
-impl Export for Gated {
-    fn size(&self) -> u64 {
-        self.mem.size()
-    }
-    fn read_only(&self) -> bool {
-        false
-    }
-    fn block_sizes(&self) -> BlockSizes {
-        BlockSizes::default()
-    }
-    fn read(&self, o: u64, b: &mut [u8]) -> Result<(), ExportError> {
-        self.mem.read(o, b)
-    }
-    fn write(&self, o: u64, d: &[u8], f: bool) -> Result<(), ExportError> {
-        let mut g = self.gate.lock().unwrap();
-        g.0 = true;
-        self.cv.notify_all();
-        while !g.1 {
-            g = self.cv.wait(g).unwrap();
-        }
-        drop(g);
-        self.mem.write(o, d, f)
-    }
-    fn flush(&self) -> Result<(), ExportError> {
-        Ok(())
-    }
-    fn trim(&self, o: u64, l: u64, f: bool) -> Result<(), ExportError> {
-        self.mem.trim(o, l, f)
-    }
-    fn write_zeroes(&self, o: u64, l: u64, f: ZeroFlags) -> Result<(), ExportError> {
-        self.mem.write_zeroes(o, l, f)
-    }
-}
-
 #[test]
 fn shutdown_finishes_in_flight_requests() {
-    let disk = Arc::new(Gated {
-        mem: MemExport::new(SIZE),
-        gate: Mutex::new((false, false)),
-        cv: Condvar::new(),
-    });
+    let disk = Arc::new(Gated::new(MemExport::new(SIZE), false));
     let t = TestServer::start(vec![("", disk.clone() as Arc<dyn Export>)]);
     let uri = t.uri("");
     let c = NbdClient::connect(&uri).unwrap();
     let idle = session(&t.socket, "", false);
     std::thread::scope(|sc| {
         let writer = sc.spawn(|| c.write_at(0, b"in flight", false));
-        {
-            let mut g = disk.gate.lock().unwrap();
-            while !g.0 {
-                g = disk.cv.wait(g).unwrap();
-            }
-        }
+        disk.wait_entered(1);
         let handle = t.server.shutdown_handle();
         let stopper = sc.spawn(move || handle.shutdown());
-        {
-            let mut g = disk.gate.lock().unwrap();
-            g.1 = true;
-            disk.cv.notify_all();
-        }
+        disk.open();
         stopper.join().unwrap();
         writer
             .join()
@@ -875,4 +835,280 @@ fn a_failed_read_in_a_burst_gets_an_error_and_the_other_replies_stay_whole() {
             }
         }
     }
+}
+
+#[test]
+fn idle_connections_cannot_lock_out_real_clients() {
+    // TLS required, default limits, no handshake deadline: only the limits
+    // keep room for real clients here.
+    let pki = tempfile::tempdir().unwrap();
+    make_pki(pki.path());
+    let b = Server::builder()
+        .export("", Arc::new(MemExport::new(SIZE)))
+        .tls(TlsServerConfig::from_x509_dir(pki.path(), false).unwrap())
+        .limits(Limits {
+            handshake_timeout: None,
+            ..Default::default()
+        });
+    let t = TestServer::start_with(b);
+    let max_handshakes = Limits::default().max_handshakes as u64;
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        t.socket.display(),
+        pki.path().display()
+    );
+    let idle: Vec<UnixStream> = (0..300).map(|_| connect(&t.socket)).collect();
+    let c = NbdClient::connect(&uri).expect("a real client gets in past 300 idle connections");
+    let d = pattern(65536, 3);
+    c.write_at(4096, &d, true).unwrap();
+    let mut b = vec![0u8; d.len()];
+    c.read_at(4096, &mut b).unwrap();
+    assert!(b == d);
+    // Connections are accepted in order: all 300 were before the client.
+    let st = t.server.stats();
+    assert_eq!(st.refused, 0);
+    assert_eq!(st.evicted, 300 + 1 - max_handshakes);
+    assert_eq!(st.handshakes, max_handshakes - 1);
+
+    // Connections past their handshake are never evicted for newcomers.
+    // (100 more: 400 idle sockets stay under a default limit of 1024 fds.)
+    let more: Vec<UnixStream> = (0..100).map(|_| connect(&t.socket)).collect();
+    let c2 = NbdClient::connect(&uri).expect("another real client");
+    c.read_at(4096, &mut b).unwrap();
+    assert!(b == d);
+    c2.read_at(4096, &mut b).unwrap();
+    assert!(b == d);
+    let st = t.server.stats();
+    assert_eq!(st.evicted, 400 + 1 - max_handshakes);
+    assert_eq!((st.refused, st.handshake_timeouts), (0, 0));
+    drop((idle, more));
+}
+
+#[test]
+fn a_handshake_has_a_deadline_however_slowly_its_bytes_trickle_in() {
+    // A short deadline so the test is quick; nothing waits for it to pass
+    // except the server.
+    let t = server_with(Limits {
+        handshake_timeout: Some(Duration::from_secs(1)),
+        ..Default::default()
+    });
+    // Past its handshake before the others connect: the deadline is not
+    // its concern.
+    let mut served = session(&t.socket, "", false);
+    let mut idle = connect(&t.socket);
+    let mut slow = connect(&t.socket);
+    greet(&mut slow);
+    // One option, a byte every 100 ms: each read gets a byte long before
+    // a per-read timeout, but the whole takes 22 s.
+    let mut option = IHAVEOPT.to_be_bytes().to_vec();
+    option.extend_from_slice(&OPT_INFO.to_be_bytes());
+    option.extend_from_slice(&200u32.to_be_bytes());
+    option.extend_from_slice(&[0u8; 200]);
+    let total = option.len();
+    let mut w = slow.try_clone().unwrap();
+    let trickler = std::thread::spawn(move || {
+        let mut sent = 0;
+        for b in option {
+            if w.write_all(&[b]).is_err() {
+                break;
+            }
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        sent
+    });
+    assert!(closed(&mut slow));
+    let sent = trickler.join().unwrap();
+    assert!(
+        sent < total,
+        "the server waited for all {total} trickled bytes of the option"
+    );
+    assert!(closed(&mut idle), "an idle connection stayed open");
+    let st = t.server.stats();
+    assert_eq!((st.handshake_timeouts, st.evicted, st.refused), (2, 0, 0));
+    request(&mut served, 0, CMD_FLUSH, 9, 0, 0, &[]);
+    assert_eq!(simple(&mut served), (0, 9));
+    still_serves(&t.socket);
+}
+
+#[test]
+fn per_client_limits_keep_room_for_other_clients() {
+    // TCP clients are IP addresses: 127.0.0.1 and 127.0.0.2 are two.
+    let server = Server::builder()
+        .export("", Arc::new(MemExport::new(SIZE)))
+        .limits(Limits {
+            max_connections_per_ip: 4,
+            max_connections_per_uid: 2,
+            handshake_timeout: None,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    let addr = server.listen_tcp("127.0.0.1:0").unwrap();
+    let tcp_session = |from: &str| {
+        let mut s = tcp_from(from, addr);
+        greet(&mut s);
+        go(&mut s, "");
+        s
+    };
+    let mut a: Vec<TcpStream> = (0..3).map(|_| tcp_session("127.0.0.1")).collect();
+    let mut a_idle = tcp_from("127.0.0.1", addr);
+    // The client's fifth connection evicts its own handshake in progress.
+    a.push(tcp_session("127.0.0.1"));
+    assert!(closed(&mut a_idle), "the client's idle handshake was kept");
+    // Four served connections: the fifth is closed at once.
+    let mut a_extra = tcp_from("127.0.0.1", addr);
+    assert!(
+        closed(&mut a_extra),
+        "a fifth connection from one IP was served"
+    );
+    // Another client is not concerned.
+    let mut b = tcp_session("127.0.0.2");
+    request(&mut b, 0, CMD_FLUSH, 1, 0, 0, &[]);
+    assert_eq!(simple(&mut b), (0, 1));
+    for (i, s) in a.iter_mut().enumerate() {
+        request(s, 0, CMD_FLUSH, i as u64, 0, 0, &[]);
+        assert_eq!(simple(s), (0, i as u64));
+    }
+    let st = server.stats();
+    assert_eq!((st.evicted, st.refused), (1, 1));
+
+    // Unix socket clients are uids (here one: ours).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    server.listen_unix(&path).unwrap();
+    let held: Vec<UnixStream> = (0..2).map(|_| session(&path, "", false)).collect();
+    let mut extra = connect(&path);
+    assert!(
+        closed(&mut extra),
+        "a third connection from one uid was served"
+    );
+    assert_eq!(server.stats().refused, 2);
+    drop(held);
+}
+
+/// Limits under which every read or write over 64 KiB is streamed.
+fn streaming() -> Limits {
+    Limits {
+        payload_chunk: 64 << 10,
+        max_buffered_bytes: 64 << 10,
+        ..Default::default()
+    }
+}
+
+/// Reads the chunks of one structured read reply into `buf` (at
+/// `offset`): (data chunks, hole chunks, error value if any).
+fn structured_read(
+    s: &mut UnixStream,
+    cookie: u64,
+    offset: u64,
+    buf: &mut [u8],
+) -> (usize, usize, Option<u32>) {
+    let (mut data, mut holes, mut error) = (0, 0, None);
+    loop {
+        let (flags, kind, c, d) = chunk(s);
+        assert_eq!(c, cookie);
+        match kind {
+            REPLY_TYPE_OFFSET_DATA => {
+                let at = (be64(&d) - offset) as usize;
+                buf[at..at + d.len() - 8].copy_from_slice(&d[8..]);
+                data += 1;
+            }
+            REPLY_TYPE_OFFSET_HOLE => {
+                let at = (be64(&d) - offset) as usize;
+                buf[at..at + be32(&d[8..]) as usize].fill(0);
+                holes += 1;
+            }
+            REPLY_TYPE_ERROR => error = Some(be32(&d)),
+            k => panic!("chunk type {k}"),
+        }
+        if flags & REPLY_FLAG_DONE != 0 {
+            return (data, holes, error);
+        }
+    }
+}
+
+#[test]
+fn streamed_payloads_arrive_whole_and_in_order() {
+    let disk = Arc::new(MemExport::new(SIZE));
+    let data = pattern(300 << 10, 41);
+    disk.write(0, &data, false).unwrap();
+    disk.write(1 << 20, &data, false).unwrap();
+    let t = TestServer::start_with(
+        Server::builder()
+            .export("", disk.clone() as Arc<dyn Export>)
+            .export(
+                "bad",
+                Arc::new(NoZero(MemExport::with_data(&data), 128 << 10..132 << 10)),
+            )
+            .limits(streaming()),
+    );
+    let mut expect = vec![0u8; 2 << 20];
+    expect[..data.len()].copy_from_slice(&data);
+    expect[1 << 20..(1 << 20) + data.len()].copy_from_slice(&data);
+
+    // Structured, no DF: data in pieces of at most 64 KiB, holes whole.
+    let mut s = connect(&t.socket);
+    greet(&mut s);
+    structured(&mut s);
+    go(&mut s, "");
+    let mut got = vec![0xeeu8; 2 << 20];
+    request(&mut s, 0, CMD_READ, 1, 0, 2 << 20, &[]);
+    let (chunks, holes, error) = structured_read(&mut s, 1, 0, &mut got);
+    assert!(got == expect);
+    assert_eq!((chunks, holes, error), (10, 2, None));
+    // DF: one data chunk however large.
+    let mut got = vec![0xeeu8; 2 << 20];
+    request(&mut s, CMD_FLAG_DF, CMD_READ, 2, 0, 2 << 20, &[]);
+    assert_eq!(structured_read(&mut s, 2, 0, &mut got), (1, 0, None));
+    assert!(got == expect);
+    // A streamed write, read back.
+    let new = pattern(200 << 10, 42);
+    request(
+        &mut s,
+        CMD_FLAG_FUA,
+        CMD_WRITE,
+        3,
+        4096,
+        new.len() as u32,
+        &new,
+    );
+    assert_eq!(simple(&mut s), (0, 3));
+    assert!(disk.contents()[4096..4096 + new.len()] == new[..]);
+    drop(s);
+
+    // Simple replies: the header, then all the data.
+    let mut s = session(&t.socket, "", false);
+    request(&mut s, 0, CMD_READ, 4, 0, 2 << 20, &[]);
+    assert_eq!(simple(&mut s), (0, 4));
+    let mut got = vec![0u8; 2 << 20];
+    s.read_exact(&mut got).unwrap();
+    expect[4096..4096 + new.len()].copy_from_slice(&new);
+    assert!(got == expect);
+    drop(s);
+
+    // A read failing in its first piece gets an error reply; in a later
+    // piece, a structured reply ends with an error chunk after the data
+    // already sent, and a simple one (which cannot report it) with the
+    // connection.
+    let mut s = session(&t.socket, "bad", false);
+    request(&mut s, 0, CMD_READ, 5, 100 << 10, 200 << 10, &[]);
+    assert_eq!(simple(&mut s), (EIO, 5));
+    request(&mut s, 0, CMD_READ, 6, 0, 256 << 10, &[]);
+    assert_eq!(simple(&mut s), (0, 6));
+    let mut head = vec![0u8; 128 << 10];
+    s.read_exact(&mut head).unwrap();
+    assert!(head[..] == data[..128 << 10]);
+    assert!(closed(&mut s));
+    let mut s = session(&t.socket, "bad", true);
+    let mut got = vec![0u8; 256 << 10];
+    request(&mut s, 0, CMD_READ, 7, 0, 256 << 10, &[]);
+    assert_eq!(structured_read(&mut s, 7, 0, &mut got), (2, 0, Some(EIO)));
+    assert!(got[..128 << 10] == data[..128 << 10]);
+    request(&mut s, 0, CMD_FLUSH, 8, 0, 0, &[]);
+    assert_eq!(simple(&mut s), (0, 8));
+    // A read gives its bytes back right after its reply left.
+    eventually("buffered payloads given back", || {
+        t.server.stats().buffered_bytes == 0
+    });
 }

@@ -132,6 +132,7 @@ impl ServeArgs {
                     psk: self.tls_psk,
                 }),
                 workers: self.workers,
+                ..Listen::default()
             },
             cache,
             exports: vec![ExportConfig {

@@ -33,6 +33,19 @@ pub struct Listen {
     pub tls: Option<TlsConfig>,
     /// Worker threads per connection (requests served in parallel).
     pub workers: Option<usize>,
+    /// NBD connection limits; absent keys keep the server's defaults
+    /// (256 connections, 64 in their handshake, 64 per TCP client IP,
+    /// 256 per Unix socket client uid).
+    pub max_connections: Option<usize>,
+    pub max_handshakes: Option<usize>,
+    pub max_connections_per_ip: Option<usize>,
+    pub max_connections_per_uid: Option<usize>,
+    /// Seconds a client may take for its whole handshake (default 10;
+    /// 0: no limit).
+    pub handshake_timeout: Option<f64>,
+    /// Payload bytes buffered across all connections before they wait
+    /// for room (default "256M").
+    pub max_buffered: Option<String>,
 }
 
 /// TLS credentials: an x509 certificate and key, or a PSK keys file.
@@ -149,6 +162,26 @@ impl ServerConfig {
         if self.server.socket.is_none() && self.server.tcp.is_none() {
             bail!("[server] needs a socket or a tcp address");
         }
+        let l = &self.server;
+        for (key, v) in [
+            ("max_connections", l.max_connections),
+            ("max_handshakes", l.max_handshakes),
+            ("max_connections_per_ip", l.max_connections_per_ip),
+            ("max_connections_per_uid", l.max_connections_per_uid),
+            ("workers", l.workers),
+        ] {
+            if v == Some(0) {
+                bail!("[server] {key} must be at least 1");
+            }
+        }
+        if let Some(t) = l.handshake_timeout
+            && !(t.is_finite() && (0.0..=86400.0).contains(&t))
+        {
+            bail!("[server] handshake_timeout must be 0 to 86400 seconds, not {t}");
+        }
+        if let Some(v) = &l.max_buffered {
+            parse_size(v).context("[server] max_buffered")?;
+        }
         if let Some(t) = &self.server.tls {
             match (&t.cert, &t.key, &t.psk) {
                 (Some(_), Some(_), None) | (None, None, Some(_)) => {}
@@ -219,6 +252,24 @@ mod tests {
         .unwrap();
         cfg.validate().unwrap();
         assert_eq!(cfg.exports.len(), 2);
+        let limits: ServerConfig = toml::from_str(
+            "[server]\nsocket=\"s\"\nmax_connections=32\nmax_handshakes=8\nhandshake_timeout=2.5\nmax_buffered=\"64M\"\n[[export]]\nname=\"a\"\nimage=\"x\"\n",
+        )
+        .unwrap();
+        limits.validate().unwrap();
+        assert_eq!(limits.server.max_handshakes, Some(8));
+        for (bad, key) in [
+            ("max_handshakes=0", "max_handshakes"),
+            ("handshake_timeout=-1", "handshake_timeout"),
+            ("max_buffered=\"lots\"", "max_buffered"),
+        ] {
+            let cfg: ServerConfig = toml::from_str(&format!(
+                "[server]\nsocket=\"s\"\n{bad}\n[[export]]\nname=\"a\"\nimage=\"x\"\n"
+            ))
+            .unwrap();
+            let err = format!("{:#}", cfg.validate().unwrap_err());
+            assert!(err.contains(key), "{bad}: {err}");
+        }
         let bad = toml::from_str::<ServerConfig>("[server]\nsockett = \"x\"\n");
         assert!(bad.unwrap_err().to_string().contains("sockett"));
         let dup: ServerConfig = toml::from_str(

@@ -410,3 +410,107 @@ fn protocol_abuse_never_disturbs_other_connections() {
     ok(s.qemu_img().arg("check").arg(&img));
     s.finish();
 }
+
+/// Reads until the server closes the connection; false if it sends
+/// anything but its greeting (18 bytes) first or the read fails otherwise.
+fn closed_after_greeting(s: &mut UnixStream) -> bool {
+    let mut got = Vec::new();
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return got.len() <= 18,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[test]
+fn idle_connections_cannot_lock_out_real_clients() {
+    // Issue 18: 260 idle connections used to fill the 256-connection
+    // limit and keep every real client out.
+    let s = Scratch::new();
+    let img = s.path("idle.qcow2");
+    qcow2(&s, &img, SIZE, None);
+    let sock = s.path("idle.sock");
+    let server = serve(&s, &sock, &[img.to_str().expect("utf-8")]);
+    let u = uri(&sock, "");
+    let idle: Vec<UnixStream> = (0..300)
+        .map(|_| UnixStream::connect(&sock).expect("connect"))
+        .collect();
+    let out = ok(s.cmd("nbdinfo").arg("--size").arg(&u));
+    assert_eq!(out.stdout.trim(), SIZE.to_string());
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 7 0 64K".into(), "read -P 7 0 64K".into()],
+    );
+    let st = stats(&s, &sock);
+    let counter = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("{k} in {st}"));
+    assert_eq!(counter("connections_refused"), 0);
+    // 64 handshakes at most (the default): the oldest idle ones made room
+    // (or, on a very slow machine, timed out first).
+    assert!(
+        counter("connections_evicted") + counter("handshake_timeouts") >= 300 - 64,
+        "{st}"
+    );
+    assert!(counter("connections_in_handshake") <= 64, "{st}");
+    drop(idle);
+    let log = server.stop_clean();
+    assert!(log.contains("stopped cleanly"), "{log}");
+    s.finish();
+}
+
+#[test]
+fn plaintext_tcp_on_a_non_loopback_address_is_warned_about() {
+    let s = Scratch::new();
+    let img = s.path("tcp.qcow2");
+    qcow2(&s, &img, SIZE, None);
+    let img = img.to_str().expect("utf-8");
+    for (i, (addr, warned)) in [("0.0.0.0:0", true), ("127.0.0.1:0", false)]
+        .into_iter()
+        .enumerate()
+    {
+        let sock = s.path(&format!("tcp{i}.sock"));
+        let server = serve(&s, &sock, &[img, "--tcp", addr]);
+        let log = server.stop_clean();
+        assert!(log.contains("listening on tcp"), "{log}");
+        assert_eq!(
+            log.contains("without TLS"),
+            warned,
+            "--tcp {addr}, log:\n{log}"
+        );
+    }
+    s.finish();
+}
+
+#[test]
+fn the_handshake_deadline_comes_from_the_config_file() {
+    let s = Scratch::new();
+    let img = s.path("deadline.qcow2");
+    qcow2(&s, &img, SIZE, None);
+    let sock = s.path("deadline.sock");
+    let cfg = s.path("deadline.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nsocket = \"{}\"\nhandshake_timeout = 1\nmax_handshakes = 8\n\
+             max_buffered = \"16M\"\n\n[[export]]\nname = \"\"\nimage = \"{}\"\n",
+            sock.display(),
+            img.display()
+        ),
+    )
+    .expect("write config");
+    let server = serving::serve_config(&s, &cfg, &sock);
+    // Greeted, then closed once a second has passed without a handshake
+    // (the safety-net read timeout of 60 s is far away).
+    let mut c = Conn::open(&sock);
+    assert!(closed_after_greeting(&mut c.s));
+    assert_eq!(stats(&s, &sock)["handshake_timeouts"].as_u64(), Some(1));
+    // A real client is not concerned.
+    qemu_io(&s, "raw", &uri(&sock, ""), &["read -P 0 0 4K".into()]);
+    server.stop_clean();
+    s.finish();
+}

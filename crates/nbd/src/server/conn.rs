@@ -10,23 +10,31 @@
 //! write for a burst of replies. Held replies are sent before the reading
 //! thread waits.
 //!
+//! Every buffered payload byte is taken from the server-wide budget first.
+//! A payload larger than `Limits::payload_chunk`, or one the budget has no
+//! room for, is never buffered whole: a write is read in pieces, each
+//! stored by its own job as soon as it is read (so large writes still run
+//! in parallel); a read is read from the export and sent piece by piece.
+//!
 //! Owns: request validation (magic, flags, bounds, alignment, payload
-//! limits, read-only), reply encoding (simple and structured), the
-//! in-flight budget, per-connection counters.
+//! limits, read-only), reply encoding (simple and structured), payload
+//! streaming, the in-flight budget, per-connection counters.
 //! Must not: let a bad request crash the process or touch other
-//! connections; allocate a payload before checking its length; keep
-//! reading once the client misbehaved at the framing level.
+//! connections; allocate a payload before checking its length and taking
+//! it from the budget; keep reading once the client misbehaved at the
+//! framing level.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use tracing::{debug, warn};
 
+use super::budget::MIN_PIECE;
 use super::handshake::{self, Negotiated};
 use super::outbox::Outbox;
 use super::payloads::Payload;
@@ -49,13 +57,72 @@ pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<
             return;
         }
     };
-    let (mut reader, writer, neg, tls) = match handshake::negotiate(inner, sock) {
-        Ok(x) => x,
-        Err(end) => {
-            handshake::log_end(id, &peer, &end);
-            return;
-        }
+    let (reader, writer, neg, tls) =
+        match handshake::negotiate(inner, sock, &mut || inner.established(id)) {
+            Ok(x) => x,
+            Err(end) => {
+                handshake::log_end(id, &peer, &end);
+                return;
+            }
+        };
+    let conn = ConnCtx {
+        id,
+        peer: &peer,
+        info,
+        ctl: Some(&ctl),
     };
+    transmission(inner, &conn, reader, writer, neg, tls);
+}
+
+/// Runs one connection over in-memory bytes (the fuzzing entry points):
+/// the handshake, or with `preset` straight the transmission phase with
+/// that state. Returns whether the transmission phase was reached.
+pub(super) fn serve_bytes(
+    inner: &Arc<ServerInner>,
+    input: &[u8],
+    sent: &Arc<Mutex<Vec<u8>>>,
+    preset: Option<Negotiated>,
+) -> bool {
+    let r = ConnReader::Bytes(io::Cursor::new(input.to_vec()));
+    let w = ConnWriter::Bytes(sent.clone());
+    let (r, w, neg, tls) = match preset {
+        Some(neg) => (r, w, neg, false),
+        None => match handshake::negotiate_on(inner, r, w, &mut || true) {
+            Ok(x) => x,
+            Err(_) => return false,
+        },
+    };
+    let info = Arc::new(ConnInfo::default());
+    let conn = ConnCtx {
+        id: 0,
+        peer: "bytes",
+        info: &info,
+        ctl: None,
+    };
+    transmission(inner, &conn, r, w, neg, tls);
+    true
+}
+
+/// Who a transmission phase serves.
+pub(super) struct ConnCtx<'a> {
+    pub(super) id: u64,
+    pub(super) peer: &'a str,
+    pub(super) info: &'a Arc<ConnInfo>,
+    /// A clone of the socket, to cut a misbehaving client off (`None`
+    /// without a socket).
+    pub(super) ctl: Option<&'a Socket>,
+}
+
+/// Serves requests until the client leaves, then closes the connection.
+pub(super) fn transmission(
+    inner: &Arc<ServerInner>,
+    conn: &ConnCtx<'_>,
+    mut reader: ConnReader,
+    writer: ConnWriter,
+    neg: Negotiated,
+    tls: bool,
+) {
+    let (id, peer, info) = (conn.id, conn.peer, conn.info);
     let entry = &inner.exports[neg.export];
     debug!(
         "nbd: connection {id} ({peer}) serving export {:?} (structured={}, tls={tls})",
@@ -64,9 +131,13 @@ pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<
     info.tls.store(tls, Ordering::Relaxed);
     *lock(&info.export) = Some(entry.name.clone());
     entry.connection_started();
+    // Pieces start at multiples of the chunk: keep them aligned for the export.
+    let min_block = neg.block_sizes.minimum.max(1);
+    let chunk = inner.limits.payload_chunk.max(min_block);
     let session = Arc::new(Session {
         export: entry.export.clone(),
         size: entry.export.size(),
+        chunk: chunk - chunk % min_block,
         neg,
         writer: Mutex::new(writer),
         broken: AtomicBool::new(false),
@@ -76,6 +147,7 @@ pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<
             inner.limits.max_inflight_bytes,
             inner.limits.max_inflight_requests,
         ),
+        buffered: AtomicU64::new(0),
     });
     let pool = Pool::new(session.clone(), inner.limits.workers_per_connection);
     let end = read_loop(&session, &mut reader, &pool);
@@ -85,7 +157,9 @@ pub(super) fn serve(inner: &Arc<ServerInner>, id: u64, sock: Socket, info: &Arc<
         LoopEnd::Abuse(m) => {
             warn!("nbd: connection {id} ({peer}) dropped: {m}");
             // Do not wait for a misbehaving client to read its replies.
-            let _ = ctl.shutdown(std::net::Shutdown::Both);
+            if let Some(ctl) = conn.ctl {
+                let _ = ctl.shutdown(std::net::Shutdown::Both);
+            }
         }
     }
     pool.finish();
@@ -104,12 +178,41 @@ enum LoopEnd {
 struct Session {
     export: Arc<dyn Export>,
     size: u64,
+    /// Payloads larger than this are streamed in pieces of this size (a
+    /// multiple of the export's minimum block size).
+    chunk: u32,
     neg: Negotiated,
     writer: Mutex<ConnWriter>,
     broken: AtomicBool,
     info: Arc<ConnInfo>,
     inner: Arc<ServerInner>,
     budget: Budget,
+    /// This connection's share of the server-wide payload budget.
+    buffered: AtomicU64,
+}
+
+impl Session {
+    /// Takes room in the server-wide payload budget for the next piece of
+    /// a payload with `remaining` bytes: all of them up to the chunk size
+    /// if they fit, else (when this connection holds nothing) a small
+    /// piece. Replies held for a burst go out first if it has to wait:
+    /// their client may need them before it reads what frees the budget.
+    fn take_piece(&self, remaining: u64) -> u64 {
+        let budget = &self.inner.budget;
+        let want = remaining.min(u64::from(self.chunk));
+        let alone = remaining.min(MIN_PIECE);
+        match budget.try_take(want, alone, &self.buffered) {
+            Some(n) => n,
+            None => {
+                send_held(self);
+                budget.take(want, alone, &self.buffered)
+            }
+        }
+    }
+
+    fn give_back_buffered(&self, n: u64) {
+        self.inner.budget.give_back(n, &self.buffered);
+    }
 }
 
 /// Held replies beyond this many bytes are sent at once.
@@ -129,6 +232,33 @@ struct Job {
     error: Option<ExportError>,
     /// Budget units held until the reply is sent.
     cost: u64,
+    /// Bytes of the server-wide payload budget held until the payload is
+    /// stored (writes) or sent (reads); less than a READ's length when its
+    /// data goes out in pieces of this size.
+    buffered: u64,
+    /// Set for one piece of a streamed write (`req` is then the piece's).
+    part: Option<Arc<StreamedWrite>>,
+}
+
+/// A write streamed in pieces, each stored by its own job; the reply goes
+/// out once the last piece is stored.
+struct StreamedWrite {
+    req: Request,
+    /// Pieces not yet stored, plus one while the reading thread still
+    /// reads the payload; whoever takes it to zero replies.
+    left: AtomicUsize,
+    /// The first failure.
+    error: Mutex<Option<ExportError>>,
+}
+
+impl StreamedWrite {
+    /// Counts one part done; the last one sends the reply.
+    fn done(&self, s: &Session) {
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let error = lock(&self.error).take();
+            reply(s, &self.req, error.map_or(Ok(()), Err));
+        }
+    }
 }
 
 /// An inline request slower than this counts as slow.
@@ -212,6 +342,7 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
         }
         let mut payload = Payload::default();
         let mut cost = 0u64;
+        let mut buffered = 0u64;
         if req.kind == proto::CMD_WRITE {
             if req.length > max_payload {
                 // The payload follows and cannot be skipped cheaply: the
@@ -222,17 +353,25 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
                 ));
             }
             cost = u64::from(req.length);
+            buffered = s.take_piece(cost);
+            if buffered < cost {
+                if let Err(end) = stream_write(s, r, &req, buffered, pool, &mut placement) {
+                    return end;
+                }
+                continue;
+            }
             s.budget.acquire(cost);
             payload = s.inner.payloads.take(req.length as usize);
             if let Err(e) = r.read_exact(payload.as_mut_slice()) {
+                s.inner.payloads.give_back(payload);
+                s.give_back_buffered(buffered);
                 s.budget.release(cost);
-                return LoopEnd::Abuse(match e.kind() {
-                    io::ErrorKind::UnexpectedEof => "client vanished mid-request".into(),
-                    _ => format!("read failed: {e}"),
-                });
+                return LoopEnd::Abuse(vanished(&e));
             }
         } else if req.kind == proto::CMD_READ && req.length <= max_payload {
             cost = u64::from(req.length);
+            // All of it, or the size of the pieces it is sent in.
+            buffered = s.take_piece(cost);
             s.budget.acquire(cost);
         } else {
             s.budget.acquire(0);
@@ -247,10 +386,101 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
                 payload,
                 error,
                 cost,
+                buffered,
+                part: None,
             },
             more,
         );
     }
+}
+
+fn vanished(e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof => "client vanished mid-request".into(),
+        _ => format!("read failed: {e}"),
+    }
+}
+
+/// A write whose payload is larger than the session's chunk, or did not
+/// fit the budget: read in pieces (the first, of `first` bytes, already
+/// taken from the budget), each stored by a job of its own as soon as it
+/// is read, so no more than the budget allows is ever held and large
+/// writes still run in parallel. A write that failed validation has its
+/// payload read into one piece and dropped.
+fn stream_write(
+    s: &Session,
+    r: &mut ConnReader,
+    req: &Request,
+    first: u64,
+    pool: &Pool,
+    placement: &mut Placement,
+) -> Result<(), LoopEnd> {
+    let len = u64::from(req.length);
+    if let Err(e) = validate(s, req) {
+        let mut piece = s.inner.payloads.take(first as usize);
+        let mut pos = 0u64;
+        let mut read = Ok(());
+        while pos < len {
+            let n = (len - pos).min(first) as usize;
+            if let Err(e) = r.read_exact(&mut piece.as_mut_slice()[..n]) {
+                read = Err(LoopEnd::Abuse(vanished(&e)));
+                break;
+            }
+            pos += n as u64;
+        }
+        s.inner.payloads.give_back(piece);
+        s.give_back_buffered(first);
+        if read.is_ok() {
+            send_error(s, req, &e);
+        }
+        return read;
+    }
+    let stream = Arc::new(StreamedWrite {
+        req: *req,
+        left: AtomicUsize::new(1),
+        error: Mutex::new(None),
+    });
+    let mut pos = 0u64;
+    let mut taken = first;
+    loop {
+        let n = taken;
+        s.budget.acquire(n);
+        let mut payload = s.inner.payloads.take(n as usize);
+        if let Err(e) = r.read_exact(payload.as_mut_slice()) {
+            s.inner.payloads.give_back(payload);
+            s.give_back_buffered(n);
+            s.budget.release(n);
+            // The reading thread's count stays: no reply for a write
+            // whose client is gone.
+            return Err(LoopEnd::Abuse(vanished(&e)));
+        }
+        stream.left.fetch_add(1, Ordering::AcqRel);
+        let piece = Request {
+            offset: req.offset + pos,
+            length: n as u32,
+            ..*req
+        };
+        placement.run(
+            s,
+            pool,
+            Job {
+                req: piece,
+                payload,
+                error: None,
+                cost: n,
+                buffered: n,
+                part: Some(stream.clone()),
+            },
+            false,
+        );
+        pos += n;
+        if pos == len {
+            break;
+        }
+        taken = s.take_piece(len - pos);
+    }
+    stream.done(s);
+    Ok(())
 }
 
 fn inval(m: impl Into<String>) -> ExportError {
@@ -487,11 +717,38 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, ExportError>) -> Result<T, ExportErr
 
 fn run_job(s: &Session, job: Job) {
     let req = job.req;
-    match job.error {
-        Some(e) => send_error(s, &req, &e),
-        None => execute(s, &req, &job.payload),
+    if let Some(stream) = job.part {
+        let fua = req.flags & proto::CMD_FLAG_FUA != 0;
+        let res = guarded(|| s.export.write(req.offset, &job.payload, fua));
+        s.inner.payloads.give_back(job.payload);
+        s.give_back_buffered(job.buffered);
+        if let Err(e) = res {
+            lock(&stream.error).get_or_insert(e);
+        }
+        s.budget.release(job.cost);
+        stream.done(s);
+        return;
     }
-    s.inner.payloads.give_back(job.payload);
+    match (job.error, req.kind) {
+        (Some(e), _) => {
+            s.inner.payloads.give_back(job.payload);
+            s.give_back_buffered(job.buffered);
+            send_error(s, &req, &e);
+        }
+        (None, proto::CMD_READ) => {
+            read(s, &req, job.buffered);
+            s.give_back_buffered(job.buffered);
+        }
+        (None, proto::CMD_BLOCK_STATUS) => block_status(s, &req),
+        (None, _) => {
+            let res = execute(s, &req, &job.payload);
+            // Stored: the payload's memory is free before the reply waits
+            // for a client that may not read it.
+            s.inner.payloads.give_back(job.payload);
+            s.give_back_buffered(job.buffered);
+            reply(s, &req, res);
+        }
+    }
     s.budget.release(job.cost);
 }
 
@@ -501,15 +758,14 @@ fn record(s: &Session, read: u64, written: u64, error: bool) {
     entry.counters.record(read, written, error);
 }
 
-/// Executes a valid request and sends its reply.
-fn execute(s: &Session, req: &Request, payload: &[u8]) {
+/// Executes a valid request other than READ and BLOCK_STATUS (which
+/// encode their own replies).
+fn execute(s: &Session, req: &Request, payload: &[u8]) -> Result<(), ExportError> {
     use proto::*;
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let len = u64::from(req.length);
     let e = &s.export;
     let res = match req.kind {
-        CMD_READ => return read(s, req),
-        CMD_BLOCK_STATUS => return block_status(s, req),
         CMD_WRITE => guarded(|| e.write(req.offset, payload, fua)),
         CMD_FLUSH => guarded(|| e.flush()),
         CMD_TRIM if len == 0 => Ok(()),
@@ -533,17 +789,25 @@ fn execute(s: &Session, req: &Request, payload: &[u8]) {
         _ => Err(inval("unknown command")),
     };
     // ENOTSUP is reserved for fast zeroing; trim and cache are only hints.
-    let res = match res {
+    match res {
         Err(ExportError::NotSupported(_)) if matches!(req.kind, CMD_TRIM | CMD_CACHE) => Ok(()),
         Err(ExportError::NotSupported(m)) if req.kind != CMD_WRITE_ZEROES => {
             Err(ExportError::Invalid(m))
         }
         r => r,
-    };
+    }
+}
+
+/// Replies to a request without data: success or the error.
+fn reply(s: &Session, req: &Request, res: Result<(), ExportError>) {
     match res {
         Ok(()) => {
             let hdr = proto::simple_reply(req.cookie, 0);
-            let written = if req.kind == CMD_WRITE { len } else { 0 };
+            let written = if req.kind == proto::CMD_WRITE {
+                u64::from(req.length)
+            } else {
+                0
+            };
             send(s, Stat::ok(0, written), &[&hdr]);
         }
         Err(err) => send_error(s, req, &err),
@@ -626,14 +890,22 @@ fn send_held(s: &Session) {
 /// Writes the outbox in one go.
 fn write_out(s: &Session, out: &mut Outbox) {
     if !s.broken.load(Ordering::Relaxed) {
-        let mut conn = lock(&s.writer);
-        if let Err(e) = conn.write_all(out.pending()) {
-            debug!("nbd: reply write failed: {e}");
-            s.broken.store(true, Ordering::Relaxed);
-            conn.abort();
-        }
+        write_locked(s, &mut lock(&s.writer), out);
     }
     out.clear();
+}
+
+/// Writes the outbox with the writer lock held, keeping its memory for
+/// the next piece of a streamed reply.
+fn write_locked(s: &Session, conn: &mut ConnWriter, out: &mut Outbox) {
+    if !s.broken.load(Ordering::Relaxed)
+        && let Err(e) = conn.write_all(out.pending())
+    {
+        debug!("nbd: reply write failed: {e}");
+        s.broken.store(true, Ordering::Relaxed);
+        conn.abort();
+    }
+    out.sent();
 }
 
 fn send_error(s: &Session, req: &Request, err: &ExportError) {
@@ -721,10 +993,17 @@ fn push_run(runs: &mut Vec<Run>, r: Run) {
     }
 }
 
-fn read(s: &Session, req: &Request) {
+/// A READ for which `piece` bytes of the budget were taken: all of its
+/// data, or the size of the pieces it is sent in.
+fn read(s: &Session, req: &Request, piece: u64) {
     let len = u64::from(req.length);
     let e = &s.export;
+    let streamed = piece < len;
     if !s.neg.structured {
+        if streamed {
+            read_contiguous(s, req, &proto::simple_reply(req.cookie, 0), piece);
+            return;
+        }
         reply_in_outbox(s, req, Stat::ok(len, 0), |out| {
             out.push(&proto::simple_reply(req.cookie, 0));
             guarded(|| e.read(req.offset, out.grow(req.length as usize)))
@@ -732,6 +1011,19 @@ fn read(s: &Session, req: &Request) {
         return;
     }
     let df = req.flags & proto::CMD_FLAG_DF != 0;
+    if df && streamed {
+        // Not to be fragmented: one data chunk, streamed.
+        let mut hdr = [0u8; proto::CHUNK_HEADER_LEN + 8];
+        hdr[..proto::CHUNK_HEADER_LEN].copy_from_slice(&proto::chunk_header(
+            req.cookie,
+            proto::REPLY_FLAG_DONE,
+            proto::REPLY_TYPE_OFFSET_DATA,
+            (8 + u64::from(req.length)) as u32,
+        ));
+        hdr[proto::CHUNK_HEADER_LEN..].copy_from_slice(&req.offset.to_be_bytes());
+        read_contiguous(s, req, &hdr, piece);
+        return;
+    }
     let runs = if len == 0 {
         Vec::new()
     } else if df || len < 2 * MIN_HOLE {
@@ -750,8 +1042,95 @@ fn read(s: &Session, req: &Request) {
             }],
         }
     };
-    reply_in_outbox(s, req, Stat::ok(len, 0), |out| {
-        encode_runs(s, req, &runs, out)
+    if !streamed {
+        reply_in_outbox(s, req, Stat::ok(len, 0), |out| {
+            encode_runs(s, req, &runs, out, None)
+        });
+        return;
+    }
+    // Chunks already sent are valid on their own: a failure ends the
+    // reply with an error chunk after them.
+    let pieces = split_runs(&runs, piece);
+    let result = Outbox::with(|out| {
+        let result = encode_runs(s, req, &pieces, out, Some(piece as usize));
+        if result.is_ok() {
+            finish_reply(s, Stat::ok(len, 0), out);
+        }
+        result
+    });
+    if let Err(err) = result {
+        send_error(s, req, &err);
+    }
+}
+
+/// Data runs cut into pieces of at most `chunk` bytes (holes stay whole).
+fn split_runs(runs: &[Run], chunk: u64) -> Vec<Run> {
+    let mut pieces = Vec::with_capacity(runs.len());
+    for r in runs {
+        if r.zero {
+            pieces.push(*r);
+            continue;
+        }
+        let mut pos = 0;
+        while pos < r.len {
+            let n = (r.len - pos).min(chunk);
+            pieces.push(Run {
+                start: r.start + pos,
+                len: n,
+                zero: false,
+            });
+            pos += n;
+        }
+    }
+    pieces
+}
+
+/// A READ sent in pieces of `piece` bytes whose data must follow `header`
+/// in one piece (a simple reply, or a structured one that must not be
+/// fragmented): after the first piece the writer lock is held while the
+/// export reads piece after piece. A failure after the header left cannot
+/// be reported any more: the connection is cut, as the protocol asks.
+fn read_contiguous(s: &Session, req: &Request, header: &[u8], piece: u64) {
+    let chunk = piece as usize;
+    let len = req.length as usize;
+    let first = Outbox::with(|out| {
+        let mark = out.len();
+        out.push(header);
+        let r = guarded(|| s.export.read(req.offset, out.grow(chunk)));
+        if r.is_err() {
+            out.truncate(mark);
+        }
+        r
+    });
+    if let Err(err) = first {
+        send_error(s, req, &err);
+        return;
+    }
+    // Counted before the client can see the reply, as every reply is.
+    record(s, len as u64, 0, false);
+    Outbox::with(|out| {
+        let mut conn = lock(&s.writer);
+        let mut pos = chunk;
+        loop {
+            write_locked(s, &mut conn, out);
+            if pos == len || s.broken.load(Ordering::Relaxed) {
+                break;
+            }
+            let n = (len - pos).min(chunk);
+            let off = req.offset + pos as u64;
+            if let Err(err) = guarded(|| s.export.read(off, out.grow(n))) {
+                warn!(
+                    "nbd: read of {}+{} failed after its reply began ({err}): closing the connection",
+                    req.offset, req.length
+                );
+                s.broken.store(true, Ordering::Relaxed);
+                conn.abort();
+                break;
+            }
+            pos += n;
+        }
+        drop(conn);
+        out.clear();
     });
 }
 
@@ -779,12 +1158,16 @@ fn reply_in_outbox(
 }
 
 /// Encodes a structured read reply into the outbox, one chunk per run
-/// (`NONE` for an empty read), data read straight into place.
+/// (`NONE` for an empty read), data read straight into place. With
+/// `flush_at`, the outbox is written out whenever it holds that many
+/// bytes (a streamed reply). On failure the chunk being encoded is
+/// dropped; earlier ones stay.
 fn encode_runs(
     s: &Session,
     req: &Request,
     runs: &[Run],
     out: &mut Outbox,
+    flush_at: Option<usize>,
 ) -> Result<(), ExportError> {
     if runs.is_empty() {
         let hdr = proto::chunk_header(
@@ -797,11 +1180,8 @@ fn encode_runs(
         return Ok(());
     }
     for (i, r) in runs.iter().enumerate() {
-        let flags = if i + 1 == runs.len() {
-            proto::REPLY_FLAG_DONE
-        } else {
-            0
-        };
+        let last = i + 1 == runs.len();
+        let flags = if last { proto::REPLY_FLAG_DONE } else { 0 };
         let off = req.offset + r.start;
         if r.zero {
             out.push(&proto::chunk_header(
@@ -813,6 +1193,7 @@ fn encode_runs(
             out.push(&off.to_be_bytes());
             out.push(&(r.len as u32).to_be_bytes());
         } else {
+            let mark = out.len();
             out.push(&proto::chunk_header(
                 req.cookie,
                 flags,
@@ -821,7 +1202,13 @@ fn encode_runs(
             ));
             out.push(&off.to_be_bytes());
             let dst = out.grow(r.len as usize);
-            guarded(|| s.export.read(off, dst))?;
+            if let Err(err) = guarded(|| s.export.read(off, dst)) {
+                out.truncate(mark);
+                return Err(err);
+            }
+        }
+        if !last && flush_at.is_some_and(|at| out.len() >= at) {
+            write_locked(s, &mut lock(&s.writer), out);
         }
     }
     Ok(())

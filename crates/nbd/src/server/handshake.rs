@@ -3,7 +3,8 @@
 //! LIST/SET_META_CONTEXT), TLS upgrade.
 //!
 //! Owns: everything said before the transmission phase, and the limits on it
-//! (option length and count, handshake timeout).
+//! (option length and count; the handshake deadline is enforced by the
+//! server's reaper, which shuts the socket down).
 //! Must not: allocate more than `max_option_len` per option, accept a client
 //! that is not fixed newstyle, or answer anything but STARTTLS/ABORT before
 //! TLS when TLS is required.
@@ -98,8 +99,27 @@ pub(super) fn transmission_flags(e: &ExportEntry, structured: bool) -> u16 {
     f
 }
 
+/// What the transmission phase of export `idx` runs with, given whether
+/// structured replies and `base:allocation` were selected.
+pub(super) fn negotiated(
+    inner: &ServerInner,
+    idx: usize,
+    structured: bool,
+    base_allocation: bool,
+) -> Negotiated {
+    let e = &inner.exports[idx];
+    Negotiated {
+        export: idx,
+        structured,
+        meta_id: (structured && base_allocation).then_some(META_ID_BASE_ALLOCATION),
+        flags: transmission_flags(e, structured),
+        block_sizes: sanitize_block_sizes(e.export.block_sizes(), inner.limits.max_payload),
+    }
+}
+
 struct State<'a> {
     inner: &'a ServerInner,
+    ready: &'a mut dyn FnMut() -> bool,
     r: ConnReader,
     w: ConnWriter,
     no_zeroes: bool,
@@ -113,9 +133,24 @@ struct State<'a> {
 pub(super) fn negotiate(
     inner: &ServerInner,
     sock: Socket,
+    ready: &mut dyn FnMut() -> bool,
 ) -> Result<(ConnReader, ConnWriter, Negotiated, bool), End> {
-    sock.set_read_timeout(inner.limits.handshake_timeout)?;
-    let (r, mut w) = split_plain(sock)?;
+    let (r, w) = split_plain(sock)?;
+    negotiate_on(inner, r, w, ready)
+}
+
+/// Runs the handshake over the halves of a connection: returns them (TLS
+/// ones after STARTTLS) with what was negotiated and whether TLS is on.
+/// `ready` is asked right before the message that starts the transmission
+/// phase, so a client that saw it is known to be past its handshake; if
+/// it says no (the connection was evicted or timed out), the handshake
+/// ends there.
+pub(super) fn negotiate_on(
+    inner: &ServerInner,
+    r: ConnReader,
+    mut w: ConnWriter,
+    ready: &mut dyn FnMut() -> bool,
+) -> Result<(ConnReader, ConnWriter, Negotiated, bool), End> {
     let mut greeting = [0u8; 18];
     greeting[0..8].copy_from_slice(&proto::NBD_MAGIC.to_be_bytes());
     greeting[8..16].copy_from_slice(&proto::IHAVEOPT.to_be_bytes());
@@ -124,6 +159,7 @@ pub(super) fn negotiate(
     w.write_all(&greeting)?;
     let mut st = State {
         inner,
+        ready,
         r,
         w,
         no_zeroes: false,
@@ -164,12 +200,8 @@ pub(super) fn negotiate(
         let mut data = vec![0u8; len as usize];
         st.r.read_exact(&mut data)?;
         debug!("nbd: option {} ({len} bytes)", proto::option_name(opt));
-        if let Some(done) = st.option(opt, &data)? {
-            let neg = done;
+        if let Some(neg) = st.option(opt, &data)? {
             let State { r, w, tls, .. } = st;
-            if let Some(s) = r.socket() {
-                s.set_read_timeout(None)?;
-            }
             return Ok((r, w, neg, tls));
         }
     }
@@ -263,6 +295,7 @@ impl State<'_> {
             return Err(End::Error(format!("unknown export {name:?}")));
         };
         let neg = self.negotiated(idx);
+        self.enter_transmission()?;
         let mut b = Vec::with_capacity(134);
         b.extend_from_slice(&self.inner.exports[idx].export.size().to_be_bytes());
         b.extend_from_slice(&neg.flags.to_be_bytes());
@@ -273,24 +306,21 @@ impl State<'_> {
         Ok(neg)
     }
 
+    /// Asks the server whether the connection may enter the transmission
+    /// phase (it may have been evicted or timed out meanwhile).
+    fn enter_transmission(&mut self) -> Result<(), End> {
+        // Evicted or timed out: already logged by whoever closed it.
+        if (self.ready)() {
+            Ok(())
+        } else {
+            Err(End::Closed)
+        }
+    }
+
     fn negotiated(&self, idx: usize) -> Negotiated {
         let e = &self.inner.exports[idx];
-        let meta_id = match &self.meta {
-            Some((name, true)) if *name == e.name && self.structured => {
-                Some(META_ID_BASE_ALLOCATION)
-            }
-            _ => None,
-        };
-        Negotiated {
-            export: idx,
-            structured: self.structured,
-            meta_id,
-            flags: transmission_flags(e, self.structured),
-            block_sizes: sanitize_block_sizes(
-                e.export.block_sizes(),
-                self.inner.limits.max_payload,
-            ),
-        }
+        let meta = matches!(&self.meta, Some((name, true)) if *name == e.name);
+        negotiated(self.inner, idx, self.structured, meta)
     }
 
     fn starttls(&mut self, data: &[u8]) -> Result<(), End> {
@@ -319,7 +349,7 @@ impl State<'_> {
         let old = std::mem::replace(&mut self.r, ConnReader::Closed);
         let mut sock = old
             .into_plain_socket()
-            .ok_or_else(|| End::Error("TLS twice".into()))?;
+            .ok_or_else(|| End::Error("no plain socket to upgrade to TLS".into()))?;
         let session = tls
             .session()
             .map_err(|e| End::Error(format!("TLS setup: {e}")))?;
@@ -381,6 +411,9 @@ impl State<'_> {
             let mut p = proto::INFO_DESCRIPTION.to_be_bytes().to_vec();
             p.extend_from_slice(d.as_bytes());
             self.reply(opt, proto::REP_INFO, &p)?;
+        }
+        if opt == proto::OPT_GO {
+            self.enter_transmission()?;
         }
         self.reply(opt, proto::REP_ACK, &[])?;
         Ok((opt == proto::OPT_GO).then_some(neg))

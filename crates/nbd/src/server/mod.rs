@@ -2,14 +2,18 @@
 //! request, TLS when configured), connection bookkeeping, statistics and
 //! graceful shutdown.
 //!
-//! Owns: accept loops, the connection table and its cap, the shutdown
-//! sequence (stop accepting, stop reading new requests, let in-flight
-//! requests finish, wait for every connection thread), socket file
-//! creation (mode 0600) and removal.
+//! Owns: accept loops, the connection table and its limits (total, per
+//! client, connections still in the handshake, the handshake deadline and
+//! the reaper thread that enforces it), the server-wide budget of buffered
+//! payload bytes, the shutdown sequence (stop accepting, stop reading new
+//! requests, let in-flight requests finish, wait for every connection
+//! thread), socket file creation (mode 0600) and removal.
 //! Must not: parse protocol messages (see `handshake` and `conn`), touch
-//! export data, or install signal handlers (the binary owns signals and
-//! calls [`ShutdownHandle::shutdown`]).
+//! export data, evict a connection that finished its handshake, or install
+//! signal handlers (the binary owns signals and calls
+//! [`ShutdownHandle::shutdown`]).
 
+mod budget;
 mod conn;
 mod handshake;
 mod outbox;
@@ -26,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use tracing::{debug, info, warn};
@@ -34,7 +38,7 @@ use tracing::{debug, info, warn};
 use crate::export::Export;
 use crate::proto;
 use crate::tls::TlsServerConfig;
-use crate::transport::Socket;
+use crate::transport::{PeerId, Socket};
 
 /// Errors of building or starting a server.
 #[derive(Debug, Error)]
@@ -54,12 +58,39 @@ pub enum ServerError {
 /// Resource limits; every one bounds what a client can make the server hold.
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Connections served at once; further ones are accepted and closed.
+    /// Connections served at once; a connection over the limit evicts a
+    /// connection still in its handshake (as with `max_handshakes`), or is
+    /// closed at once if every connection finished its handshake.
     pub max_connections: usize,
+    /// Connections still in the handshake (before TLS and option
+    /// negotiation complete). A connection over this limit evicts the
+    /// oldest handshake of the client holding the most, so idle or slow
+    /// connections cannot keep real clients out, and connections that
+    /// completed their handshake are never evicted for newcomers.
+    pub max_handshakes: usize,
+    /// Connections from one TCP client (one IP address). Over it, the
+    /// client's oldest connection still in its handshake is evicted, or
+    /// the new one is closed.
+    pub max_connections_per_ip: usize,
+    /// Connections from one Unix socket client (one uid, from
+    /// `SO_PEERCRED`). The socket is mode 0600, so its clients are the
+    /// server's own user and root: by default only `max_connections`
+    /// applies, so a host whose VMs all connect as one user can use every
+    /// slot.
+    pub max_connections_per_uid: usize,
     /// Worker threads per connection (started on demand).
     pub workers_per_connection: usize,
     /// Largest READ/WRITE payload (also caps the advertised maximum block size).
     pub max_payload: u32,
+    /// Payloads larger than this are never buffered whole: they are
+    /// streamed between the socket and the export in pieces of this size
+    /// (write pieces are stored in parallel as they arrive).
+    pub payload_chunk: u32,
+    /// Payload bytes buffered across all connections (write data not yet
+    /// stored, read data not yet sent) before connections wait for room.
+    /// A connection holding none may still take a piece of 64 KiB, so the
+    /// server holds at most this plus `max_connections * 64 KiB`.
+    pub max_buffered_bytes: u64,
     /// Payload bytes of requests in flight per connection before the server
     /// stops reading more (one request is always allowed).
     pub max_inflight_bytes: u64,
@@ -69,7 +100,9 @@ pub struct Limits {
     pub max_option_len: u32,
     /// Options per handshake; more end the connection.
     pub max_options: u32,
-    /// Time a client may take for the whole handshake (`None`: unlimited).
+    /// Time a client may take for the whole handshake, from accept to the
+    /// transmission phase, however slowly it trickles bytes (`None`:
+    /// unlimited). Past it the connection is closed.
     pub handshake_timeout: Option<Duration>,
     /// On shutdown, time given to connections to finish in-flight requests
     /// before their sockets are shut down hard (`None`: wait forever).
@@ -80,14 +113,28 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 256,
+            max_handshakes: 64,
+            max_connections_per_ip: 64,
+            max_connections_per_uid: 256,
             workers_per_connection: 4,
             max_payload: 32 << 20,
+            payload_chunk: 1 << 20,
+            max_buffered_bytes: 256 << 20,
             max_inflight_bytes: 64 << 20,
             max_inflight_requests: 128,
             max_option_len: 64 << 10,
             max_options: 1024,
-            handshake_timeout: Some(Duration::from_secs(60)),
+            handshake_timeout: Some(Duration::from_secs(10)),
             shutdown_grace: Some(Duration::from_secs(30)),
+        }
+    }
+}
+
+impl Limits {
+    fn per_client(&self, client: PeerId) -> usize {
+        match client {
+            PeerId::Uid(_) => self.max_connections_per_uid,
+            PeerId::Ip(_) | PeerId::Unknown => self.max_connections_per_ip,
         }
     }
 }
@@ -132,8 +179,20 @@ pub struct ServerStats {
     pub connections: Vec<ConnectionStats>,
     /// Connections accepted since start.
     pub accepted: u64,
-    /// Connections refused because `max_connections` was reached.
+    /// Connections closed at once because the total or the per-client
+    /// limit was reached by connections that finished their handshake.
     pub refused: u64,
+    /// Connections still in their handshake now.
+    pub handshakes: u64,
+    /// Connections closed in their handshake to make room for a newer one.
+    pub evicted: u64,
+    /// Connections closed because their handshake took longer than
+    /// `Limits::handshake_timeout`.
+    pub handshake_timeouts: u64,
+    /// Payload bytes buffered now (see `Limits::max_buffered_bytes`).
+    pub buffered_bytes: u64,
+    /// Most payload bytes ever buffered at once.
+    pub buffered_bytes_peak: u64,
 }
 
 #[derive(Debug, Default)]
@@ -177,7 +236,29 @@ pub(crate) struct ExportEntry {
 struct ConnEntry {
     ctl: Socket,
     peer: String,
+    client: PeerId,
     info: Arc<ConnInfo>,
+    phase: Phase,
+}
+
+/// Where a connection is, for the limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Negotiating; may be evicted, and closed at its deadline.
+    Handshake { deadline: Option<Instant> },
+    /// In the transmission phase (after TLS when it is required).
+    Established,
+    /// Evicted or timed out: its socket is shut down and its thread is
+    /// leaving; it no longer counts against any limit.
+    Leaving,
+}
+
+/// The connection table (ids grow with time: a smaller id is older).
+#[derive(Default)]
+struct ConnTable {
+    entries: HashMap<u64, ConnEntry>,
+    /// The reaper waits without a deadline: a new handshake must wake it.
+    reaper_idle: bool,
 }
 
 /// What a connection thread publishes about itself.
@@ -199,14 +280,21 @@ pub(crate) struct ServerInner {
     pub(crate) limits: Limits,
     pub(crate) tls: Option<TlsServerConfig>,
     pub(crate) stopping: AtomicBool,
-    conns: Mutex<HashMap<u64, ConnEntry>>,
+    conns: Mutex<ConnTable>,
+    /// Signalled when a connection leaves the table.
     conns_cv: Condvar,
+    /// Wakes the reaper (a new handshake to watch, or shutdown).
+    reaper_cv: Condvar,
+    reaper: Mutex<Option<JoinHandle<()>>>,
     next_id: AtomicU64,
     accepted: AtomicU64,
     refused: AtomicU64,
+    evicted: AtomicU64,
+    handshake_timeouts: AtomicU64,
     listeners: Mutex<Vec<Listener>>,
     shutdown_done: Mutex<bool>,
     payloads: payloads::PayloadPool,
+    budget: budget::PayloadBudget,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -218,7 +306,8 @@ impl ServerInner {
         self.exports.iter().find(|e| e.name == name)
     }
 
-    /// Registers a connection and runs it on its own thread.
+    /// Registers a connection and runs it on its own thread, making room
+    /// for it or closing it as the limits say.
     fn spawn_connection(self: &Arc<Self>, sock: Socket) {
         if self.stopping.load(Ordering::SeqCst) {
             let _ = sock.shutdown(Shutdown::Both);
@@ -231,27 +320,53 @@ impl ServerInner {
                 return;
             }
         };
+        let client = sock.client();
+        let peer = sock.peer();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let info = Arc::new(ConnInfo::default());
+        self.start_reaper();
         {
-            let mut conns = lock(&self.conns);
-            if conns.len() >= self.limits.max_connections {
-                self.refused.fetch_add(1, Ordering::Relaxed);
-                warn!(
-                    "nbd: connection limit ({}) reached, refusing a connection",
-                    self.limits.max_connections
-                );
-                let _ = sock.shutdown(Shutdown::Both);
-                return;
+            let mut table = lock(&self.conns);
+            let live = table.entries.iter().filter_map(|(id, c)| match c.phase {
+                Phase::Handshake { .. } => Some((*id, c.client, true)),
+                Phase::Established => Some((*id, c.client, false)),
+                Phase::Leaving => None,
+            });
+            let evict = match admit(live, client, &self.limits) {
+                Ok(evict) => evict,
+                Err(why) => {
+                    self.refused.fetch_add(1, Ordering::Relaxed);
+                    warn!("nbd: {why} reached, refusing a connection from {peer}");
+                    let _ = sock.shutdown(Shutdown::Both);
+                    return;
+                }
+            };
+            for old in evict {
+                if let Some(c) = table.entries.get_mut(&old) {
+                    debug!(
+                        "nbd: evicting connection {old} ({}) still in its handshake",
+                        c.peer
+                    );
+                    c.phase = Phase::Leaving;
+                    let _ = c.ctl.shutdown(Shutdown::Both);
+                    self.evicted.fetch_add(1, Ordering::Relaxed);
+                }
             }
-            conns.insert(
+            let deadline = self.limits.handshake_timeout.map(|t| Instant::now() + t);
+            table.entries.insert(
                 id,
                 ConnEntry {
                     ctl,
-                    peer: sock.peer(),
+                    peer,
+                    client,
                     info: info.clone(),
+                    phase: Phase::Handshake { deadline },
                 },
             );
+            if deadline.is_some() && table.reaper_idle {
+                table.reaper_idle = false;
+                self.reaper_cv.notify_one();
+            }
         }
         self.accepted.fetch_add(1, Ordering::Relaxed);
         let inner = self.clone();
@@ -266,8 +381,89 @@ impl ServerInner {
             });
         if let Err(e) = spawned {
             warn!("nbd: cannot start a connection thread: {e}");
-            lock(&self.conns).remove(&id);
+            lock(&self.conns).entries.remove(&id);
             self.conns_cv.notify_all();
+        }
+    }
+
+    /// Marks a connection's handshake complete; false if it was evicted or
+    /// timed out meanwhile (its socket is already shut down).
+    pub(crate) fn established(&self, id: u64) -> bool {
+        let mut table = lock(&self.conns);
+        match table.entries.get_mut(&id) {
+            Some(c) if matches!(c.phase, Phase::Handshake { .. }) => {
+                c.phase = Phase::Established;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Starts the thread that enforces the handshake deadline, once (with
+    /// the first listener, or the first connection without one).
+    fn start_reaper(self: &Arc<Self>) {
+        if self.limits.handshake_timeout.is_none() {
+            return;
+        }
+        let mut reaper = lock(&self.reaper);
+        if reaper.is_some() || self.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let inner = self.clone();
+        match std::thread::Builder::new()
+            .name("nbd-reaper".into())
+            .spawn(move || inner.reap())
+        {
+            Ok(t) => *reaper = Some(t),
+            // Only the deadline is lost; the per-client and handshake
+            // limits still keep room for real clients.
+            Err(e) => warn!("nbd: cannot start the handshake reaper thread: {e}"),
+        }
+    }
+
+    /// Closes connections whose handshake is past its deadline, until
+    /// shutdown. Shutting the socket down ends whatever the connection's
+    /// thread waits for (a read, a write, a TLS handshake).
+    fn reap(&self) {
+        let mut table = lock(&self.conns);
+        while !self.stopping.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            let mut next: Option<Instant> = None;
+            for (id, c) in table.entries.iter_mut() {
+                let Phase::Handshake {
+                    deadline: Some(deadline),
+                } = c.phase
+                else {
+                    continue;
+                };
+                if deadline <= now {
+                    warn!(
+                        "nbd: connection {id} ({}) did not finish its handshake in time, closing it",
+                        c.peer
+                    );
+                    c.phase = Phase::Leaving;
+                    let _ = c.ctl.shutdown(Shutdown::Both);
+                    self.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    next = Some(next.map_or(deadline, |n| n.min(deadline)));
+                }
+            }
+            table = match next {
+                Some(at) => {
+                    table.reaper_idle = false;
+                    let wait = at.saturating_duration_since(now);
+                    self.reaper_cv
+                        .wait_timeout(table, wait)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+                None => {
+                    table.reaper_idle = true;
+                    self.reaper_cv
+                        .wait(table)
+                        .unwrap_or_else(|p| p.into_inner())
+                }
+            };
         }
     }
 
@@ -316,9 +512,61 @@ struct ConnGuard {
 
 impl Drop for ConnGuard {
     fn drop(&mut self) {
-        lock(&self.inner.conns).remove(&self.id);
+        lock(&self.inner.conns).entries.remove(&self.id);
         self.inner.conns_cv.notify_all();
     }
+}
+
+/// Decides whether a connection from `client` may join the live ones
+/// (`(id, client, still in handshake)`): `Ok` with the handshakes to evict
+/// for room, or `Err` naming the limit that connections past their
+/// handshake already fill.
+fn admit(
+    live: impl Iterator<Item = (u64, PeerId, bool)>,
+    client: PeerId,
+    limits: &Limits,
+) -> Result<Vec<u64>, &'static str> {
+    let mut live: Vec<(u64, PeerId, bool)> = live.collect();
+    let mut evict = Vec::new();
+    let mut remove = |live: &mut Vec<(u64, PeerId, bool)>, id: u64| {
+        live.retain(|e| e.0 != id);
+        evict.push(id);
+    };
+    let oldest_handshake = |live: &[(u64, PeerId, bool)], of: PeerId| {
+        live.iter().filter(|e| e.2 && e.1 == of).map(|e| e.0).min()
+    };
+    // The client with the most handshakes loses its oldest one (ties: the
+    // oldest handshake), so a flood evicts itself before anyone else.
+    let heaviest_handshake = |live: &[(u64, PeerId, bool)]| {
+        let mut per: HashMap<PeerId, (usize, u64)> = HashMap::new();
+        for e in live.iter().filter(|e| e.2) {
+            let v = per.entry(e.1).or_insert((0, e.0));
+            v.0 += 1;
+            v.1 = v.1.min(e.0);
+        }
+        per.into_iter()
+            .max_by_key(|(_, (n, oldest))| (*n, std::cmp::Reverse(*oldest)))
+            .map(|(_, (_, oldest))| oldest)
+    };
+    while live.iter().filter(|e| e.1 == client).count() >= limits.per_client(client) {
+        let Some(id) = oldest_handshake(&live, client) else {
+            return Err("the per-client connection limit");
+        };
+        remove(&mut live, id);
+    }
+    while live.iter().filter(|e| e.2).count() >= limits.max_handshakes {
+        let Some(id) = heaviest_handshake(&live) else {
+            break;
+        };
+        remove(&mut live, id);
+    }
+    while live.len() >= limits.max_connections {
+        let Some(id) = heaviest_handshake(&live) else {
+            return Err("the connection limit");
+        };
+        remove(&mut live, id);
+    }
+    Ok(evict)
 }
 
 enum ListenerSocket {
@@ -433,14 +681,36 @@ impl ServerBuilder {
             return Err(ServerError::Config("no exports".into()));
         }
         let l = &self.limits;
-        if l.max_connections == 0 || l.workers_per_connection == 0 || l.max_inflight_requests == 0 {
+        if l.max_connections == 0
+            || l.max_handshakes == 0
+            || l.max_connections_per_ip == 0
+            || l.max_connections_per_uid == 0
+            || l.workers_per_connection == 0
+            || l.max_inflight_requests == 0
+        {
             return Err(ServerError::Config(
                 "connection, worker and in-flight limits must be positive".into(),
             ));
         }
-        if l.max_payload < 4096 {
+        // A data chunk's length (offset + data) must fit its u32 field.
+        if l.max_payload < 4096 || l.max_payload > u32::MAX - 8 {
             return Err(ServerError::Config(
-                "max_payload must be at least 4096".into(),
+                "max_payload must be at least 4096 and below 4 GiB - 8".into(),
+            ));
+        }
+        if l.payload_chunk < 4096 || l.payload_chunk > l.max_payload {
+            return Err(ServerError::Config(
+                "payload_chunk must be at least 4096 and at most max_payload".into(),
+            ));
+        }
+        if l.max_buffered_bytes < u64::from(l.payload_chunk) {
+            return Err(ServerError::Config(
+                "max_buffered_bytes must be at least payload_chunk".into(),
+            ));
+        }
+        if l.handshake_timeout == Some(Duration::ZERO) {
+            return Err(ServerError::Config(
+                "handshake_timeout must be positive (or none)".into(),
             ));
         }
         if l.max_option_len < 1024 {
@@ -463,17 +733,22 @@ impl ServerBuilder {
         Ok(Server {
             inner: Arc::new(ServerInner {
                 exports,
-                limits: self.limits,
                 tls: self.tls,
                 stopping: AtomicBool::new(false),
-                conns: Mutex::new(HashMap::new()),
+                conns: Mutex::new(ConnTable::default()),
                 conns_cv: Condvar::new(),
+                reaper_cv: Condvar::new(),
+                reaper: Mutex::new(None),
                 next_id: AtomicU64::new(1),
                 accepted: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
+                evicted: AtomicU64::new(0),
+                handshake_timeouts: AtomicU64::new(0),
                 listeners: Mutex::new(Vec::new()),
                 shutdown_done: Mutex::new(false),
                 payloads: payloads::PayloadPool::default(),
+                budget: budget::PayloadBudget::new(self.limits.max_buffered_bytes),
+                limits: self.limits,
             }),
         })
     }
@@ -537,6 +812,13 @@ impl Server {
         let local = listener.local_addr()?;
         self.start_listener(ListenerSocket::Tcp(listener), None)?;
         info!("nbd: listening on tcp {local}");
+        if self.inner.tls.is_none() && !local.ip().is_loopback() {
+            warn!(
+                "nbd: listening on {local} without TLS: anyone who can reach this address \
+                 can read and write the exports, and the data crosses the network in \
+                 plaintext; configure TLS or listen on a loopback address"
+            );
+        }
         Ok(local)
     }
 
@@ -554,6 +836,7 @@ impl Server {
         listener: ListenerSocket,
         unix_path: Option<(PathBuf, u64, u64)>,
     ) -> Result<(), ServerError> {
+        self.inner.start_reaper();
         let (wake_r, wake_w) =
             rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(io::Error::from)?;
         let inner = self.inner.clone();
@@ -582,9 +865,10 @@ impl Server {
         shutdown(&self.inner);
     }
 
-    /// Number of live connections.
+    /// Number of live connections (evicted or timed-out ones whose thread
+    /// is still leaving included).
     pub fn connection_count(&self) -> usize {
-        lock(&self.inner.conns).len()
+        lock(&self.inner.conns).entries.len()
     }
 
     /// Counters per export and per live connection.
@@ -600,23 +884,59 @@ impl Server {
                 io: e.counters.snapshot(),
             })
             .collect();
-        let mut connections: Vec<ConnectionStats> = lock(&self.inner.conns)
-            .iter()
-            .map(|(id, c)| ConnectionStats {
-                id: *id,
-                peer: c.peer.clone(),
-                export: lock(&c.info.export).clone(),
-                tls: c.info.tls.load(Ordering::Relaxed),
-                io: c.info.counters.snapshot(),
-            })
-            .collect();
+        let (mut connections, handshakes) = {
+            let table = lock(&self.inner.conns);
+            let connections: Vec<ConnectionStats> = table
+                .entries
+                .iter()
+                .map(|(id, c)| ConnectionStats {
+                    id: *id,
+                    peer: c.peer.clone(),
+                    export: lock(&c.info.export).clone(),
+                    tls: c.info.tls.load(Ordering::Relaxed),
+                    io: c.info.counters.snapshot(),
+                })
+                .collect();
+            let handshakes = table
+                .entries
+                .values()
+                .filter(|c| matches!(c.phase, Phase::Handshake { .. }))
+                .count() as u64;
+            (connections, handshakes)
+        };
         connections.sort_by_key(|c| c.id);
+        let inner = &self.inner;
         ServerStats {
             exports,
             connections,
-            accepted: self.inner.accepted.load(Ordering::Relaxed),
-            refused: self.inner.refused.load(Ordering::Relaxed),
+            accepted: inner.accepted.load(Ordering::Relaxed),
+            refused: inner.refused.load(Ordering::Relaxed),
+            handshakes,
+            evicted: inner.evicted.load(Ordering::Relaxed),
+            handshake_timeouts: inner.handshake_timeouts.load(Ordering::Relaxed),
+            buffered_bytes: inner.budget.used(),
+            buffered_bytes_peak: inner.budget.peak(),
         }
+    }
+}
+
+impl Server {
+    /// Serves one connection made of `input` (see [`crate::fuzzing`]):
+    /// with `preset` = (export, structured replies, base:allocation) the
+    /// handshake is skipped. Returns whether the transmission phase was
+    /// reached and what the server sent.
+    pub(crate) fn serve_bytes(
+        &self,
+        input: &[u8],
+        preset: Option<(usize, bool, bool)>,
+    ) -> (bool, Vec<u8>) {
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let preset = preset.map(|(idx, structured, meta)| {
+            handshake::negotiated(&self.inner, idx, structured, meta)
+        });
+        let reached = conn::serve_bytes(&self.inner, input, &sent, preset);
+        let sent = std::mem::take(&mut *lock(&sent));
+        (reached, sent)
     }
 }
 
@@ -643,6 +963,13 @@ fn shutdown(inner: &Arc<ServerInner>) {
         return;
     }
     inner.stopping.store(true, Ordering::SeqCst);
+    // The reaper looks at `stopping` under the table lock before it waits.
+    drop(lock(&inner.conns));
+    inner.reaper_cv.notify_all();
+    let reaper = lock(&inner.reaper).take();
+    if let Some(t) = reaper {
+        let _ = t.join();
+    }
     // 1. Stop accepting.
     let listeners: Vec<Listener> = std::mem::take(&mut *lock(&inner.listeners));
     for mut l in listeners {
@@ -662,34 +989,34 @@ fn shutdown(inner: &Arc<ServerInner>) {
     }
     // 2. Stop reading new requests; in-flight ones finish and get replies.
     {
-        let conns = lock(&inner.conns);
-        debug!("nbd: shutting down {} connection(s)", conns.len());
-        for c in conns.values() {
+        let table = lock(&inner.conns);
+        debug!("nbd: shutting down {} connection(s)", table.entries.len());
+        for c in table.entries.values() {
             let _ = c.ctl.shutdown(Shutdown::Read);
         }
     }
     // 3. Wait for the connection threads, cutting stragglers after the grace.
-    let mut conns = lock(&inner.conns);
+    let mut table = lock(&inner.conns);
     if let Some(grace) = inner.limits.shutdown_grace {
         let (g, _) = inner
             .conns_cv
-            .wait_timeout_while(conns, grace, |c| !c.is_empty())
+            .wait_timeout_while(table, grace, |t| !t.entries.is_empty())
             .unwrap_or_else(|p| p.into_inner());
-        conns = g;
-        if !conns.is_empty() {
+        table = g;
+        if !table.entries.is_empty() {
             warn!(
                 "nbd: {} connection(s) did not finish in time, cutting them",
-                conns.len()
+                table.entries.len()
             );
-            for c in conns.values() {
+            for c in table.entries.values() {
                 let _ = c.ctl.shutdown(Shutdown::Both);
             }
         }
     }
-    while !conns.is_empty() {
-        conns = inner
+    while !table.entries.is_empty() {
+        table = inner
             .conns_cv
-            .wait(conns)
+            .wait(table)
             .unwrap_or_else(|p| p.into_inner());
     }
     *done = true;
@@ -773,4 +1100,81 @@ fn bind_unix_private(path: &Path) -> Result<UnixListener, ServerError> {
         });
     }
     result.map_err(listen_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{IpAddr, Ipv4Addr};
+
+    fn ip(last: u8) -> PeerId {
+        PeerId::Ip(IpAddr::V4(Ipv4Addr::new(10, 0, 0, last)))
+    }
+
+    fn limits(total: usize, handshakes: usize, per_ip: usize) -> Limits {
+        Limits {
+            max_connections: total,
+            max_handshakes: handshakes,
+            max_connections_per_ip: per_ip,
+            ..Limits::default()
+        }
+    }
+
+    #[test]
+    fn a_flood_evicts_its_own_handshakes_first() {
+        let l = limits(100, 4, 100);
+        // Client 1 holds three handshakes (ids 1-3), client 2 one (id 4).
+        let live = [
+            (1, ip(1), true),
+            (2, ip(1), true),
+            (3, ip(1), true),
+            (4, ip(2), true),
+        ];
+        assert_eq!(admit(live.into_iter(), ip(3), &l), Ok(vec![1]));
+        assert_eq!(admit(live.into_iter(), ip(1), &l), Ok(vec![1]));
+        // A tie goes to the oldest handshake.
+        let live = [
+            (5, ip(1), true),
+            (2, ip(2), true),
+            (7, ip(1), true),
+            (3, ip(2), true),
+        ];
+        assert_eq!(admit(live.into_iter(), ip(3), &l), Ok(vec![2]));
+    }
+
+    #[test]
+    fn finished_handshakes_are_never_evicted() {
+        let l = limits(3, 3, 100);
+        let live = [(1, ip(1), false), (2, ip(1), false), (3, ip(2), true)];
+        assert_eq!(admit(live.into_iter(), ip(3), &l), Ok(vec![3]));
+        let live = [(1, ip(1), false), (2, ip(1), false), (3, ip(2), false)];
+        assert_eq!(
+            admit(live.into_iter(), ip(3), &l),
+            Err("the connection limit")
+        );
+    }
+
+    #[test]
+    fn a_client_at_its_limit_loses_its_own_handshake_or_is_refused() {
+        let l = limits(100, 100, 2);
+        let live = [(1, ip(1), false), (2, ip(1), true), (3, ip(2), true)];
+        assert_eq!(admit(live.into_iter(), ip(1), &l), Ok(vec![2]));
+        let live = [(1, ip(1), false), (2, ip(1), false), (3, ip(2), true)];
+        assert_eq!(
+            admit(live.into_iter(), ip(1), &l),
+            Err("the per-client connection limit")
+        );
+        assert_eq!(admit(live.into_iter(), ip(2), &l), Ok(vec![]));
+        // Unix clients have their own limit (by uid).
+        let l = Limits {
+            max_connections_per_uid: 1,
+            ..l
+        };
+        let live = [(1, PeerId::Uid(0), false)];
+        assert_eq!(
+            admit(live.into_iter(), PeerId::Uid(0), &l),
+            Err("the per-client connection limit")
+        );
+        assert_eq!(admit(live.into_iter(), PeerId::Uid(1000), &l), Ok(vec![]));
+    }
 }

@@ -65,6 +65,12 @@ impl Outbox {
         self.used = self.used.min(len);
     }
 
+    /// Forgets the pending bytes once written, keeping the memory for the
+    /// next piece of a streamed reply (at most one piece, `payload_chunk`).
+    pub(super) fn sent(&mut self) {
+        self.used = 0;
+    }
+
     /// Forgets the pending bytes once written (or undeliverable).
     pub(super) fn clear(&mut self) {
         self.used = 0;

@@ -5,10 +5,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use vdcache_nbd::{Export, MemExport, Server};
+use vdcache_nbd::{BlockSizes, Export, ExportError, MemExport, Server, ZeroFlags};
 
 /// Fails the test with a clear message when a required tool is missing
 /// (scripts/test-all.sh installs them).
@@ -201,5 +201,101 @@ pub fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for: {what}");
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A memory export whose writes (and reads, if asked) wait at a gate until
+/// the test opens it; it counts the calls that reached the gate.
+pub struct Gated {
+    pub mem: MemExport,
+    gate_reads: bool,
+    /// (calls that reached the gate, gate open)
+    state: Mutex<(usize, bool)>,
+    cv: Condvar,
+}
+
+impl Gated {
+    pub fn new(mem: MemExport, gate_reads: bool) -> Gated {
+        Gated {
+            mem,
+            gate_reads,
+            state: Mutex::new((0, false)),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Waits (bounded) until `n` calls reached the gate.
+    pub fn wait_entered(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut g = self.state.lock().expect("gate");
+        while g.0 < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(
+                !left.is_zero(),
+                "only {} of {n} calls reached the gate",
+                g.0
+            );
+            g = self.cv.wait_timeout(g, left).expect("gate").0;
+        }
+    }
+
+    /// Opens the gate when dropped, so a failing assertion does not leave
+    /// calls waiting at it (and the test hanging on them).
+    pub fn open_on_drop(&self) -> OpenOnDrop<'_> {
+        OpenOnDrop(self)
+    }
+
+    /// Lets every waiting and later call through.
+    pub fn open(&self) {
+        self.state.lock().expect("gate").1 = true;
+        self.cv.notify_all();
+    }
+
+    fn pass(&self) {
+        let mut g = self.state.lock().expect("gate");
+        g.0 += 1;
+        self.cv.notify_all();
+        while !g.1 {
+            g = self.cv.wait(g).expect("gate");
+        }
+    }
+}
+
+pub struct OpenOnDrop<'a>(&'a Gated);
+
+impl Drop for OpenOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+impl Export for Gated {
+    fn size(&self) -> u64 {
+        self.mem.size()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn block_sizes(&self) -> BlockSizes {
+        BlockSizes::default()
+    }
+    fn read(&self, o: u64, b: &mut [u8]) -> Result<(), ExportError> {
+        if self.gate_reads {
+            self.pass();
+        }
+        self.mem.read(o, b)
+    }
+    fn write(&self, o: u64, d: &[u8], f: bool) -> Result<(), ExportError> {
+        self.pass();
+        self.mem.write(o, d, f)
+    }
+    fn flush(&self) -> Result<(), ExportError> {
+        Ok(())
+    }
+    fn trim(&self, o: u64, l: u64, f: bool) -> Result<(), ExportError> {
+        self.mem.trim(o, l, f)
+    }
+    fn write_zeroes(&self, o: u64, l: u64, f: ZeroFlags) -> Result<(), ExportError> {
+        self.mem.write_zeroes(o, l, f)
     }
 }

@@ -6,6 +6,7 @@ use super::config::ServerConfig;
 use super::control::{ControlServer, Handler, Request};
 use super::daemon::Daemon;
 use super::export::DiskExport;
+use crate::size::parse_size;
 use anyhow::{Context, Result};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use std::path::PathBuf;
@@ -77,6 +78,11 @@ fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
         "exports": exports,
         "connections_accepted": nbd.accepted,
         "connections_refused": nbd.refused,
+        "connections_in_handshake": nbd.handshakes,
+        "connections_evicted": nbd.evicted,
+        "handshake_timeouts": nbd.handshake_timeouts,
+        "buffered_payload_bytes": nbd.buffered_bytes,
+        "buffered_payload_bytes_peak": nbd.buffered_bytes_peak,
     })
 }
 
@@ -97,16 +103,38 @@ fn tls(cfg: &ServerConfig) -> Result<Option<TlsServerConfig>> {
     ))
 }
 
+/// The NBD server's limits: the configured ones, defaults for the rest.
+fn limits(cfg: &ServerConfig) -> Result<Limits> {
+    let d = Limits::default();
+    let s = &cfg.server;
+    Ok(Limits {
+        workers_per_connection: s.workers.unwrap_or(DEFAULT_WORKERS),
+        max_connections: s.max_connections.unwrap_or(d.max_connections),
+        max_handshakes: s.max_handshakes.unwrap_or(d.max_handshakes),
+        max_connections_per_ip: s.max_connections_per_ip.unwrap_or(d.max_connections_per_ip),
+        max_connections_per_uid: s
+            .max_connections_per_uid
+            .unwrap_or(d.max_connections_per_uid),
+        handshake_timeout: match s.handshake_timeout {
+            None => d.handshake_timeout,
+            Some(0.0) => None,
+            Some(t) => Some(std::time::Duration::from_secs_f64(t)),
+        },
+        max_buffered_bytes: match &s.max_buffered {
+            Some(v) => parse_size(v).context("[server] max_buffered")?,
+            None => d.max_buffered_bytes,
+        },
+        ..d
+    })
+}
+
 /// Serves until SIGINT or SIGTERM, then stops cleanly. `format_cache`
 /// formats a cache device that holds something other than a cache.
 pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
         .context("installing signal handlers")?;
     let daemon = Arc::new(Daemon::build(&cfg, format_cache)?);
-    let limits = Limits {
-        workers_per_connection: cfg.server.workers.unwrap_or(DEFAULT_WORKERS),
-        ..Limits::default()
-    };
+    let limits = limits(&cfg)?;
     let mut builder = Server::builder().limits(limits);
     for d in &daemon.disks {
         let export = Arc::new(DiskExport {

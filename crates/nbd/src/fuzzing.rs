@@ -1,0 +1,154 @@
+//! Socket-free entry points for fuzzing (the cargo-fuzz targets under
+//! `fuzz/`) and for tests. Each feeds a byte slice to the production
+//! protocol code through in-memory connection halves: the same functions
+//! a socket connection runs, only the transport differs.
+//!
+//! Owns: the small servers and pending-request tables an input runs
+//! against, and the meaning of the selector bytes below.
+//! Must not: parse anything itself (a copy of a parser would be fuzzed
+//! instead of the parser), or panic on any input.
+
+use std::sync::{Arc, OnceLock};
+
+use crate::client::{self, ClientError, ClientOptions};
+use crate::export::{BlockSizes, MemExport};
+use crate::psk::PskKeys;
+use crate::server::{Limits, Server};
+use crate::tls::TlsServerConfig;
+
+/// Export size of the fuzzing servers: small, so reads and writes are cheap.
+pub const EXPORT_SIZE: u64 = 64 << 10;
+
+/// What a server said to one connection.
+#[derive(Debug)]
+pub struct ServerRun {
+    /// The handshake completed (or was skipped) and requests were served.
+    pub transmission: bool,
+    /// Every byte the server sent.
+    pub sent: Vec<u8>,
+}
+
+/// A server with exports `""` (read-write), `"ro"` (read-only) and
+/// `"b512"` (512-byte minimum block size), with small limits so the
+/// streaming paths run too (payloads over 4 KiB are streamed).
+fn server(tls_required: bool) -> Option<Server> {
+    let limits = Limits {
+        max_payload: 32 << 10,
+        payload_chunk: 4096,
+        max_buffered_bytes: 64 << 10,
+        workers_per_connection: 1,
+        max_option_len: 4096,
+        max_options: 64,
+        handshake_timeout: None,
+        ..Limits::default()
+    };
+    let b512 = BlockSizes {
+        minimum: 512,
+        preferred: 4096,
+        maximum: 16 << 10,
+    };
+    let mut b = Server::builder()
+        .limits(limits)
+        .export_with_description("", "fuzz", Arc::new(MemExport::new(EXPORT_SIZE)))
+        .export("ro", Arc::new(MemExport::new(EXPORT_SIZE).read_only(true)))
+        .export(
+            "b512",
+            Arc::new(MemExport::new(EXPORT_SIZE).block_sizes(b512)),
+        );
+    if tls_required {
+        b = b.tls(psk_config()?);
+    }
+    b.build().ok()
+}
+
+/// A PSK configuration (made once: OpenSSL contexts are slow to build).
+/// Without a socket STARTTLS cannot complete, but requiring TLS runs the
+/// refusals that guard everything before it.
+fn psk_config() -> Option<TlsServerConfig> {
+    static CONFIG: OnceLock<Option<TlsServerConfig>> = OnceLock::new();
+    CONFIG
+        .get_or_init(|| {
+            let keys = PskKeys::parse("fuzz:000102030405060708090a0b0c0d0e0f").ok()?;
+            TlsServerConfig::from_psk_keys(keys).ok()
+        })
+        .clone()
+}
+
+/// The server's handshake (then, if it completes, its transmission
+/// phase) with `input` as everything the client sends, on a server
+/// without TLS and on one that requires it. Returns the run without TLS.
+pub fn server_handshake(input: &[u8]) -> ServerRun {
+    if let Some(s) = server(true) {
+        let _ = s.serve_bytes(input, None);
+    }
+    run(server(false), input, None)
+}
+
+/// The server's transmission phase (request parsing, validation,
+/// execution, replies) with `input[1..]` as the client's requests. The
+/// first byte selects what was negotiated: bit 0 structured replies, bit 1
+/// `base:allocation`, bits 2-3 the export (0 and 3: `""`, 1: `"ro"`, 2:
+/// `"b512"`).
+pub fn server_requests(input: &[u8]) -> ServerRun {
+    let Some((&sel, rest)) = input.split_first() else {
+        return ServerRun {
+            transmission: false,
+            sent: Vec::new(),
+        };
+    };
+    let export = match (sel >> 2) & 3 {
+        1 => 1,
+        2 => 2,
+        _ => 0,
+    };
+    run(
+        server(false),
+        rest,
+        Some((export, sel & 1 != 0, sel & 2 != 0)),
+    )
+}
+
+fn run(server: Option<Server>, input: &[u8], preset: Option<(usize, bool, bool)>) -> ServerRun {
+    let Some(server) = server else {
+        return ServerRun {
+            transmission: false,
+            sent: Vec::new(),
+        };
+    };
+    let (transmission, sent) = server.serve_bytes(input, preset);
+    ServerRun { transmission, sent }
+}
+
+/// The client's handshake with `input` as everything the server says:
+/// the export's (size, transmission flags), or why it was refused.
+pub fn client_handshake(input: &[u8]) -> Result<(u64, u16), ClientError> {
+    client::negotiate_bytes(input, &ClientOptions::default())
+}
+
+/// What the client made of a stream of replies.
+#[derive(Debug)]
+pub struct ClientReplies {
+    /// `Err` when the stream broke the protocol (the connection would end).
+    pub stream: Result<(), String>,
+    /// Per pending request (see [`PENDING`]): the data of a read, the
+    /// extent lengths (8 bytes each, big-endian) of a block status, or the
+    /// error the request failed with.
+    pub results: Vec<Result<Vec<u8>, ClientError>>,
+}
+
+/// The requests waiting for replies in [`client_replies`], cookie `i + 1`
+/// for entry `i`: (command, offset, length).
+pub const PENDING: [(u16, u64, u64); 6] = client::PENDING;
+
+/// The client's reply parsing (simple and structured replies, block status
+/// payloads) with `input[1..]` as the server's replies to [`PENDING`];
+/// bit 0 of the first byte says whether structured replies were
+/// negotiated.
+pub fn client_replies(input: &[u8]) -> ClientReplies {
+    let (structured, rest) = match input.split_first() {
+        Some((&sel, rest)) => (sel & 1 != 0, rest),
+        None => (false, input),
+    };
+    let (stream, results) = client::replies_bytes(rest, structured);
+    ClientReplies { stream, results }
+}
