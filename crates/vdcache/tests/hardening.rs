@@ -11,7 +11,6 @@ mod serving;
 
 use common::{Scratch, assert_no_panic, exec, ok};
 use serving::{Proc, qcow2, qemu_io, serve, serve_refused, stats, try_serve, uri};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -225,33 +224,33 @@ fn output_into_a_closed_pipe_or_stdout_does_not_panic() {
     let delta = s.path("pd.qcow2");
     qcow2(&s, &delta, 16 * M, Some(base.to_str().expect("utf-8")));
     for args in [vec!["info"], vec!["check"], vec!["info", "--json"]] {
-        // A reader that takes one byte and goes (like `| head -c1`).
-        let mut child = s
+        // A reader that has gone before the first line (`| head -0`):
+        // deterministic, unlike a reader racing the writer.
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let out = s
             .vdcache()
             .args(&args)
             .arg(&delta)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn");
-        let mut first = [0u8; 1];
-        if let Some(out) = child.stdout.as_mut() {
-            out.read_exact(&mut first).expect("first byte");
-        }
-        drop(child.stdout.take());
-        let out = child.wait_with_output().expect("wait");
+            .stdout(writer)
+            .output()
+            .expect("run");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             !stderr.contains("panicked") && out.status.code() != Some(101),
             "vdcache {args:?} into a closed pipe: {stderr}"
         );
-        // Stdout closed outright.
+        // A device that refuses every write (opened for writing: a
+        // read-only descriptor would be taken for a closed stdout).
         let out = s
             .vdcache()
             .args(&args)
             .arg(&delta)
             .stdout(Stdio::from(
-                std::fs::File::open("/dev/full").expect("/dev/full"),
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open("/dev/full")
+                    .expect("/dev/full"),
             ))
             .output()
             .expect("run");
