@@ -1,8 +1,9 @@
 //! The bounded version of the fuzz targets in fuzz/ (the unbounded runs are
 //! `scripts/fuzz.sh TARGET MINUTES`): the committed seeds, seeds mutated by
 //! proptest and random bytes go through the entry points the targets call,
-//! for the trace readers, the server configuration and the qcow2 structure
-//! parsers. The image open-and-read target has its own bounded test
+//! for the trace readers, the server configuration, the NBD server's
+//! handshake and requests, the NBD client's replies and the qcow2
+//! structure parsers. The image open-and-read target has its own bounded test
 //! (crates/image/tests/fuzz_bounded.rs); here only its seeds are replayed.
 
 use proptest::prelude::*;
@@ -12,6 +13,7 @@ use vdcache::fuzzing::exercise_config;
 use vdcache_eval::trace::fuzzing::{exercise_detection, exercise_reader};
 use vdcache_eval::trace::{BlkAction, Format, MAX_LINE_BYTES};
 use vdcache_image::fuzzing::exercise_image;
+use vdcache_nbd::fuzzing::{client_handshake, client_replies, server_handshake, server_requests};
 use vdcache_qcow2::fuzzing::exercise_structures;
 
 fn fuzz_dir() -> PathBuf {
@@ -337,6 +339,52 @@ fn config_seeds_pass() {
 }
 
 // ---------------------------------------------------------------------------
+// NBD front end and client.
+
+/// Magics, option and command codes, and lengths at their limits: what a
+/// byte-level mutation rarely finds by itself.
+const NBD_TOKENS: &[&[u8]] = &[
+    b"IHAVEOPT",
+    b"NBDMAGIC",
+    b"\x25\x60\x95\x13",
+    b"\x67\x44\x66\x98",
+    b"\x66\x8e\x33\xef",
+    b"\x00\x03\xe8\x89\x04\x55\x65\xa9",
+    b"\x00\x00\x00\x07",
+    b"\x00\x00\x00\x0a",
+    b"\xff\xff\xff\xff",
+    b"\x7f\xff\xff\xff\xff\xff\xff\xff",
+    b"\x00\x00\x00\x00",
+];
+
+/// The seeds of the three NBD targets, read once.
+fn nbd_seeds() -> &'static [(&'static str, Vec<Vec<u8>>)] {
+    static SEEDS: OnceLock<Vec<(&str, Vec<Vec<u8>>)>> = OnceLock::new();
+    SEEDS.get_or_init(|| {
+        ["nbd_handshake", "nbd_request", "nbd_reply"]
+            .into_iter()
+            .map(|t| (t, corpus(t)))
+            .collect()
+    })
+}
+
+/// `data` through the entry point of `target`, as its fuzz target calls it.
+fn exercise_nbd(target: &str, data: &[u8]) {
+    match target {
+        "nbd_handshake" => {
+            let _ = server_handshake(data);
+        }
+        "nbd_request" => {
+            let _ = server_requests(data);
+        }
+        _ => {
+            let _ = client_handshake(data);
+            let _ = client_replies(data);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 20_000, ..ProptestConfig::default() })]
@@ -373,5 +421,16 @@ proptest! {
         static SEEDS: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
         let seeds = SEEDS.get_or_init(|| corpus("parse_structures"));
         exercise_structures(&mutate(&seeds[seed.index(seeds.len())], &edits, &[b"\0\0\0\0", b"\xff\xff\xff\xff"]));
+    }
+
+    #[test]
+    fn mutated_nbd_streams_pass(
+        target in any::<prop::sample::Index>(),
+        seed in any::<prop::sample::Index>(),
+        edits in prop::collection::vec(edit(), 1..12),
+    ) {
+        let (name, seeds) = &nbd_seeds()[target.index(3)];
+        let data = mutate(&seeds[seed.index(seeds.len())], &edits, NBD_TOKENS);
+        exercise_nbd(name, &data);
     }
 }
