@@ -357,9 +357,12 @@ const NBD_TOKENS: &[&[u8]] = &[
     b"\x00\x00\x00\x00",
 ];
 
+/// A fuzz target's name and its seeds.
+type Seeds = (&'static str, Vec<Vec<u8>>);
+
 /// The seeds of the three NBD targets, read once.
-fn nbd_seeds() -> &'static [(&'static str, Vec<Vec<u8>>)] {
-    static SEEDS: OnceLock<Vec<(&str, Vec<Vec<u8>>)>> = OnceLock::new();
+fn nbd_seeds() -> &'static [Seeds] {
+    static SEEDS: OnceLock<Vec<Seeds>> = OnceLock::new();
     SEEDS.get_or_init(|| {
         ["nbd_handshake", "nbd_request", "nbd_reply"]
             .into_iter()
