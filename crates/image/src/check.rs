@@ -414,16 +414,13 @@ impl Locked<'_> {
         Ok(())
     }
 
-    /// Clusters the refcount structures can describe or the file holds.
+    /// The clusters whose refcounts are compared: those the file holds, as
+    /// QEMU does. A refcount past the end of the file describes no data,
+    /// and counting up to the last refcount block the table names would
+    /// let a crafted table (many entries, 1-bit refcounts) make the check
+    /// run for hours.
     fn clusters_to_compare(&self, t: &Tally) -> Range<u64> {
-        let per_block = self.img.geometry.refcount_block_entries();
-        let covered = self
-            .m
-            .reftable
-            .iter()
-            .rposition(|&b| b != 0)
-            .map_or(0, |i| (i as u64 + 1) * per_block);
-        0..covered.max(t.file_clusters)
+        0..t.file_clusters
     }
 
     /// Adds what the stored refcounts say against the counted ones.

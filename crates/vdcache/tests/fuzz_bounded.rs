@@ -61,6 +61,9 @@ fn every_target_has_a_small_seed_corpus() {
         "trace_fio",
         "trace_detect",
         "config",
+        "nbd_handshake",
+        "nbd_request",
+        "nbd_reply",
     ] {
         assert!(names.iter().any(|n| n == t), "no fuzz target {t}");
     }
