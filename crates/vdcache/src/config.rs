@@ -180,7 +180,12 @@ impl ServerConfig {
             bail!("[server] handshake_timeout must be 0 to 86400 seconds, not {t}");
         }
         if let Some(v) = &l.max_buffered {
-            parse_size(v).context("[server] max_buffered")?;
+            let bytes = parse_size(v).context("[server] max_buffered")?;
+            // The budget must hold one piece of a streamed payload.
+            let piece = u64::from(vdcache_nbd::Limits::default().payload_chunk);
+            if bytes < piece {
+                bail!("[server] max_buffered must be at least {piece} bytes, not {v}");
+            }
         }
         if let Some(t) = &self.server.tls {
             match (&t.cert, &t.key, &t.psk) {
@@ -262,6 +267,7 @@ mod tests {
             ("max_handshakes=0", "max_handshakes"),
             ("handshake_timeout=-1", "handshake_timeout"),
             ("max_buffered=\"lots\"", "max_buffered"),
+            ("max_buffered=\"64k\"", "max_buffered"),
         ] {
             let cfg: ServerConfig = toml::from_str(&format!(
                 "[server]\nsocket=\"s\"\n{bad}\n[[export]]\nname=\"a\"\nimage=\"x\"\n"
