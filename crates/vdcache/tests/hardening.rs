@@ -10,7 +10,7 @@ mod common;
 mod serving;
 
 use common::{Scratch, assert_no_panic, exec, ok};
-use serving::{Proc, qcow2, qemu_io, serve, serve_refused, stats, try_serve, uri};
+use serving::{Proc, qcow2, qemu_io, serve, serve_refused, stats, try_serve, try_start, uri};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -388,12 +388,58 @@ fn an_image_whose_data_is_in_the_cache_is_refused_until_recovered() {
     assert!(out.stdout.contains("NEEDS ITS CACHE"), "{}", out.report());
     let out = exec(r.s.vdcache().args(["io", "-c", "read 0 512"]).arg(&r.img));
     assert!(!out.success(), "vdcache io must refuse\n{}", out.report());
+    // Served through a new cache: refused, and the new cache file is gone.
+    let other = r.s.path("other.cache");
+    let o = other.to_str().expect("utf-8");
+    let log = serve_refused(&r.s, &r.sock, &cache_args(o, r.i(), &[]));
+    assert!(
+        log.contains(r.c()),
+        "the refusal must name the cache\n{log}"
+    );
+    assert!(!other.exists(), "a refused start left its new cache behind");
 
     ok(r.s.vdcache().args(["recover", "--full", "--cache", r.c()]));
     let out = ok(r.s.qemu_img().arg("check").arg(&r.img));
     assert!(out.stdout.contains("No errors"), "{}", out.report());
     let reads = ["read -P 0x22 0 1M".into(), "read -P 0x11 1M 15M".into()];
     qemu_io(&r.s, "qcow2", r.i(), &reads);
+    r.s.finish();
+}
+
+/// A start that fails on its second export undoes what the first did: that
+/// image is released from the cache (QEMU opens it, no mark left set) and
+/// the cache file this start created is removed.
+#[test]
+fn a_refused_start_releases_the_exports_it_opened() {
+    let r = Rig::new("u", None);
+    let config = r.s.path("u.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nsocket = {sock:?}\n[cache]\npath = {cache:?}\nsize = \"64M\"\nmode = \"writeback\"\n\
+             [[export]]\nname = \"a\"\nimage = {img:?}\n\
+             [[export]]\nname = \"b\"\nimage = {missing:?}\n",
+            sock = r.sock,
+            cache = r.cache,
+            img = r.img,
+            missing = r.s.path("missing.qcow2"),
+        ),
+    )
+    .expect("config");
+    let mut cmd = r.s.vdcache();
+    cmd.arg("serve").arg("--config").arg(&config);
+    let Err((status, log)) = try_start(&r.s, cmd, &r.sock) else {
+        panic!("a server with a missing image started");
+    };
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("missing.qcow2"), "{log}");
+    assert!(
+        !r.cache.exists(),
+        "a refused start left its new cache behind"
+    );
+    let out = ok(r.s.qemu_img().arg("check").arg(&r.img));
+    assert!(out.stdout.contains("No errors"), "{}", out.report());
+    qemu_io(&r.s, "qcow2", r.i(), &["write -P 0x33 0 64k".into()]);
     r.s.finish();
 }
 

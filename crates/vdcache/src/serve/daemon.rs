@@ -68,12 +68,13 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
 /// once formatted, so a failure (a size below the minimum, a full disk)
 /// leaves nothing behind. An existing cache keeps the size it was created
 /// with: `size` must then match it or be absent. A device that holds
-/// something but no cache is refused unless `format_anyway`.
+/// something but no cache is refused unless `format_anyway`. Returns the
+/// cache and whether this call created its file.
 pub fn open_cache(
     c: &CacheSection,
     cfg: CacheConfig,
     format_anyway: bool,
-) -> Result<Arc<FlashCache>> {
+) -> Result<(Arc<FlashCache>, bool)> {
     let path = &c.path;
     let size = c
         .size
@@ -81,7 +82,8 @@ pub fn open_cache(
         .map(parse_size)
         .transpose()
         .context("[cache] size (--cache-size)")?;
-    if !path.exists() {
+    let created = !path.exists();
+    if created {
         let size = size.with_context(|| {
             format!(
                 "cache {} does not exist; give its size (--cache-size) to create it",
@@ -91,14 +93,28 @@ pub fn open_cache(
         create_cache_file(path, size, cfg.clone())?;
         tracing::info!("created cache file {} ({size} bytes)", path.display());
     }
-    let device = open_device(path)?;
-    check_requested_size(path, &*device, size)?;
-    let cache = if format_anyway {
-        FlashCache::format(device, cfg)
-    } else {
-        FlashCache::open_or_format(device, cfg)
-    };
-    cache.with_context(|| format!("cache {}", path.display()))
+    let opened = (|| {
+        let device = open_device(path)?;
+        check_requested_size(path, &*device, size)?;
+        let cache = if format_anyway {
+            FlashCache::format(device, cfg)
+        } else {
+            FlashCache::open_or_format(device, cfg)
+        };
+        cache.with_context(|| format!("cache {}", path.display()))
+    })();
+    if opened.is_err() && created {
+        remove_created_cache(path);
+    }
+    Ok((opened?, created))
+}
+
+/// Removes a cache file this run created, once what it was for failed: a
+/// refused start leaves no new file behind.
+fn remove_created_cache(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        tracing::warn!("cannot remove the new cache {}: {e}", path.display());
+    }
 }
 
 /// An existing cache file must be the size asked for, if one was asked
@@ -208,27 +224,48 @@ fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
 impl Daemon {
     /// Opens the cache and every export's chain.
     pub fn build(cfg: &ServerConfig, format_cache: bool) -> Result<Daemon> {
-        let (cache, keep_dirty) = match &cfg.cache {
+        let (cache, created, keep_dirty) = match &cfg.cache {
             Some(c) => {
-                let cc = cache_config(c)?;
-                (
-                    Some(open_cache(c, cc, format_cache)?),
-                    c.keep_dirty.unwrap_or(false),
-                )
+                let (cache, created) = open_cache(c, cache_config(c)?, format_cache)?;
+                (Some(cache), created, c.keep_dirty.unwrap_or(false))
             }
-            None => (None, false),
+            None => (None, false, false),
         };
-        let mut disks = Vec::new();
+        let mut daemon = Daemon {
+            cache,
+            disks: Vec::new(),
+            keep_dirty,
+        };
+        if let Err(e) = daemon.open_exports(cfg) {
+            // Leave everything as it was: the exports opened so far are
+            // closed (released from the cache), a cache file made for
+            // this start is removed.
+            if let Err(stop) = daemon.stop() {
+                tracing::error!("undoing a failed start: {stop:#}");
+            } else if let (true, Some(c)) = (created, &cfg.cache) {
+                remove_created_cache(&c.path);
+            }
+            return Err(e);
+        }
+        if let Some(c) = &daemon.cache {
+            warn_unserved_dirty(c, &daemon.disks);
+        }
+        Ok(daemon)
+    }
+
+    /// Opens every export's chain, through the cache unless it opts out.
+    fn open_exports(&mut self, cfg: &ServerConfig) -> Result<()> {
         for (i, e) in cfg.exports.iter().enumerate() {
             let id = DiskId(i as u32 + 1);
-            let (io, cow): (Option<Arc<dyn HostIo>>, Option<CowMode>) = match (&cache, e.no_cache) {
-                (Some(c), false) => {
-                    let policy = disk_policy(e, c.config().default_policy)?;
-                    c.set_policy(id, policy);
-                    (Some(c.clone()), Some(policy.cow))
-                }
-                _ => (None, None),
-            };
+            let (io, cow): (Option<Arc<dyn HostIo>>, Option<CowMode>) =
+                match (&self.cache, e.no_cache) {
+                    (Some(c), false) => {
+                        let policy = disk_policy(e, c.config().default_policy)?;
+                        c.set_policy(id, policy);
+                        (Some(c.clone()), Some(policy.cow))
+                    }
+                    _ => (None, None),
+                };
             let format = match e.format.as_deref() {
                 Some(f) => Some(
                     ImageFormat::parse(f)
@@ -248,20 +285,13 @@ impl Daemon {
                 },
             )
             .with_context(|| format!("export '{}'", e.name))?;
-            disks.push(Disk {
+            self.disks.push(Disk {
                 config: e.clone(),
                 id,
                 disk: Arc::new(disk),
             });
         }
-        if let Some(c) = &cache {
-            warn_unserved_dirty(c, &disks);
-        }
-        Ok(Daemon {
-            cache,
-            disks,
-            keep_dirty,
-        })
+        Ok(())
     }
 
     /// Closes every disk (flushing it and clearing its dirty bit), then the
