@@ -31,12 +31,13 @@ fn check(a: &Args) -> Result<u8> {
         Some(other) => anyhow::bail!("unknown repair mode '{other}' (use leaks or all)"),
     };
     // Like qemu-img check, an image whose backing chain cannot be opened
-    // (missing file, loop, unsafe format) cannot be checked.
+    // (missing file, loop, unsafe format) cannot be checked; and one that
+    // a writer holds is in use, whatever else is wrong with it.
     drop(open_chain(
         &a.file,
         &OpenOptions {
             read_only: true,
-            force_share: true,
+            force_share: a.force_share,
             for_check: true,
             ..OpenOptions::default()
         },

@@ -138,6 +138,26 @@ fn create_refuses_an_image_in_use_and_changes_nothing() {
     s.finish();
 }
 
+/// `vdcache check` of an image a server holds says it is in use (as
+/// qemu-img check does), not that its data is in a cache it is served with.
+#[test]
+fn check_of_an_image_being_served_says_it_is_in_use() {
+    let r = Rig::new("k", None);
+    let server = r.serve();
+    r.nbd_io(&["write -P 0x11 0 1M", "flush"]);
+    for repair in [&[][..], &["-r", "leaks"][..]] {
+        let out = exec(r.s.vdcache().arg("check").args(repair).arg(&r.img));
+        assert!(
+            out.code() == Some(1) && out.stderr.contains("in use"),
+            "{}",
+            out.report()
+        );
+    }
+    server.stop_clean();
+    ok(r.s.vdcache().arg("check").arg(&r.img));
+    r.s.finish();
+}
+
 /// kill -9 with dirty data in the cache, the image deleted and created
 /// again (the file system may hand it the same inode), new data written
 /// without the cache: the cache must not serve or write back the old
