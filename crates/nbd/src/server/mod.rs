@@ -293,8 +293,40 @@ pub(crate) struct ServerInner {
     handshake_timeouts: AtomicU64,
     listeners: Mutex<Vec<Listener>>,
     shutdown_done: Mutex<bool>,
+    conn_threads: Arc<LiveThreads>,
     payloads: payloads::PayloadPool,
     budget: budget::PayloadBudget,
+}
+
+/// Connection threads that may still hold the server. A thread leaves the
+/// connection table before it lets go of the server, so shutdown waits for
+/// this count too: once it returns, nothing of the server holds an export
+/// (nor what an export holds, such as a cache device and its lock).
+#[derive(Default)]
+struct LiveThreads {
+    count: Mutex<usize>,
+    none_left: Condvar,
+}
+
+impl LiveThreads {
+    fn enter(&self) {
+        *lock(&self.count) += 1;
+    }
+
+    fn leave(&self) {
+        let mut n = lock(&self.count);
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.none_left.notify_all();
+        }
+    }
+
+    fn wait_for_none(&self) {
+        let mut n = lock(&self.count);
+        while *n > 0 {
+            n = self.none_left.wait(n).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -370,19 +402,19 @@ impl ServerInner {
         }
         self.accepted.fetch_add(1, Ordering::Relaxed);
         let inner = self.clone();
+        let live = self.conn_threads.clone();
+        live.enter();
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .spawn(move || {
-                let _guard = ConnGuard {
-                    inner: inner.clone(),
-                    id,
-                };
-                conn::serve(&inner, id, sock, &info);
+                run_connection(inner, id, sock, info);
+                live.leave();
             });
         if let Err(e) = spawned {
             warn!("nbd: cannot start a connection thread: {e}");
             lock(&self.conns).entries.remove(&id);
             self.conns_cv.notify_all();
+            self.conn_threads.leave();
         }
     }
 
@@ -503,6 +535,16 @@ impl ServerInner {
             }
         }
     }
+}
+
+/// A connection thread's work; everything it holds of the server is
+/// dropped when it returns.
+fn run_connection(inner: Arc<ServerInner>, id: u64, sock: Socket, info: Arc<ConnInfo>) {
+    let _guard = ConnGuard {
+        inner: inner.clone(),
+        id,
+    };
+    conn::serve(&inner, id, sock, &info);
 }
 
 struct ConnGuard {
@@ -746,6 +788,7 @@ impl ServerBuilder {
                 handshake_timeouts: AtomicU64::new(0),
                 listeners: Mutex::new(Vec::new()),
                 shutdown_done: Mutex::new(false),
+                conn_threads: Arc::default(),
                 payloads: payloads::PayloadPool::default(),
                 budget: budget::PayloadBudget::new(self.limits.max_buffered_bytes),
                 limits: self.limits,
@@ -1019,6 +1062,8 @@ fn shutdown(inner: &Arc<ServerInner>) {
             .wait(table)
             .unwrap_or_else(|p| p.into_inner());
     }
+    drop(table);
+    inner.conn_threads.wait_for_none();
     *done = true;
     info!("nbd: server stopped");
 }
