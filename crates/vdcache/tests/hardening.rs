@@ -4,7 +4,8 @@
 //! pipe; a cache file that failed to be created, or given another size; a
 //! crash that left the newest data in the cache while QEMU would read the
 //! stale file; a cache whose superblock was destroyed; a cache holding
-//! dirty data of an image the server does not serve.
+//! dirty data of an image the server does not serve; a start refused
+//! halfway; a check of an image being served.
 
 mod common;
 mod serving;
