@@ -7,10 +7,13 @@
 //! its reads and never written back), and nothing flushed is silently
 //! lost or served stale.
 
+mod common;
+
+use common::disk_through;
 use std::sync::Arc;
 use vdcache_backend::{BackendRef, MemBackend};
 use vdcache_cache::{CacheConfig, CacheError, FlashCache};
-use vdcache_image::{DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain};
+use vdcache_image::{ImageFormat, MemFiles, VirtualDisk};
 
 const BLOCK: u64 = 4096;
 const IMAGE: u64 = 4 << 20;
@@ -54,18 +57,7 @@ struct Crashed {
 }
 
 fn open_disk(files: &Arc<MemFiles>, cache: &Arc<FlashCache>) -> VirtualDisk {
-    let io: Arc<dyn HostIo> = cache.clone();
-    open_chain(
-        NAME,
-        &OpenOptions {
-            opener: files.clone(),
-            io: Some(io),
-            disk: DiskId(1),
-            format: Some(ImageFormat::Raw),
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open disk")
+    disk_through(files.clone(), cache, NAME, ImageFormat::Raw)
 }
 
 fn crashed(checkpoint_interval: Option<u64>) -> Crashed {

@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 use vdcache_backend::MemBackend;
 use vdcache_cache::CacheConfig;
-use vdcache_image::{DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, open_chain};
+use vdcache_image::{ImageFormat, MemFiles};
 
 const IMAGE: u64 = 512 << 20;
 
@@ -24,18 +24,7 @@ fn sparse_reads(cache_bytes: u64, reads: u64) -> vdcache_cache::CacheReport {
         ..CacheConfig::default()
     };
     let cache = common::cache_on(&device, &config, true);
-    let io: Arc<dyn HostIo> = cache.clone();
-    let disk = open_chain(
-        "d/disk.raw",
-        &OpenOptions {
-            opener: files.clone(),
-            io: Some(io),
-            disk: DiskId(1),
-            format: Some(ImageFormat::Raw),
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open");
+    let disk = common::disk_through(files.clone(), &cache, "d/disk.raw", ImageFormat::Raw);
     let mut buf = vec![0u8; 4096];
     let mut s = 0x9e37_79b9_7f4a_7c15u64;
     for _ in 0..reads {

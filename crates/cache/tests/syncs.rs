@@ -7,21 +7,20 @@
 //! replay needs. A guest flush syncs outside the cache's lock, and flushes
 //! arriving during its sync share the next one.
 
+mod common;
+
+use common::{GatedFiles, Held, disk_through};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-use vdcache_backend::LockMode;
 use vdcache_backend::inject::{Gate, HookedBackend, eventually};
 use vdcache_backend::recording::{Log, LogOp, RecordingBackend, StateKind};
 use vdcache_backend::{BackendRef, MemBackend};
 use vdcache_cache::WriteMode;
 use vdcache_cache::{CacheConfig, FlashCache};
-use vdcache_image::{
-    CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, StoreOpener, VirtualDisk,
-    open_chain, qcow2_image_bytes,
-};
+use vdcache_image::{CreateOptions, ImageFormat, MemFiles, VirtualDisk, qcow2_image_bytes};
 
 const BLOCK: u64 = 4096;
 const IMAGE: u64 = 8 << 20;
@@ -57,27 +56,7 @@ fn qcow2_files() -> Arc<MemFiles> {
 }
 
 fn disk_on(files: &Arc<MemFiles>, cache: &Arc<FlashCache>) -> VirtualDisk {
-    open_disk(files.clone(), cache, IMAGE_NAME, ImageFormat::Raw)
-}
-
-fn open_disk(
-    opener: Arc<dyn StoreOpener>,
-    cache: &Arc<FlashCache>,
-    name: &str,
-    format: ImageFormat,
-) -> VirtualDisk {
-    let io: Arc<dyn HostIo> = cache.clone();
-    open_chain(
-        name,
-        &OpenOptions {
-            opener,
-            io: Some(io),
-            disk: DiskId(1),
-            format: Some(format),
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open disk")
+    disk_through(files.clone(), cache, IMAGE_NAME, ImageFormat::Raw)
 }
 
 fn content(block: u64, round: u64) -> Vec<u8> {
@@ -298,7 +277,7 @@ fn guest_flushes_sync_outside_the_locks_and_share_the_next_sync() {
     let files = qcow2_files();
     let config = config(false, None);
     let cache = FlashCache::format(device.clone(), config.clone()).expect("format");
-    let disk = open_disk(files.clone(), &cache, QCOW2_NAME, ImageFormat::Qcow2);
+    let disk = disk_through(files.clone(), &cache, QCOW2_NAME, ImageFormat::Qcow2);
     let syncs_before = cache.device_stats().syncs;
     let mut model = HashMap::new();
     let (lock_was_free, both_waited) = std::thread::scope(|s| {
@@ -342,7 +321,7 @@ fn guest_flushes_sync_outside_the_locks_and_share_the_next_sync() {
     drop(cache);
     // Everything flushed is in the journal: no shutdown, a crash.
     let cache = FlashCache::open(device, config).expect("reopen");
-    let disk = open_disk(files.clone(), &cache, QCOW2_NAME, ImageFormat::Qcow2);
+    let disk = disk_through(files.clone(), &cache, QCOW2_NAME, ImageFormat::Qcow2);
     check(&disk, &model, "after a restart");
 }
 
@@ -408,41 +387,6 @@ fn concurrent_flushes_return_only_once_their_writes_are_durable() {
     }
 }
 
-/// Image files whose backend syncs from the thread called `thread` wait at
-/// `gate`.
-#[derive(Debug)]
-struct GatedFiles {
-    files: Arc<MemFiles>,
-    thread: &'static str,
-    gate: Arc<Gate>,
-}
-
-impl StoreOpener for GatedFiles {
-    fn open(
-        &self,
-        name: &str,
-        writable: bool,
-        lock: Option<LockMode>,
-    ) -> vdcache_image::Result<BackendRef> {
-        let (thread, gate) = (self.thread, self.gate.clone());
-        let inner = self.files.open(name, writable, lock)?;
-        Ok(Arc::new(HookedBackend::new(inner).on_flush(move || {
-            if std::thread::current().name() == Some(thread) {
-                gate.wait();
-            }
-            Ok(())
-        })))
-    }
-
-    fn canonical(&self, name: &str) -> vdcache_image::Result<String> {
-        self.files.canonical(name)
-    }
-
-    fn resolve(&self, parent: &str, backing: &str) -> String {
-        self.files.resolve(parent, backing)
-    }
-}
-
 /// A write-through cache on a recording device, and a raw disk on it whose
 /// backend syncs from the thread called `thread` wait at the returned gate.
 fn write_through_rig(
@@ -458,6 +402,7 @@ fn write_through_rig(
     let opener = Arc::new(GatedFiles {
         files: image_files(),
         thread,
+        held: Held::Syncs,
         gate: gate.clone(),
     });
     let mut config = config(false, None);
@@ -476,7 +421,7 @@ fn write_through_rig(
 #[test]
 fn write_through_backend_syncs_run_outside_the_lock() {
     let (log, config, opener, cache, gate) = write_through_rig("first-flush");
-    let disk = open_disk(opener.clone(), &cache, IMAGE_NAME, ImageFormat::Raw);
+    let disk = disk_through(opener.clone(), &cache, IMAGE_NAME, ImageFormat::Raw);
     let mut model = HashMap::new();
     let (lock_was_free, flushed_at) = std::thread::scope(|s| {
         let first = write_and_flush(s, &disk, "first-flush", 0, 1);
@@ -503,7 +448,7 @@ fn write_through_backend_syncs_run_outside_the_lock() {
         "a crash kept clean copies of data written through after the backend sync"
     );
     check(
-        &open_disk(opener, &recovered, IMAGE_NAME, ImageFormat::Raw),
+        &disk_through(opener, &recovered, IMAGE_NAME, ImageFormat::Raw),
         &model,
         "after a crash",
     );
@@ -519,7 +464,7 @@ fn write_through_backend_syncs_run_outside_the_lock() {
 #[test]
 fn write_through_overwrites_sync_only_the_cache_device() {
     let (log, config, opener, cache, _gate) = write_through_rig("nobody");
-    let disk = open_disk(opener.clone(), &cache, IMAGE_NAME, ImageFormat::Raw);
+    let disk = disk_through(opener.clone(), &cache, IMAGE_NAME, ImageFormat::Raw);
     for b in 0..4 {
         disk.write(b * BLOCK, &content(b, 0), false).expect("write");
     }
@@ -568,7 +513,7 @@ fn write_through_overwrites_sync_only_the_cache_device() {
         recovered.report()
     );
     check(
-        &open_disk(opener, &recovered, IMAGE_NAME, ImageFormat::Raw),
+        &disk_through(opener, &recovered, IMAGE_NAME, ImageFormat::Raw),
         &model,
         "after a crash",
     );
@@ -722,7 +667,7 @@ fn sequential_runs_bypass_without_syncs() {
     ] {
         let device: BackendRef = Arc::new(MemBackend::fixed("cache", DEVICE));
         let cache = FlashCache::format(device, config.clone()).expect("format");
-        let disk = open_disk(files, &cache, name, format);
+        let disk = disk_through(files, &cache, name, format);
         // A qcow2 image opened writable through the cache is stamped with
         // its cache mark, durably, before any other write (a raw image
         // cannot carry one).

@@ -13,52 +13,20 @@
 //! held that way, or pinned by the thread's batch), a write over a dirty
 //! block waits for room instead of failing with an I/O error.
 
+mod common;
+
+use common::{GatedFiles, Held, disk_through};
 use std::sync::Arc;
-use vdcache_backend::inject::{Gate, HookedBackend, eventually};
-use vdcache_backend::{BackendRef, LockMode, MemBackend};
+use vdcache_backend::inject::{Gate, eventually};
+use vdcache_backend::{BackendRef, MemBackend};
 use vdcache_cache::{CacheConfig, FlashCache};
-use vdcache_image::{
-    DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, StoreOpener, VirtualDisk, open_chain,
-};
+use vdcache_image::{ImageFormat, MemFiles, StoreOpener, VirtualDisk};
 
 const BLOCK: u64 = 4096;
 const IMAGE: u64 = 64 << 20;
 const DEVICE: usize = 16 << 20;
 const NAME: &str = "d/disk.raw";
 const WRITEBACK: &str = "vdcache-writeback";
-
-/// Image files whose writes from the write-back thread wait at a gate.
-#[derive(Debug)]
-struct GatedWrites {
-    files: Arc<MemFiles>,
-    gate: Arc<Gate>,
-}
-
-impl StoreOpener for GatedWrites {
-    fn open(
-        &self,
-        name: &str,
-        writable: bool,
-        lock: Option<LockMode>,
-    ) -> vdcache_image::Result<BackendRef> {
-        let gate = self.gate.clone();
-        let inner = self.files.open(name, writable, lock)?;
-        Ok(Arc::new(HookedBackend::new(inner).on_write(move || {
-            if std::thread::current().name() == Some(WRITEBACK) {
-                gate.wait();
-            }
-            Ok(())
-        })))
-    }
-
-    fn canonical(&self, name: &str) -> vdcache_image::Result<String> {
-        self.files.canonical(name)
-    }
-
-    fn resolve(&self, parent: &str, backing: &str) -> String {
-        self.files.resolve(parent, backing)
-    }
-}
 
 struct Rig {
     files: Arc<MemFiles>,
@@ -83,21 +51,13 @@ impl Rig {
         };
         let device: BackendRef = Arc::new(MemBackend::fixed("cache", DEVICE));
         let cache = FlashCache::format(device, config).expect("format");
-        let io: Arc<dyn HostIo> = cache.clone();
-        let disk = open_chain(
-            NAME,
-            &OpenOptions {
-                opener: Arc::new(GatedWrites {
-                    files: files.clone(),
-                    gate: gate.clone(),
-                }),
-                io: Some(io),
-                disk: DiskId(1),
-                format: Some(ImageFormat::Raw),
-                ..OpenOptions::default()
-            },
-        )
-        .expect("open disk");
+        let opener = Arc::new(GatedFiles {
+            files: files.clone(),
+            thread: WRITEBACK,
+            held: Held::Writes,
+            gate: gate.clone(),
+        });
+        let disk = disk_through(opener, &cache, NAME, ImageFormat::Raw);
         Rig {
             files,
             gate,
