@@ -120,15 +120,7 @@ fn request(
     length: u32,
     payload: &[u8],
 ) {
-    let mut b = Request {
-        flags,
-        kind,
-        cookie,
-        offset,
-        length,
-    }
-    .encode()
-    .to_vec();
+    let mut b = request_bytes(flags, kind, cookie, offset, length);
     b.extend_from_slice(payload);
     s.write_all(&b).unwrap();
 }

@@ -7,6 +7,9 @@
 // Helpers outside #[test] functions unwrap freely too.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::request_bytes;
 use std::path::PathBuf;
 
 use vdcache_nbd::fuzzing::{self, PENDING};
@@ -75,26 +78,14 @@ fn meta_data(name: &str, queries: &[&str]) -> Vec<u8> {
     d
 }
 
-fn req(flags: u16, kind: u16, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
-    Request {
-        flags,
-        kind,
-        cookie,
-        offset,
-        length,
-    }
-    .encode()
-    .to_vec()
-}
-
-fn write_req(cookie: u64, offset: u64, data: &[u8]) -> Vec<u8> {
-    let mut b = req(0, CMD_WRITE, cookie, offset, data.len() as u32);
+fn write_request_bytes(cookie: u64, offset: u64, data: &[u8]) -> Vec<u8> {
+    let mut b = request_bytes(0, CMD_WRITE, cookie, offset, data.len() as u32);
     b.extend_from_slice(data);
     b
 }
 
 fn disc() -> Vec<u8> {
-    req(0, CMD_DISC, 0, 0, 0)
+    request_bytes(0, CMD_DISC, 0, 0, 0)
 }
 
 fn client_flags() -> Vec<u8> {
@@ -114,14 +105,14 @@ fn handshake_seeds() {
         &meta_data("", &[META_BASE_ALLOCATION]),
     ));
     modern.extend(option(OPT_GO, &go_data("", &[INFO_BLOCK_SIZE])));
-    modern.extend(write_req(1, 0, &[0xab; 512]));
-    modern.extend(req(0, CMD_READ, 2, 0, 8192));
-    modern.extend(req(0, CMD_BLOCK_STATUS, 3, 0, 65536));
+    modern.extend(write_request_bytes(1, 0, &[0xab; 512]));
+    modern.extend(request_bytes(0, CMD_READ, 2, 0, 8192));
+    modern.extend(request_bytes(0, CMD_BLOCK_STATUS, 3, 0, 65536));
     modern.extend(disc());
     // The oldest fixed newstyle clients: EXPORT_NAME, zeroes kept.
     let mut old = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
     old.extend(option(OPT_EXPORT_NAME, b""));
-    old.extend(req(0, CMD_FLUSH, 1, 0, 0));
+    old.extend(request_bytes(0, CMD_FLUSH, 1, 0, 0));
     old.extend(disc());
     // What nbdinfo --list does, and everything else the server answers.
     let mut list = client_flags();
@@ -165,37 +156,55 @@ fn request_seeds() {
     let size = fuzzing::EXPORT_SIZE;
     // Simple replies, read-write export: every command, errors included.
     let mut simple = vec![0u8];
-    simple.extend(write_req(1, 4096, &[0x5a; 4096]));
-    simple.extend(req(CMD_FLAG_FUA, CMD_READ, 2, 4096, 4096));
-    simple.extend(req(0, CMD_FLUSH, 3, 0, 0));
-    simple.extend(req(0, CMD_TRIM, 4, 0, 4096));
-    simple.extend(req(CMD_FLAG_NO_HOLE, CMD_WRITE_ZEROES, 5, 8192, 4096));
-    simple.extend(req(0, CMD_CACHE, 6, 0, 4096));
-    simple.extend(req(0, CMD_READ, 7, size - 100, 4096));
-    simple.extend(req(0, 99, 8, 0, 0));
-    simple.extend(req(0, CMD_READ, 9, 0, 16384));
+    simple.extend(write_request_bytes(1, 4096, &[0x5a; 4096]));
+    simple.extend(request_bytes(CMD_FLAG_FUA, CMD_READ, 2, 4096, 4096));
+    simple.extend(request_bytes(0, CMD_FLUSH, 3, 0, 0));
+    simple.extend(request_bytes(0, CMD_TRIM, 4, 0, 4096));
+    simple.extend(request_bytes(
+        CMD_FLAG_NO_HOLE,
+        CMD_WRITE_ZEROES,
+        5,
+        8192,
+        4096,
+    ));
+    simple.extend(request_bytes(0, CMD_CACHE, 6, 0, 4096));
+    simple.extend(request_bytes(0, CMD_READ, 7, size - 100, 4096));
+    simple.extend(request_bytes(0, 99, 8, 0, 0));
+    simple.extend(request_bytes(0, CMD_READ, 9, 0, 16384));
     simple.extend(disc());
     // Structured replies and base:allocation: streamed writes and reads
     // (over the fuzzing server's 4 KiB chunk), holes, DF, block status.
     let mut structured = vec![3u8];
-    structured.extend(write_req(1, 16384, &[0x77; 8192]));
-    structured.extend(req(0, CMD_READ, 2, 0, 32768));
-    structured.extend(req(CMD_FLAG_DF, CMD_READ, 3, 16384, 8192));
-    structured.extend(req(0, CMD_BLOCK_STATUS, 4, 0, size as u32));
-    structured.extend(req(CMD_FLAG_REQ_ONE, CMD_BLOCK_STATUS, 5, 4096, 512));
-    structured.extend(req(CMD_FLAG_FAST_ZERO, CMD_WRITE_ZEROES, 6, 0, 4096));
+    structured.extend(write_request_bytes(1, 16384, &[0x77; 8192]));
+    structured.extend(request_bytes(0, CMD_READ, 2, 0, 32768));
+    structured.extend(request_bytes(CMD_FLAG_DF, CMD_READ, 3, 16384, 8192));
+    structured.extend(request_bytes(0, CMD_BLOCK_STATUS, 4, 0, size as u32));
+    structured.extend(request_bytes(
+        CMD_FLAG_REQ_ONE,
+        CMD_BLOCK_STATUS,
+        5,
+        4096,
+        512,
+    ));
+    structured.extend(request_bytes(
+        CMD_FLAG_FAST_ZERO,
+        CMD_WRITE_ZEROES,
+        6,
+        0,
+        4096,
+    ));
     structured.extend(disc());
     // 512-byte blocks: aligned and unaligned requests.
     let mut aligned = vec![2u8 << 2];
-    aligned.extend(write_req(1, 512, &[1; 512]));
-    aligned.extend(req(0, CMD_READ, 2, 100, 512));
-    aligned.extend(req(0, CMD_READ, 3, 512, 512));
+    aligned.extend(write_request_bytes(1, 512, &[1; 512]));
+    aligned.extend(request_bytes(0, CMD_READ, 2, 100, 512));
+    aligned.extend(request_bytes(0, CMD_READ, 3, 512, 512));
     aligned.extend(disc());
     // Read-only export.
     let mut ro = vec![1u8 << 2];
-    ro.extend(write_req(1, 0, &[2; 16]));
-    ro.extend(req(0, CMD_TRIM, 2, 0, 4096));
-    ro.extend(req(0, CMD_READ, 3, 0, 16));
+    ro.extend(write_request_bytes(1, 0, &[2; 16]));
+    ro.extend(request_bytes(0, CMD_TRIM, 2, 0, 4096));
+    ro.extend(request_bytes(0, CMD_READ, 3, 0, 16));
     ro.extend(disc());
 
     let run = fuzzing::server_requests(&simple);

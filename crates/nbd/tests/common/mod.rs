@@ -299,3 +299,16 @@ impl Export for Gated {
         self.mem.write_zeroes(o, l, f)
     }
 }
+
+/// A request header as a client sends it.
+pub fn request_bytes(flags: u16, kind: u16, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
+    vdcache_nbd::proto::Request {
+        flags,
+        kind,
+        cookie,
+        offset,
+        length,
+    }
+    .encode()
+    .to_vec()
+}
