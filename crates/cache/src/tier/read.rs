@@ -365,6 +365,12 @@ impl FlashCache {
             if matches!(tag.class, IoClass::Metadata(_)) {
                 bump(&counters.meta_flash_bytes_written, done * BLOCK);
             }
+            // Checksums before the lock: the state lock is held for the
+            // index only.
+            let crcs: Vec<u32> = data[..(done * BLOCK) as usize]
+                .chunks(BLOCK as usize)
+                .map(crc32c::crc32c)
+                .collect();
             let mut st = self.lock();
             if let Some(e) = failed {
                 self.give_back(&mut st, &runs);
@@ -375,8 +381,6 @@ impl FlashCache {
                 for i in 0..u64::from(k) {
                     let block = block0 + i;
                     let cbn = cbn0 + i as u32;
-                    let bytes = &data[((block - first) * BLOCK) as usize
-                        ..((block - first + 1) * BLOCK) as usize];
                     let key = line_key(id, block / LINE_BLOCKS);
                     let slot = (block % LINE_BLOCKS) as usize;
                     let stale = st.written_since(read_seq, id, block * BLOCK, (block + 1) * BLOCK)
@@ -386,7 +390,7 @@ impl FlashCache {
                         continue;
                     }
                     let guest = tag.guest_cluster.unwrap_or(u64::MAX);
-                    let crc = crc32c::crc32c(bytes);
+                    let crc = crcs[(block - first) as usize];
                     st.map_block(key, guest, slot, cbn, false, crc);
                     st.clean_copy_needs_sync(id);
                     st.journal.push(&Entry::Map {
