@@ -163,6 +163,9 @@ pub struct CacheConfig {
     pub low_watermark: f64,
     /// Free regions kept in reserve for incoming writes.
     pub reserve_regions: usize,
+    /// Most write-back requests in flight at once (the number adapts to
+    /// the backend's latency below this).
+    pub writeback_depth: usize,
     /// Re-insert hot live blocks of an evicted region.
     pub relocate_hot: bool,
     /// No background threads: write back in the writing thread (after the
@@ -203,6 +206,7 @@ impl Default for CacheConfig {
             high_watermark: 0.5,
             low_watermark: 0.25,
             reserve_regions: 2,
+            writeback_depth: 64,
             relocate_hot: true,
             inline_background: false,
             checkpoint_interval_bytes: None,
@@ -224,6 +228,12 @@ impl CacheConfig {
             return Err(CacheError::Config(format!(
                 "watermarks must satisfy 0 <= low ({}) <= high ({}) <= 1",
                 self.low_watermark, self.high_watermark
+            )));
+        }
+        if self.writeback_depth == 0 || self.writeback_depth > 1024 {
+            return Err(CacheError::Config(format!(
+                "write-back depth must be between 1 and 1024, not {}",
+                self.writeback_depth
             )));
         }
         Ok(())

@@ -314,6 +314,28 @@ impl Regions {
         }
     }
 
+    /// Up to `n` full regions holding live blocks, least recently used
+    /// first: the ones reclaimed next (exactly under LRU, roughly under
+    /// the other policies), whose dirty blocks write-back copies first so
+    /// that reclaiming them costs no backend write.
+    pub fn next_victims(&self, n: usize) -> Vec<u32> {
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut full: Vec<u32> = (0..self.regions.len())
+            .filter(|&i| self.regions[i].state == State::Full && self.regions[i].live > 0)
+            .map(|i| i as u32)
+            .collect();
+        let key = |&i: &u32| self.regions[i as usize].last_access;
+        if full.len() > n {
+            full.select_nth_unstable_by_key(n - 1, key);
+            full.truncate(n);
+        }
+        full.sort_unstable_by_key(key);
+        full.truncate(n);
+        full
+    }
+
     fn oldest(&self, filter: impl Fn(&Region) -> bool) -> Option<u32> {
         (0..self.regions.len())
             .filter(|&i| self.evictable(i) && filter(&self.regions[i]))

@@ -37,6 +37,11 @@ pub struct DiskCounters {
     /// Cached 4 KiB blocks of a backing image dropped because a write to
     /// the delta masked them (cow-aware: they will not be read again).
     pub masked_blocks_dropped: AtomicU64,
+    /// Backend write requests of write-back (coalesced runs).
+    pub writeback_requests: AtomicU64,
+    /// Bytes of partially valid clusters write-back filled from the
+    /// backing chain (never through flash).
+    pub writeback_filled_bytes: AtomicU64,
 }
 
 /// A plain copy of one disk's counters.
@@ -61,6 +66,8 @@ pub struct DiskStats {
     pub backend_syncs: u64,
     pub guest_flushes: u64,
     pub masked_blocks_dropped: u64,
+    pub writeback_requests: u64,
+    pub writeback_filled_bytes: u64,
     pub dirty_bytes: u64,
 }
 
@@ -94,6 +101,8 @@ impl DiskStats {
         self.backend_syncs += o.backend_syncs;
         self.guest_flushes += o.guest_flushes;
         self.masked_blocks_dropped += o.masked_blocks_dropped;
+        self.writeback_requests += o.writeback_requests;
+        self.writeback_filled_bytes += o.writeback_filled_bytes;
         self.dirty_bytes += o.dirty_bytes;
     }
 }
@@ -130,6 +139,8 @@ impl DiskCounters {
             backend_syncs: l(&self.backend_syncs),
             guest_flushes: l(&self.guest_flushes),
             masked_blocks_dropped: l(&self.masked_blocks_dropped),
+            writeback_requests: l(&self.writeback_requests),
+            writeback_filled_bytes: l(&self.writeback_filled_bytes),
             dirty_bytes: 0,
         }
     }

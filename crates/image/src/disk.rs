@@ -8,7 +8,8 @@
 
 use crate::error::{ImageError, Result};
 use crate::hostio::{
-    DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, PartialRange, WriteSegment,
+    BackingFill, DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, PartialRange,
+    WriteSegment,
 };
 use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image};
 use crate::range_lock::{Mode, RangeLocks};
@@ -226,7 +227,7 @@ impl VirtualDisk {
     /// valid clusters are filled first when `fill`.
     pub fn write_back(&self, fill: bool) -> Result<()> {
         if fill {
-            self.fill_partial(usize::MAX)?;
+            self.fill_after_write_back()?;
         }
         let clusters = self.size.div_ceil(self.cluster_size()).max(1);
         let _all = self.locks.lock(0, clusters, Mode::Exclusive);
@@ -410,6 +411,36 @@ impl VirtualDisk {
         self.io
             .partial_ranges(&img.data)
             .map_err(|e| ImageError::io(img.name(), "list partially valid clusters", e))
+    }
+
+    /// Lets the layer below fill this disk's partially valid clusters
+    /// from the backing chain as it writes them back (see
+    /// [`BackingFill`]); without it they are filled by
+    /// [`Self::fill_partial`] only.
+    pub fn offer_backing_fill(self: &Arc<Self>) {
+        if let Layer::Qcow2(img) = &self.layers[0]
+            && self.decoupled
+        {
+            let fill: Arc<dyn BackingFill> = self.clone();
+            self.io.set_backing_fill(&img.data, Arc::downgrade(&fill));
+        }
+    }
+
+    /// Fills every partially valid cluster: a cache below that was offered
+    /// the backing chain fills most of them as it writes them back (each
+    /// cluster read and written once, many at a time), so it drains first;
+    /// what it left is filled here.
+    fn fill_after_write_back(&self) -> Result<()> {
+        let Layer::Qcow2(img) = &self.layers[0] else {
+            return Ok(());
+        };
+        if self.decoupled {
+            self.io
+                .write_back_image(&img.data)
+                .map_err(|e| ImageError::io(img.name(), "write back the cache", e))?;
+        }
+        self.fill_partial(usize::MAX)?;
+        Ok(())
     }
 
     /// Copies the not yet valid parts of partially valid clusters from the
@@ -729,7 +760,7 @@ impl VirtualDisk {
         }
         match &self.layers[0] {
             Layer::Qcow2(img) => {
-                self.fill_partial(usize::MAX)?;
+                self.fill_after_write_back()?;
                 img.close(false)
             }
             Layer::Raw(r) => {
@@ -881,4 +912,38 @@ fn zero_plain(all: u32) -> L2Mapping {
         alloc: 0,
         zero: all,
     })
+}
+
+impl BackingFill for VirtualDisk {
+    fn backing_bytes(
+        &self,
+        host: HostOffset,
+        guest_cluster: u64,
+        buf: &mut [u8],
+    ) -> std::io::Result<bool> {
+        let Layer::Qcow2(img) = &self.layers[0] else {
+            return Ok(false);
+        };
+        let cs = img.geometry().cluster_size();
+        let len = buf.len() as u64;
+        let within = host.0 & (cs - 1);
+        let Some(guest) = guest_cluster
+            .checked_mul(cs)
+            .map(|g| g + within)
+            .filter(|&g| within + len <= cs && g + len <= self.size)
+        else {
+            return Ok(false);
+        };
+        let mapped = img
+            .map(guest, len)
+            .map_err(std::io::Error::other)?
+            .first()
+            .is_some_and(|e| e.kind == ExtentKind::Data(host) && e.len >= len);
+        if !mapped {
+            return Ok(false);
+        }
+        self.read_layer(1, guest, buf, IoClass::CowFill)
+            .map_err(std::io::Error::other)?;
+        Ok(true)
+    }
 }

@@ -172,6 +172,24 @@ pub struct Holder {
     pub path: String,
 }
 
+/// What the backing chain holds under a partially valid cluster of a top
+/// image: the bytes its not yet valid parts stand for. Implemented by the
+/// COW layer for the layer below, which calls it from its write-back
+/// without holding any lock of its own.
+pub trait BackingFill: Send + Sync {
+    /// Fills `buf` with the backing chain's bytes under the top image's
+    /// host range `[host, host+buf.len())`, recorded as serving guest
+    /// cluster `guest_cluster`. False (nothing read) when the range does
+    /// not serve that guest cluster now (an orphaned record, a cluster
+    /// reused): the caller then leaves the range as it is.
+    fn backing_bytes(
+        &self,
+        host: HostOffset,
+        guest_cluster: u64,
+        buf: &mut [u8],
+    ) -> io::Result<bool>;
+}
+
 /// The narrow interface: all storage I/O of the COW layer goes through it.
 pub trait HostIo: Send + Sync + std::fmt::Debug {
     fn read(
@@ -245,6 +263,12 @@ pub trait HostIo: Send + Sync + std::fmt::Debug {
     fn partial_ranges(&self, _image: &ImageHandle) -> io::Result<Vec<PartialRange>> {
         Ok(Vec::new())
     }
+
+    /// Lets the layer fill the not yet valid parts of `image`'s partially
+    /// valid clusters itself while it writes their valid parts back (the
+    /// backing chain read once, the cluster written once). The layer keeps
+    /// only the weak reference: a closed disk fills nothing.
+    fn set_backing_fill(&self, _image: &ImageHandle, _fill: std::sync::Weak<dyn BackingFill>) {}
 
     /// The layer's identity, when it keeps copies of images across
     /// restarts (see [`Holder`]).

@@ -26,8 +26,8 @@ pub use create::{CreateOptions, create_qcow2, create_raw, qcow2_image_bytes};
 pub use disk::{BlockState, FillReport, Layer, VirtualDisk, ZeroFlags};
 pub use error::{ImageError, Result};
 pub use hostio::{
-    DirectIo, DiskId, FlushKind, Holder, HostIo, ImageHandle, IoClass, IoTag, MetaTable,
-    PartialRange, WriteSegment,
+    BackingFill, DirectIo, DiskId, FlushKind, Holder, HostIo, ImageHandle, IoClass, IoTag,
+    MetaTable, PartialRange, WriteSegment,
 };
 pub use identity::{ImageIdentity, MarkIdentity, Verdict};
 pub use meta_cache::MetaCacheConfig;

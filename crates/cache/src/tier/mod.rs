@@ -13,6 +13,8 @@
 
 mod checkpoint;
 mod commit;
+mod copyback;
+mod fills;
 mod metastore;
 mod partial;
 mod ranges;
@@ -159,6 +161,9 @@ pub(crate) struct State {
     pub copying: HashSet<(u64, u8)>,
     /// Dirty metadata sectors (cow-aware write-back).
     pub meta: metastore::MetaStore,
+    /// Per image, the COW layer's reader of its backing chain, with which
+    /// write-back fills partially valid clusters (see `fills`).
+    pub fillers: HashMap<u16, std::sync::Weak<dyn vdcache_image::BackingFill>>,
     /// When the journal buffer was last written out.
     pub journal_written: std::time::Instant,
     /// Regions emptied with their summary / by scanning the index.
@@ -345,6 +350,10 @@ pub struct FlashCache {
     recovery: RecoveryReport,
     /// Image ranges with a backend write in progress outside the state lock.
     ranges: ranges::BackendRanges,
+    /// Write-back requests to keep in flight.
+    copy_depth: Mutex<copyback::DepthLimit>,
+    /// Guest requests waiting on a backend now (write-back yields to them).
+    foreground: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for FlashCache {
@@ -441,6 +450,7 @@ impl FlashCache {
             writeback_busy: false,
             copying: HashSet::new(),
             meta: metastore::MetaStore::default(),
+            fillers: HashMap::new(),
             journal_written: std::time::Instant::now(),
             emptied_by_summary: 0,
             emptied_by_scan: 0,
@@ -461,6 +471,7 @@ impl FlashCache {
             sb.layout.region_bytes,
             !config.inline_background,
         );
+        let copy_depth = Mutex::new(copyback::DepthLimit::new(config.writeback_depth));
         Arc::new(FlashCache {
             layout: sb.layout,
             device: Arc::new(staged),
@@ -478,6 +489,8 @@ impl FlashCache {
             checkpoint_thread: Mutex::new(None),
             recovery,
             ranges: ranges::BackendRanges::default(),
+            copy_depth,
+            foreground: Default::default(),
         })
     }
 
@@ -826,6 +839,17 @@ impl HostIo for FlashCache {
 
     fn decoupled_cow(&self, disk: DiskId) -> bool {
         self.decoupled_for(disk)
+    }
+
+    fn set_backing_fill(
+        &self,
+        image: &ImageHandle,
+        fill: std::sync::Weak<dyn vdcache_image::BackingFill>,
+    ) {
+        let mut st = self.lock();
+        if let Some(&id) = st.by_name.get(&*image.name) {
+            st.fillers.insert(id, fill);
+        }
     }
 
     fn set_invalid(

@@ -291,10 +291,12 @@ impl FlashCache {
             let at = misses[i] * BLOCK;
             let len = (j - i) as u64 * BLOCK;
             let mut data = vec![0u8; len as usize];
+            let foreground = self.foreground_io();
             image
                 .backend
                 .read_at(&mut data, at)
                 .map_err(CacheError::device("read backend"))?;
+            drop(foreground);
             bump(&counters.backend_bytes_read, len);
             copy_overlap(&data, at, buf, off);
             out.push((misses[i], data));

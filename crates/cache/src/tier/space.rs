@@ -13,7 +13,6 @@ use crate::index::Cbn;
 use crate::journal::Entry;
 use crate::layout::BLOCK;
 use crate::region::Stream;
-use crate::stats::bump;
 use crate::summary::decode_entry;
 
 /// A dirty block to copy to its backend: (line key, slot, block).
@@ -23,7 +22,7 @@ pub(crate) type DirtyBlock = (u64, usize, Cbn);
 pub(crate) type Target = (u16, vdcache_backend::BackendRef, vdcache_image::DiskId);
 
 /// Where a region's references were found.
-enum RefsFrom {
+pub(crate) enum RefsFrom {
     /// It held nothing live.
     Nothing,
     /// Its summary.
@@ -166,7 +165,7 @@ impl FlashCache {
     /// summary when that accounts for every live block, else (no summary,
     /// a stale or torn one, an unfinished one after a crash) from a scan
     /// of the whole index.
-    fn region_refs(&self, st: &mut State, region: u32) -> (Vec<DirtyBlock>, RefsFrom) {
+    pub(crate) fn region_refs(&self, st: &mut State, region: u32) -> (Vec<DirtyBlock>, RefsFrom) {
         let live = st.regions.live_blocks(region);
         if live == 0 {
             return (Vec::new(), RefsFrom::Nothing);
@@ -279,7 +278,9 @@ impl FlashCache {
             self.commit_before_bypass(st)?;
             let backends = self.backends_of(st, &dirty)?;
             let crcs = expected_crcs(st, &dirty);
-            let damaged = self.copy_to_backends(&backends, &dirty, &crcs)?;
+            let damaged = self
+                .copy_pieces(&backends, Self::flash_pieces(&dirty, &crcs))?
+                .damaged;
             for &(key, slot, cbn) in &dirty {
                 if damaged.contains(&(key, slot, cbn)) {
                     // Its content is lost: the region goes, the loss stays
@@ -397,87 +398,6 @@ impl FlashCache {
                 lost: true,
             });
         }
-    }
-
-    /// Reads dirty blocks from flash and writes them to their images,
-    /// coalescing neighbours into one request, then syncs each image.
-    /// Blocks that do not match their checksum in `crcs` (the device
-    /// damaged them) are not written: they are returned.
-    pub(crate) fn copy_to_backends(
-        &self,
-        targets: &[Target],
-        blocks: &[DirtyBlock],
-        crcs: &[u32],
-    ) -> Result<Vec<DirtyBlock>> {
-        let mut sorted: Vec<(DirtyBlock, u32)> =
-            blocks.iter().copied().zip(crcs.iter().copied()).collect();
-        sorted.sort_unstable_by_key(|&((key, slot, _), _)| (key, slot));
-        let mut damaged = Vec::new();
-        let mut i = 0;
-        while i < sorted.len() {
-            let ((key, slot, _), _) = sorted[i];
-            let image = crate::index::key_image(key);
-            let start = crate::index::key_line(key) * crate::layout::LINE + slot as u64 * BLOCK;
-            let mut j = i + 1;
-            while j < sorted.len() {
-                let ((k2, s2, _), _) = sorted[j];
-                let pos = crate::index::key_line(k2) * crate::layout::LINE + s2 as u64 * BLOCK;
-                if crate::index::key_image(k2) != image
-                    || pos != start + (j - i) as u64 * BLOCK
-                    || j - i >= 256
-                {
-                    break;
-                }
-                j += 1;
-            }
-            let mut data = vec![0u8; (j - i) * BLOCK as usize];
-            for (n, &((_, _, cbn), _)) in sorted[i..j].iter().enumerate() {
-                self.device
-                    .read_at(
-                        &mut data[n * BLOCK as usize..(n + 1) * BLOCK as usize],
-                        self.layout.block_offset(cbn),
-                    )
-                    .map_err(CacheError::device("read block"))?;
-            }
-            let (_, backend, disk) = targets
-                .iter()
-                .find(|(id, _, _)| *id == image)
-                .ok_or_else(|| CacheError::Corrupt(format!("no store for image {image}")))?;
-            // Write the runs of blocks that verify; never a damaged one.
-            let mut run_start = 0;
-            for n in 0..=(j - i) {
-                let good = n < j - i && {
-                    let (block, crc) = sorted[i + n];
-                    let bytes = &data[n * BLOCK as usize..(n + 1) * BLOCK as usize];
-                    let ok = crc32c::crc32c(bytes) == crc;
-                    if !ok {
-                        damaged.push(block);
-                    }
-                    ok
-                };
-                if good {
-                    continue;
-                }
-                if n > run_start {
-                    let run = &data[run_start * BLOCK as usize..n * BLOCK as usize];
-                    backend
-                        .write_at(run, start + run_start as u64 * BLOCK)
-                        .map_err(CacheError::device("write back"))?;
-                    let c = self.stats.disk(*disk);
-                    bump(&c.flash_bytes_read, run.len() as u64);
-                    bump(&c.backend_bytes_written, run.len() as u64);
-                }
-                run_start = n + 1;
-            }
-            i = j;
-        }
-        for (_, backend, disk) in targets {
-            backend
-                .flush()
-                .map_err(CacheError::device("sync backend"))?;
-            bump(&self.stats.disk(*disk).backend_syncs, 1);
-        }
-        Ok(damaged)
     }
 }
 

@@ -498,11 +498,18 @@ impl FlashCache {
         self.journal_buffer_check(&mut st)?;
         let dirty = st.index.dirty_blocks() as f64 / self.layout.cacheable_blocks() as f64;
         if dirty > self.config.high_watermark {
+            drop(st);
             if self.config.inline_background {
-                drop(st);
                 self.writeback_inline()?;
             } else {
                 self.wake.notify();
+                // Only guest data: a metadata write may hold the COW
+                // layer's table lock, which every guest request needs.
+                let pause = super::writeback::throttle(dirty, self.config.high_watermark, n)
+                    .filter(|_| tag.class == IoClass::GuestData);
+                if let Some(pause) = pause {
+                    std::thread::sleep(pause);
+                }
             }
         }
         Ok(true)
@@ -615,10 +622,12 @@ impl FlashCache {
             }
         }
         let bufs: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
+        let foreground = self.foreground_io();
         image
             .backend
             .write_vectored_at(&bufs, off)
             .map_err(CacheError::device("write backend"))?;
+        drop(foreground);
         if !self.lock().unreadable.is_empty() {
             let mut st = self.lock();
             for b in off.div_ceil(BLOCK)..(off + len) / BLOCK {

@@ -3,17 +3,42 @@
 //! their images in address order, coalesced into large writes, the images
 //! synced, and the blocks marked clean, until the low watermark is reached.
 
-use super::FlashCache;
 use super::space::DirtyBlock;
+use super::{FlashCache, fills};
 use crate::error::Result;
 use crate::journal::Entry;
-use crate::layout::LINE_BLOCKS;
+use crate::layout::{BLOCK, LINE, LINE_BLOCKS};
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
-/// Blocks per write-back batch (4 MiB).
-const BATCH_BLOCKS: usize = 1024;
+/// Blocks per write-back batch (16 MiB), filler included: enough requests
+/// to keep a deep queue busy between the batch's backend syncs.
+const BATCH_COST: usize = 4096;
+/// Regions reclaimed next whose dirty blocks are copied first.
+const VICTIM_LOOKAHEAD: usize = 8;
+
+/// Longest pause of a throttled write per 4 KiB block...
+const THROTTLE_PER_BLOCK: Duration = Duration::from_millis(4);
+/// ...and per request.
+const THROTTLE_MAX: Duration = Duration::from_millis(100);
+
+/// How long a write of `blocks` pauses after it left `dirty` of the cache
+/// dirty. Nothing up to halfway between the high watermark and full; then
+/// a pause growing with the square of the way to 95% full, so a guest
+/// writing faster than write-back drains slows gradually to the drain's
+/// pace instead of running into a full cache (where every write would
+/// wait for a region's write-back).
+pub(crate) fn throttle(dirty: f64, high: f64, blocks: u64) -> Option<Duration> {
+    let start = high + (1.0 - high) / 2.0;
+    let full = 1.0 - (1.0 - high) / 10.0;
+    if dirty <= start || full <= start {
+        return None;
+    }
+    let x = ((dirty - start) / (full - start)).min(1.0);
+    Some((THROTTLE_PER_BLOCK.mul_f64(x * x) * blocks.max(1) as u32).min(THROTTLE_MAX))
+}
 
 /// A wake-up signal for the write-back thread.
 #[derive(Debug, Default)]
@@ -63,7 +88,7 @@ fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
                 tracing::error!("journaling clean copies failed: {e}");
             }
             let round = cache
-                .writeback_round(&mut cursor)
+                .writeback_round(&mut cursor, true)
                 .and_then(|data| Ok(cache.meta_writeback_round(false)? || data));
             match round {
                 Ok(true) => false,
@@ -92,7 +117,7 @@ impl FlashCache {
     /// the thread has stopped.
     pub(crate) fn writeback_inline(&self) -> Result<()> {
         let mut cursor = 0;
-        while self.writeback_round(&mut cursor)? {}
+        while self.writeback_round(&mut cursor, false)? {}
         while self.meta_writeback_round(false)? {}
         Ok(())
     }
@@ -105,9 +130,12 @@ impl FlashCache {
                     && (busy || ratio > self.config.high_watermark))
     }
 
-    /// Writes back one batch; true when more work remains.
-    fn writeback_round(&self, cursor: &mut u64) -> Result<bool> {
-        let collected = {
+    /// Writes back one batch; true when more work remains. With `fill`,
+    /// partially valid clusters of disks that offered their backing chain
+    /// are completed on the way (never inline in a writer: the chain's
+    /// reader may need locks the writer holds).
+    fn writeback_round(&self, cursor: &mut u64, fill: bool) -> Result<bool> {
+        let (collected, lines) = {
             let mut st = self.lock();
             let dirty = st.index.dirty_blocks();
             if !self.needs_writeback(dirty, st.drain_requests > 0, st.writeback_busy) {
@@ -117,7 +145,7 @@ impl FlashCache {
             }
             st.writeback_busy = true;
             let from = *cursor;
-            let batch = collect(&st, cursor);
+            let batch = self.collect(&mut st, cursor);
             if batch.is_empty() {
                 // A pass from the start that found nothing to write: what
                 // is dirty cannot be written (images not open, blocks lost).
@@ -130,21 +158,28 @@ impl FlashCache {
                 *cursor = 0;
                 return Ok(true);
             }
-            batch
+            let lines = if fill {
+                fills::partial_lines(&st, &batch)
+            } else {
+                Vec::new()
+            };
+            (batch, lines)
         };
+        // The backing chain is read with no lock held.
+        let fills = self.read_fills(lines)?;
         // Hold the image ranges so no write-through or discard of the same
         // bytes interleaves with this copy; then keep only blocks that are
         // still dirty in the same place.
-        let ranges: Vec<(u16, u64, u64)> = collected
+        let mut ranges: Vec<(u16, u64, u64)> = collected
             .iter()
             .map(|&(key, slot, _)| {
-                let at = crate::index::key_line(key) * crate::layout::LINE
-                    + slot as u64 * crate::layout::BLOCK;
-                (crate::index::key_image(key), at, at + crate::layout::BLOCK)
+                let at = crate::index::key_line(key) * LINE + slot as u64 * BLOCK;
+                (crate::index::key_image(key), at, at + BLOCK)
             })
             .collect();
+        ranges.extend(fills.iter().map(|f| f.range()));
         let _range = self.ranges.lock(&ranges);
-        let (batch, targets) = {
+        let (batch, fills, targets, pieces) = {
             let mut st = self.lock();
             self.commit_before_bypass(&mut st)?;
             let batch: Vec<DirtyBlock> = collected
@@ -155,6 +190,8 @@ impl FlashCache {
                         .is_some_and(|l| l.dirty & (1 << slot) != 0 && l.cbn(slot) == cbn)
                 })
                 .collect();
+            let fills: Vec<fills::LineFill> =
+                fills.into_iter().filter(|f| f.unchanged(&st)).collect();
             for &(key, slot, cbn) in &batch {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);
@@ -162,16 +199,24 @@ impl FlashCache {
             }
             let targets = self.backends_of(&st, &batch);
             let crcs = super::space::expected_crcs(&st, &batch);
-            (batch, targets.map(|t| (t, crcs)))
+            let pieces = fills::pieces(&batch, &crcs, &fills);
+            (batch, fills, targets, pieces)
         };
-        let copied = targets.and_then(|(t, crcs)| self.copy_to_backends(&t, &batch, &crcs));
+        tracing::debug!(
+            blocks = batch.len(),
+            fills = fills.len(),
+            pieces = pieces.len(),
+            depth = self.copy_depth.lock().map(|d| d.current()).unwrap_or(0),
+            "writing back a batch"
+        );
+        let copied = targets.and_then(|t| self.copy_pieces(&t, pieces));
         let mut st = self.lock();
         for &(key, slot, cbn) in &batch {
             let r = st.regions.region_of(cbn);
             st.regions.unpin(r);
             st.copying.remove(&(key, slot as u8));
         }
-        let damaged = copied?;
+        let damaged = copied?.damaged;
         for &(key, slot, cbn) in &batch {
             if damaged.contains(&(key, slot, cbn)) {
                 if st.index.block(key, slot) == Some(cbn) {
@@ -188,6 +233,11 @@ impl FlashCache {
             }
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
                 st.dirty_lines.remove(&key);
+            }
+        }
+        for f in &fills {
+            if !damaged.iter().any(|&(key, _, _)| key == f.key) {
+                self.complete_fill(&mut st, f);
             }
         }
         self.journal_buffer_check(&mut st)?;
@@ -231,29 +281,99 @@ impl FlashCache {
     }
 }
 
-/// The next dirty blocks of open images in address order, from the
-/// cursor on.
-fn collect(st: &super::State, cursor: &mut u64) -> Vec<DirtyBlock> {
-    let mut out = Vec::new();
-    let keys: Vec<u64> = st
-        .dirty_lines
-        .range(*cursor..)
-        .filter(|&&k| st.is_open(crate::index::key_image(k)))
-        .take(BATCH_BLOCKS)
-        .copied()
-        .collect();
-    for key in keys {
-        if let Some(l) = st.index.get(key) {
-            for slot in 0..LINE_BLOCKS as usize {
-                if l.dirty & (1 << slot) != 0 && !st.unreadable.contains(&(key, slot as u8)) {
-                    out.push((key, slot, l.cbn(slot)));
+impl FlashCache {
+    /// The next lines to write back, as their writable dirty blocks: first
+    /// those of the regions reclaimed next (so reclaiming them writes
+    /// nothing back under the state lock; not when draining), then the
+    /// rest in address order from the cursor. Whole lines, so a partially valid cluster is filled
+    /// and written in one piece; at most [`BATCH_COST`], a line to fill
+    /// counting as many blocks as its filler.
+    fn collect(&self, st: &mut super::State, cursor: &mut u64) -> Vec<DirtyBlock> {
+        let mut keys: BTreeSet<u64> = BTreeSet::new();
+        let mut cost = 0;
+        // A drain writes everything: address order coalesces best.
+        let lookahead = if st.drain_requests > 0 {
+            0
+        } else {
+            VICTIM_LOOKAHEAD
+        };
+        for region in st.regions.next_victims(lookahead) {
+            let (refs, _) = self.region_refs(st, region);
+            for (key, _, _) in refs {
+                if cost < BATCH_COST && !keys.contains(&key) && writable_line(st, key) {
+                    keys.insert(key);
+                    cost += line_cost(st, key);
+                }
+            }
+            if cost >= BATCH_COST {
+                break;
+            }
+        }
+        if keys.is_empty() {
+            let from_cursor: Vec<u64> = st
+                .dirty_lines
+                .range(*cursor..)
+                .filter(|&&k| st.is_open(crate::index::key_image(k)))
+                .take(BATCH_COST)
+                .copied()
+                .collect();
+            for key in from_cursor {
+                *cursor = key + 1;
+                if writable_line(st, key) {
+                    keys.insert(key);
+                    cost += line_cost(st, key);
+                }
+                if cost >= BATCH_COST {
+                    break;
                 }
             }
         }
-        *cursor = key + 1;
-        if out.len() >= BATCH_BLOCKS {
-            break;
+        let mut out = Vec::new();
+        for key in keys {
+            if let Some(l) = st.index.get(key) {
+                for slot in 0..LINE_BLOCKS as usize {
+                    if l.dirty & (1 << slot) != 0 && !st.unreadable.contains(&(key, slot as u8)) {
+                        out.push((key, slot, l.cbn(slot)));
+                    }
+                }
+            }
         }
+        out
     }
-    out
+}
+
+/// Whether line `key` has dirty blocks write-back may copy now.
+fn writable_line(st: &super::State, key: u64) -> bool {
+    st.dirty_lines.contains(&key)
+        && st.is_open(crate::index::key_image(key))
+        && st.has_writable_dirty(key)
+}
+
+/// What writing a line back costs, in blocks.
+fn line_cost(st: &super::State, key: u64) -> usize {
+    st.index.get(key).map_or(0, |l| {
+        if l.partial != 0 {
+            LINE_BLOCKS as usize
+        } else {
+            l.dirty.count_ones() as usize
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn throttle_starts_halfway_to_full_and_grows() {
+        assert_eq!(throttle(0.6, 0.5, 1), None);
+        assert_eq!(throttle(0.75, 0.5, 1), None);
+        let a = throttle(0.8, 0.5, 1).unwrap_or_default();
+        let b = throttle(0.9, 0.5, 1).unwrap_or_default();
+        let c = throttle(0.99, 0.5, 1).unwrap_or_default();
+        assert!(Duration::ZERO < a && a < b && b < c, "{a:?} {b:?} {c:?}");
+        assert_eq!(c, THROTTLE_PER_BLOCK);
+        assert_eq!(throttle(0.99, 0.5, 1000), Some(THROTTLE_MAX));
+        assert_eq!(throttle(1.0, 1.0, 1), None);
+    }
 }

@@ -285,10 +285,12 @@ impl Daemon {
                 },
             )
             .with_context(|| format!("export '{}'", e.name))?;
+            let disk = Arc::new(disk);
+            disk.offer_backing_fill();
             self.disks.push(Disk {
                 config: e.clone(),
                 id,
-                disk: Arc::new(disk),
+                disk,
             });
         }
         Ok(())
