@@ -2,10 +2,65 @@
 //! writes become NBD requests, several in flight from different threads.
 //! An export has a fixed size, so the store cannot grow; writing past its
 //! end fails with ENOSPC, which the COW layer reports as a full store.
+//!
+//! The connection is replaced when it drops (server restarted, socket
+//! closed): a reconnection to the same URI is tried in the background,
+//! 50 ms after the loss and then at doubling intervals up to 2 s, like
+//! QEMU's `reconnect-delay`. Requests that failed because the connection
+//! dropped are sent again on the new one (a read or write at the same
+//! offset is idempotent). While there is no connection, a request waits,
+//! but no longer than `reconnect_delay` counted from the loss; after that,
+//! requests fail at once with [`StoreFault::Unreachable`] (EIO to a guest)
+//! until a reconnection succeeds. A reconnection checks that the export
+//! still has the size it had when opened.
+//!
+//! Writes acknowledged on a connection that dropped before a flush covered
+//! them may be lost (the server may have crashed with a volatile cache): the
+//! next flush then fails once with [`StoreFault::WritesMayBeLost`] (see the
+//! contract of [`Backend::flush`]).
+//!
+//! Owns: the current connection, reconnection, request retry. Must not: keep
+//! a request waiting past the reconnect delay, or let a flush succeed as if
+//! nothing happened after acknowledged writes were exposed to a dropped
+//! connection.
 
-use crate::Backend;
+use crate::{Backend, StoreFault};
 use std::io;
-use vdcache_nbd::{ClientError, NbdClient};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use vdcache_nbd::{ClientError, ClientOptions, NbdClient, NbdUri};
+
+/// How long requests wait for a lost storage server by default. Long
+/// enough for a storage server to restart or a network path to fail over,
+/// short enough that a stop (which gives up on an unreachable server once
+/// its requests fail) ends in well under systemd's default 90 s.
+pub const DEFAULT_RECONNECT_DELAY: Duration = Duration::from_secs(30);
+
+/// First pause between reconnection attempts; it doubles up to the next.
+const BACKOFF_FIRST: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// NBD errno a server sends for requests it will not serve because it is
+/// shutting down: the connection is about to drop.
+const ESHUTDOWN: u32 = 108;
+
+/// Settings of NBD-backed stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NbdOptions {
+    /// How long requests wait for a connection after it dropped (counted
+    /// from the loss) before they fail. Zero: they fail at once (a
+    /// reconnection is still tried).
+    pub reconnect_delay: Duration,
+}
+
+impl Default for NbdOptions {
+    fn default() -> Self {
+        NbdOptions {
+            reconnect_delay: DEFAULT_RECONNECT_DELAY,
+        }
+    }
+}
 
 /// Whether a name is an NBD URI rather than a path.
 pub fn is_nbd_uri(name: &str) -> bool {
@@ -16,17 +71,64 @@ pub fn is_nbd_uri(name: &str) -> bool {
 
 /// A store on an NBD export.
 pub struct NbdBackend {
-    client: NbdClient,
-    name: String,
-    size: u64,
+    shared: Arc<Shared>,
     chunk: u64,
+}
+
+/// What the backend and its reconnecting thread share.
+struct Shared {
+    name: String,
+    uri: NbdUri,
+    size: u64,
+    opts: NbdOptions,
+    state: Mutex<State>,
+    /// Signalled when a connection is installed, the export turns out to
+    /// have changed, or the backend is dropped.
+    changed: Condvar,
+}
+
+struct State {
+    link: Option<Arc<Link>>,
+    /// When the current outage began (no connection since).
+    down_since: Option<Instant>,
+    last_error: String,
+    /// A reconnecting thread is running.
+    connecting: bool,
+    /// The export came back with another size: never used again.
+    changed_to: Option<u64>,
+    /// A connection dropped holding acknowledged, unflushed writes; the
+    /// next flush reports it.
+    writes_may_be_lost: bool,
+    /// The backend was dropped: the reconnecting thread ends.
+    closed: bool,
+}
+
+/// One connection, with what was written on it.
+struct Link {
+    client: NbdClient,
+    /// Write requests acknowledged on this connection.
+    acked: AtomicU64,
+    /// The `acked` count a successful flush covered.
+    flushed: AtomicU64,
+    dead: AtomicBool,
+}
+
+impl Link {
+    fn new(client: NbdClient) -> Arc<Link> {
+        Arc::new(Link {
+            client,
+            acked: AtomicU64::new(0),
+            flushed: AtomicU64::new(0),
+            dead: AtomicBool::new(false),
+        })
+    }
 }
 
 impl std::fmt::Debug for NbdBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NbdBackend")
-            .field("uri", &self.name)
-            .field("size", &self.size)
+            .field("uri", &self.shared.name)
+            .field("size", &self.shared.size)
             .finish()
     }
 }
@@ -40,43 +142,279 @@ fn to_io(e: ClientError) -> io::Error {
     }
 }
 
+/// Whether a request failed because the connection is gone (so it may be
+/// sent again on a new one), rather than because the server refused it.
+fn connection_lost(e: &ClientError) -> bool {
+    match e {
+        ClientError::Disconnected(_) => true,
+        ClientError::Io(x) => matches!(
+            x.kind(),
+            io::ErrorKind::BrokenPipe
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::UnexpectedEof
+                | io::ErrorKind::NotConnected
+        ),
+        ClientError::Server { errno, .. } => errno.0 == ESHUTDOWN,
+        _ => false,
+    }
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl NbdBackend {
-    /// Connects to the export named by `uri`.
+    /// Connects to the export named by `uri` with the default settings.
     pub fn connect(uri: &str) -> io::Result<NbdBackend> {
-        let client =
-            NbdClient::connect(uri).map_err(|e| io::Error::other(format!("{uri}: {e}")))?;
+        Self::connect_with(uri, NbdOptions::default())
+    }
+
+    /// Connects to the export named by `uri`. The first connection must
+    /// succeed; later ones are made as the module comment says.
+    pub fn connect_with(uri: &str, opts: NbdOptions) -> io::Result<NbdBackend> {
+        let parsed = NbdUri::parse(uri).map_err(|e| io::Error::other(format!("{uri}: {e}")))?;
+        let client = NbdClient::connect_with(&parsed, &ClientOptions::default())
+            .map_err(|e| io::Error::other(format!("{uri}: {e}")))?;
         let size = client.size();
         let chunk = u64::from(client.block_sizes().maximum).clamp(4096, 32 << 20);
         Ok(NbdBackend {
-            client,
-            name: uri.to_string(),
-            size,
+            shared: Arc::new(Shared {
+                name: uri.to_string(),
+                uri: parsed,
+                size,
+                opts,
+                state: Mutex::new(State {
+                    link: Some(Link::new(client)),
+                    down_since: None,
+                    last_error: String::new(),
+                    connecting: false,
+                    changed_to: None,
+                    writes_may_be_lost: false,
+                    closed: false,
+                }),
+                changed: Condvar::new(),
+            }),
             chunk,
         })
     }
 
     fn check_room(&self, offset: u64, len: u64) -> io::Result<()> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.size => Ok(()),
+            Some(end) if end <= self.shared.size => Ok(()),
             _ => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
         }
+    }
+
+    /// Runs `op` on the current connection, again on the next one each
+    /// time the connection drops under it, until it succeeds, the server
+    /// refuses it, or no connection comes within the reconnect delay.
+    fn run<T>(
+        &self,
+        mut op: impl FnMut(&Link) -> Result<T, ClientError>,
+    ) -> io::Result<(T, Arc<Link>)> {
+        // A server that accepts connections and drops each one under the
+        // request must not keep it going round forever.
+        let mut first_loss: Option<Instant> = None;
+        loop {
+            let link = self.shared.current()?;
+            match op(&link) {
+                Ok(v) => return Ok((v, link)),
+                Err(e) if connection_lost(&e) => {
+                    self.shared.retire(&link, &e);
+                    let since = *first_loss.get_or_insert_with(Instant::now);
+                    if since.elapsed() > self.shared.opts.reconnect_delay {
+                        return Err(StoreFault::Unreachable {
+                            uri: self.shared.name.clone(),
+                            waited_secs: since.elapsed().as_secs_f64(),
+                            delay_secs: self.shared.opts.reconnect_delay.as_secs_f64(),
+                            last_error: e.to_string(),
+                        }
+                        .into_io());
+                    }
+                }
+                Err(e) => return Err(to_io(e)),
+            }
+        }
+    }
+
+    /// Counts a write acknowledged on `link`. If the link is already
+    /// retired, its retirement may not have seen this write: the loss is
+    /// recorded here instead.
+    fn acked(&self, link: &Link) {
+        link.acked.fetch_add(1, Ordering::SeqCst);
+        if link.dead.load(Ordering::SeqCst) {
+            lock(&self.shared.state).writes_may_be_lost = true;
+        }
+    }
+}
+
+impl Shared {
+    /// The current connection, waiting for a reconnection when there is
+    /// none (no longer than the reconnect delay from the loss).
+    fn current(self: &Arc<Self>) -> io::Result<Arc<Link>> {
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(now) = st.changed_to {
+                return Err(StoreFault::ExportChanged {
+                    uri: self.name.clone(),
+                    was: self.size,
+                    now,
+                }
+                .into_io());
+            }
+            if let Some(l) = &st.link {
+                return Ok(l.clone());
+            }
+            let since = *st.down_since.get_or_insert_with(Instant::now);
+            self.start_reconnecting(&mut st);
+            let deadline = since + self.opts.reconnect_delay;
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(StoreFault::Unreachable {
+                    uri: self.name.clone(),
+                    waited_secs: now.duration_since(since).as_secs_f64(),
+                    delay_secs: self.opts.reconnect_delay.as_secs_f64(),
+                    last_error: st.last_error.clone(),
+                }
+                .into_io());
+            }
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    /// Gives up `link` after `why` showed it dropped: its acknowledged but
+    /// unflushed writes are recorded as possibly lost, and a reconnection
+    /// starts.
+    fn retire(self: &Arc<Self>, link: &Arc<Link>, why: &ClientError) {
+        let old = {
+            let mut st = lock(&self.state);
+            link.dead.store(true, Ordering::SeqCst);
+            if link.acked.load(Ordering::SeqCst) > link.flushed.load(Ordering::SeqCst) {
+                st.writes_may_be_lost = true;
+            }
+            if !st.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
+                // Another request saw the loss first.
+                return;
+            }
+            tracing::warn!(
+                "{}: lost the connection to the storage server ({why}); reconnecting (requests wait up to {:.1} s)",
+                self.name,
+                self.opts.reconnect_delay.as_secs_f64()
+            );
+            st.down_since = Some(Instant::now());
+            st.last_error = why.to_string();
+            self.start_reconnecting(&mut st);
+            st.link.take()
+        };
+        // Closing it joins its reader, which is done (or ends as the
+        // socket is shut down); never under the state lock.
+        drop(old);
+    }
+
+    fn start_reconnecting(self: &Arc<Self>, st: &mut State) {
+        if st.connecting || st.closed || st.changed_to.is_some() {
+            return;
+        }
+        let me = self.clone();
+        match std::thread::Builder::new()
+            .name("nbd-reconnect".into())
+            .spawn(move || me.reconnect())
+        {
+            Ok(_) => st.connecting = true,
+            Err(e) => st.last_error = format!("cannot start a reconnecting thread: {e}"),
+        }
+    }
+
+    /// The reconnecting thread: tries until a connection to the same
+    /// export is made, the export proves changed, or the backend is gone.
+    fn reconnect(self: Arc<Self>) {
+        let mut pause = BACKOFF_FIRST;
+        let started = Instant::now();
+        loop {
+            {
+                let st = lock(&self.state);
+                let st = self
+                    .changed
+                    .wait_timeout_while(st, pause, |s| !s.closed)
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|p| p.into_inner().0);
+                if st.closed {
+                    return;
+                }
+            }
+            let attempt = NbdClient::connect_with(&self.uri, &ClientOptions::default());
+            let mut st = lock(&self.state);
+            match attempt {
+                Ok(client) if st.closed => {
+                    drop(st);
+                    drop(client);
+                    return;
+                }
+                Ok(client) if client.size() != self.size => {
+                    tracing::error!(
+                        "{}: reconnected, but the export is now {} bytes, not {}: it is not the same image; giving it up",
+                        self.name,
+                        client.size(),
+                        self.size
+                    );
+                    st.changed_to = Some(client.size());
+                    st.connecting = false;
+                    self.changed.notify_all();
+                    drop(st);
+                    drop(client);
+                    return;
+                }
+                Ok(client) => {
+                    tracing::warn!(
+                        "{}: reconnected to the storage server after {:.1} s",
+                        self.name,
+                        started.elapsed().as_secs_f64()
+                    );
+                    st.link = Some(Link::new(client));
+                    st.down_since = None;
+                    st.connecting = false;
+                    self.changed.notify_all();
+                    return;
+                }
+                Err(e) => {
+                    st.last_error = e.to_string();
+                    pause = (pause * 2).min(BACKOFF_MAX);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for NbdBackend {
+    fn drop(&mut self) {
+        let link = {
+            let mut st = lock(&self.shared.state);
+            st.closed = true;
+            self.shared.changed.notify_all();
+            st.link.take()
+        };
+        drop(link);
     }
 }
 
 impl Backend for NbdBackend {
     fn len(&self) -> io::Result<u64> {
-        Ok(self.size)
+        Ok(self.shared.size)
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let inside = self.size.saturating_sub(offset).min(buf.len() as u64) as usize;
+        let inside = self.shared.size.saturating_sub(offset).min(buf.len() as u64) as usize;
         buf[inside..].fill(0);
         let mut done = 0usize;
         while done < inside {
             let n = (inside - done).min(self.chunk as usize);
-            self.client
-                .read_at(offset + done as u64, &mut buf[done..done + n])
-                .map_err(to_io)?;
+            let part = &mut buf[done..done + n];
+            self.run(|l| l.client.read_at(offset + done as u64, part))?;
             done += n;
         }
         Ok(())
@@ -87,9 +425,9 @@ impl Backend for NbdBackend {
         let mut done = 0usize;
         while done < buf.len() {
             let n = (buf.len() - done).min(self.chunk as usize);
-            self.client
-                .write_at(offset + done as u64, &buf[done..done + n], false)
-                .map_err(to_io)?;
+            let part = &buf[done..done + n];
+            let ((), link) = self.run(|l| l.client.write_at(offset + done as u64, part, false))?;
+            self.acked(&link);
             done += n;
         }
         Ok(())
@@ -102,24 +440,42 @@ impl Backend for NbdBackend {
     }
 
     fn flush(&self) -> io::Result<()> {
-        self.client.flush().map_err(to_io)
+        // A flush covers the writes acknowledged on its link before it was
+        // sent (a write counted late only makes a later loss be reported
+        // when it need not be, never hidden).
+        let mut covered = 0;
+        let ((), link) = self.run(|l| {
+            covered = l.acked.load(Ordering::SeqCst);
+            l.client.flush()
+        })?;
+        link.flushed.fetch_max(covered, Ordering::SeqCst);
+        let mut st = lock(&self.shared.state);
+        if std::mem::take(&mut st.writes_may_be_lost) {
+            return Err(StoreFault::WritesMayBeLost {
+                uri: self.shared.name.clone(),
+            }
+            .into_io());
+        }
+        Ok(())
     }
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        let len = len.min(self.size.saturating_sub(offset));
+        let len = len.min(self.shared.size.saturating_sub(offset));
         if len == 0 {
             return Ok(());
         }
-        self.client.trim(offset, len, false).map_err(to_io)
+        let ((), link) = self.run(|l| l.client.trim(offset, len, false))?;
+        self.acked(&link);
+        Ok(())
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        if len == self.size {
+        if len == self.shared.size {
             Ok(())
         } else {
             Err(io::Error::new(
                 io::ErrorKind::Unsupported,
-                format!("{}: an NBD export cannot change size", self.name),
+                format!("{}: an NBD export cannot change size", self.shared.name),
             ))
         }
     }
@@ -129,13 +485,13 @@ impl Backend for NbdBackend {
     }
 
     fn name(&self) -> &str {
-        &self.name
+        &self.shared.name
     }
 
     fn identity(&self) -> io::Result<crate::StoreIdentity> {
         // An export says nothing of its file but its size.
         Ok(crate::StoreIdentity {
-            size: self.size,
+            size: self.shared.size,
             ..crate::StoreIdentity::default()
         })
     }
