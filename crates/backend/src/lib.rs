@@ -117,7 +117,7 @@ impl StoreIdentity {
 /// asked; carried inside the `io::Error` a backend returns (find it with
 /// [`StoreFault::find`]), so layers above can tell an unreachable storage
 /// server from a failing disk.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreFault {
     /// No connection could be made for the whole reconnect delay; requests
     /// fail at once (EIO) until a reconnection, tried in the background,
@@ -161,7 +161,8 @@ impl StoreFault {
         )
     }
 
-    pub(crate) fn into_io(self) -> io::Error {
+    /// The fault as an `io::Error` (EIO to a guest: it has no errno).
+    pub fn into_io(self) -> io::Error {
         let kind = match self {
             StoreFault::Unreachable { .. } => io::ErrorKind::NotConnected,
             StoreFault::WritesMayBeLost { .. } => io::ErrorKind::Other,

@@ -25,11 +25,12 @@
 //! connection.
 
 use crate::{Backend, StoreFault};
+use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
-use vdcache_nbd::{ClientError, ClientOptions, NbdClient, NbdUri};
+use vdcache_nbd::{ClientError, ClientOptions, NbdClient, NbdUri, Transport};
 
 /// How long requests wait for a lost storage server by default. Long
 /// enough for a storage server to restart or a network path to fail over,
@@ -62,6 +63,45 @@ impl Default for NbdOptions {
     }
 }
 
+/// Storage servers (by address) that a connection attempt failed to
+/// reach, with when the outage began, until one is reached again. Stores
+/// on the same server share their outage: the images of a server that went
+/// away wait one reconnect delay in all, not one each in turn (a stop
+/// closes them one after the other).
+fn outages() -> &'static Mutex<HashMap<String, Instant>> {
+    static OUTAGES: OnceLock<Mutex<HashMap<String, Instant>>> = OnceLock::new();
+    OUTAGES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn server_key(uri: &NbdUri) -> String {
+    match &uri.transport {
+        Transport::Unix(p) => format!("unix:{}", p.display()),
+        Transport::Tcp { host, port } => format!("tcp:{host}:{port}"),
+    }
+}
+
+fn outage_began(key: &str) -> Option<Instant> {
+    outages()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(key)
+        .copied()
+}
+
+/// Records an outage of `key` that began `since` (an earlier record
+/// stands), or its end.
+fn record_outage(key: &str, since: Option<Instant>) {
+    let mut o = outages().lock().unwrap_or_else(|p| p.into_inner());
+    match since {
+        Some(t) => {
+            o.entry(key.to_string()).or_insert(t);
+        }
+        None => {
+            o.remove(key);
+        }
+    }
+}
+
 /// Whether a name is an NBD URI rather than a path.
 pub fn is_nbd_uri(name: &str) -> bool {
     ["nbd://", "nbd+unix://", "nbds://", "nbds+unix://"]
@@ -79,6 +119,8 @@ pub struct NbdBackend {
 struct Shared {
     name: String,
     uri: NbdUri,
+    /// The server's address, for [`outages`].
+    server: String,
     size: u64,
     opts: NbdOptions,
     state: Mutex<State>,
@@ -178,10 +220,13 @@ impl NbdBackend {
             .map_err(|e| io::Error::other(format!("{uri}: {e}")))?;
         let size = client.size();
         let chunk = u64::from(client.block_sizes().maximum).clamp(4096, 32 << 20);
+        let server = server_key(&parsed);
+        record_outage(&server, None);
         Ok(NbdBackend {
             shared: Arc::new(Shared {
                 name: uri.to_string(),
                 uri: parsed,
+                server,
                 size,
                 opts,
                 state: Mutex::new(State {
@@ -266,7 +311,8 @@ impl Shared {
             if let Some(l) = &st.link {
                 return Ok(l.clone());
             }
-            let since = *st.down_since.get_or_insert_with(Instant::now);
+            let own = *st.down_since.get_or_insert_with(Instant::now);
+            let since = outage_began(&self.server).map_or(own, |t| t.min(own));
             self.start_reconnecting(&mut st);
             let deadline = since + self.opts.reconnect_delay;
             let now = Instant::now();
@@ -370,6 +416,7 @@ impl Shared {
                     return;
                 }
                 Ok(client) => {
+                    record_outage(&self.server, None);
                     tracing::warn!(
                         "{}: reconnected to the storage server after {:.1} s",
                         self.name,
@@ -383,6 +430,7 @@ impl Shared {
                 }
                 Err(e) => {
                     st.last_error = e.to_string();
+                    record_outage(&self.server, st.down_since);
                     pause = (pause * 2).min(BACKOFF_MAX);
                 }
             }
@@ -408,7 +456,11 @@ impl Backend for NbdBackend {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let inside = self.shared.size.saturating_sub(offset).min(buf.len() as u64) as usize;
+        let inside = self
+            .shared
+            .size
+            .saturating_sub(offset)
+            .min(buf.len() as u64) as usize;
         buf[inside..].fill(0);
         let mut done = 0usize;
         while done < inside {

@@ -29,7 +29,10 @@ impl Nbdkit {
             .expect("run nbdkit (these tests need it and never skip)");
         let start = Instant::now();
         while UnixStream::connect(socket).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(30), "nbdkit never listened");
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "nbdkit never listened"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         Nbdkit(child)
@@ -129,7 +132,10 @@ fn absent_server_fails_requests_after_the_delay_and_reconnects_later() {
             Ok(()) => break,
             Err(e) => {
                 assert!(StoreFault::is_unreachable(&e), "{e}");
-                assert!(start.elapsed() < Duration::from_secs(30), "never reconnected");
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "never reconnected"
+                );
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
