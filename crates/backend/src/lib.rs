@@ -57,8 +57,11 @@ pub trait Backend: Send + Sync + Debug {
     /// its copy until a flush after its writes succeeds, and on an error
     /// writes it again and flushes again. A store whose connection dropped
     /// while it held acknowledged but unflushed writes (an NBD server that
-    /// may have lost its volatile cache) reports that once, with
-    /// [`StoreFault::WritesMayBeLost`], on the next flush.
+    /// may have lost its volatile cache) reports that with
+    /// [`StoreFault::WritesMayBeLost`]: once to the next flush, whoever
+    /// calls it, and once to the next flush of each thread that made such
+    /// writes (so a writer that flushes its own writes learns of their loss
+    /// even if another caller's flush took the first report).
     fn flush(&self) -> io::Result<()>;
 
     /// Tells the store that a range is no longer needed (it may read back

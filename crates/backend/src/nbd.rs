@@ -16,8 +16,9 @@
 //!
 //! Writes acknowledged on a connection that dropped before a flush covered
 //! them may be lost (the server may have crashed with a volatile cache): the
-//! next flush then fails once with [`StoreFault::WritesMayBeLost`] (see the
-//! contract of [`Backend::flush`]).
+//! next flush then fails with [`StoreFault::WritesMayBeLost`], and so does
+//! the next flush of each thread that made such writes (see the contract of
+//! [`Backend::flush`]).
 //!
 //! Owns: the current connection, reconnection, request retry. Must not: keep
 //! a request waiting past the reconnect delay, or let a flush succeed as if
@@ -25,10 +26,11 @@
 //! connection.
 
 use crate::{Backend, StoreFault};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 use vdcache_nbd::{ClientError, ClientOptions, NbdClient, NbdUri, Transport};
 
@@ -141,6 +143,11 @@ struct State {
     /// A connection dropped holding acknowledged, unflushed writes; the
     /// next flush reports it.
     writes_may_be_lost: bool,
+    /// Threads whose own acknowledged, unflushed writes were on a
+    /// connection that dropped: their next flush reports it too, whoever
+    /// took the report above (a writer that flushes its own writes, as
+    /// the cache's write-back does, always learns of its loss).
+    owed: HashSet<ThreadId>,
     /// The backend was dropped: the reconnecting thread ends.
     closed: bool,
 }
@@ -153,6 +160,9 @@ struct Link {
     /// The `acked` count a successful flush covered.
     flushed: AtomicU64,
     dead: AtomicBool,
+    /// The `acked` count after each thread's last write on this link
+    /// (entries a flush covered are dropped).
+    writers: Mutex<HashMap<ThreadId, u64>>,
 }
 
 impl Link {
@@ -162,7 +172,12 @@ impl Link {
             acked: AtomicU64::new(0),
             flushed: AtomicU64::new(0),
             dead: AtomicBool::new(false),
+            writers: Mutex::new(HashMap::new()),
         })
+    }
+
+    fn writers(&self) -> MutexGuard<'_, HashMap<ThreadId, u64>> {
+        self.writers.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -236,6 +251,7 @@ impl NbdBackend {
                     connecting: false,
                     changed_to: None,
                     writes_may_be_lost: false,
+                    owed: HashSet::new(),
                     closed: false,
                 }),
                 changed: Condvar::new(),
@@ -287,9 +303,13 @@ impl NbdBackend {
     /// retired, its retirement may not have seen this write: the loss is
     /// recorded here instead.
     fn acked(&self, link: &Link) {
-        link.acked.fetch_add(1, Ordering::SeqCst);
+        let me = std::thread::current().id();
+        let seq = link.acked.fetch_add(1, Ordering::SeqCst) + 1;
+        link.writers().insert(me, seq);
         if link.dead.load(Ordering::SeqCst) {
-            lock(&self.shared.state).writes_may_be_lost = true;
+            let mut st = lock(&self.shared.state);
+            st.writes_may_be_lost = true;
+            st.owed.insert(me);
         }
     }
 }
@@ -340,8 +360,14 @@ impl Shared {
         let old = {
             let mut st = lock(&self.state);
             link.dead.store(true, Ordering::SeqCst);
-            if link.acked.load(Ordering::SeqCst) > link.flushed.load(Ordering::SeqCst) {
+            let flushed = link.flushed.load(Ordering::SeqCst);
+            if link.acked.load(Ordering::SeqCst) > flushed {
                 st.writes_may_be_lost = true;
+            }
+            for (&t, &seq) in link.writers().iter() {
+                if seq > flushed {
+                    st.owed.insert(t);
+                }
             }
             if !st.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
                 // Another request saw the loss first.
@@ -501,8 +527,10 @@ impl Backend for NbdBackend {
             l.client.flush()
         })?;
         link.flushed.fetch_max(covered, Ordering::SeqCst);
+        link.writers().retain(|_, seq| *seq > covered);
         let mut st = lock(&self.shared.state);
-        if std::mem::take(&mut st.writes_may_be_lost) {
+        let mine = st.owed.remove(&std::thread::current().id());
+        if std::mem::take(&mut st.writes_may_be_lost) | mine {
             return Err(StoreFault::WritesMayBeLost {
                 uri: self.shared.name.clone(),
             }

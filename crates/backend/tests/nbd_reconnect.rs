@@ -5,6 +5,8 @@
 //! once the reconnect delay has passed, and an export that came back with
 //! another size is refused.
 
+#![allow(clippy::unwrap_used)]
+
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -104,6 +106,58 @@ fn restart_is_survived_and_lost_writes_fail_one_flush() {
     assert!(buf[4096..8192].iter().all(|&x| x == 0x22));
     b.flush().unwrap();
     drop(b);
+}
+
+/// A writer whose acknowledged writes were lost learns it from its own
+/// next flush, even when another thread's flush took the first report.
+#[test]
+fn the_writer_of_lost_writes_is_told_even_if_another_flush_was_first() {
+    let (_dir, file, sock, uri) = setup(1 << 20);
+    let server = Nbdkit::start(&sock, &file);
+    let b = NbdBackend::connect_with(&uri, opts(30)).unwrap();
+    std::thread::scope(|sc| {
+        sc.spawn(|| b.write_at(&[0x55; 4096], 0).unwrap())
+            .join()
+            .unwrap();
+    });
+    let writer = std::sync::Barrier::new(2);
+    let other = std::sync::Barrier::new(2);
+    // Outlives the scope: the writer flushes after the main thread is done.
+    let mut restarted = None;
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            b.write_at(&[0x66; 4096], 4096).unwrap();
+            writer.wait(); // written, not flushed
+            other.wait(); // the server died and another flush reported it
+            let err = b.flush().unwrap_err();
+            assert!(
+                matches!(
+                    StoreFault::find(&err),
+                    Some(StoreFault::WritesMayBeLost { .. })
+                ),
+                "{err}"
+            );
+            b.write_at(&[0x66; 4096], 4096).unwrap();
+            b.flush().unwrap();
+        });
+        writer.wait();
+        server.kill9();
+        restarted = Some(Nbdkit::start(&sock, &file));
+        let err = b.flush().unwrap_err();
+        assert!(
+            matches!(
+                StoreFault::find(&err),
+                Some(StoreFault::WritesMayBeLost { .. })
+            ),
+            "{err}"
+        );
+        b.flush().unwrap();
+        other.wait();
+    });
+    b.flush().unwrap();
+    let mut buf = vec![0u8; 8192];
+    b.read_at(&mut buf, 0).unwrap();
+    assert!(buf[4096..].iter().all(|&x| x == 0x66));
 }
 
 #[test]
