@@ -16,7 +16,7 @@ mod sparse;
 pub use file::{FileBackend, FileOptions, publish_new_file};
 pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
-pub use nbd::{NbdBackend, is_nbd_uri};
+pub use nbd::{DEFAULT_RECONNECT_DELAY, NbdBackend, NbdOptions, is_nbd_uri};
 pub use sparse::{HoleFill, SparseStore};
 
 use std::fmt::Debug;
@@ -50,6 +50,18 @@ pub trait Backend: Send + Sync + Debug {
     }
 
     /// Makes every completed write durable.
+    ///
+    /// Contract for callers: an error means that some write completed
+    /// (acknowledged) since the last successful flush may not be durable,
+    /// even though it returned Ok. A caller that must not lose data keeps
+    /// its copy until a flush after its writes succeeds, and on an error
+    /// writes it again and flushes again. A store whose connection dropped
+    /// while it held acknowledged but unflushed writes (an NBD server that
+    /// may have lost its volatile cache) reports that with
+    /// [`StoreFault::WritesMayBeLost`]: once to the next flush, whoever
+    /// calls it, and once to the next flush of each thread that made such
+    /// writes (so a writer that flushes its own writes learns of their loss
+    /// even if another caller's flush took the first report).
     fn flush(&self) -> io::Result<()>;
 
     /// Tells the store that a range is no longer needed (it may read back
@@ -101,6 +113,65 @@ impl StoreIdentity {
     /// The same file, unchanged.
     pub fn same_content(&self, other: &StoreIdentity) -> bool {
         self == other
+    }
+}
+
+/// Why a store that lives elsewhere (an NBD export) could not do what was
+/// asked; carried inside the `io::Error` a backend returns (find it with
+/// [`StoreFault::find`]), so layers above can tell an unreachable storage
+/// server from a failing disk.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreFault {
+    /// No connection could be made for the whole reconnect delay; requests
+    /// fail at once (EIO) until a reconnection, tried in the background,
+    /// succeeds.
+    #[error(
+        "{uri}: the storage server is unreachable (no connection for {waited_secs:.1} s; reconnect_delay is {delay_secs:.1} s): {last_error}"
+    )]
+    Unreachable {
+        uri: String,
+        waited_secs: f64,
+        delay_secs: f64,
+        last_error: String,
+    },
+    /// The connection dropped while writes it had acknowledged were not
+    /// yet flushed: the server may have lost them. Reported once, by a
+    /// flush; the caller writes its data again.
+    #[error(
+        "{uri}: the connection to the storage server dropped before writes it had acknowledged were flushed, so they may not be on its disk; write them again and flush"
+    )]
+    WritesMayBeLost { uri: String },
+    /// After a reconnection the export is not the one opened (its size
+    /// changed): it is not used again.
+    #[error(
+        "{uri}: after reconnecting, the export is {now} bytes, not the {was} bytes it had when opened; it is not the same image, so it is no longer used"
+    )]
+    ExportChanged { uri: String, was: u64, now: u64 },
+}
+
+impl StoreFault {
+    /// The fault inside `e`, if a store put one there.
+    pub fn find(e: &io::Error) -> Option<&StoreFault> {
+        e.get_ref()?.downcast_ref::<StoreFault>()
+    }
+
+    /// Whether `e` says the store could not be reached (its requests
+    /// cannot progress until the storage server is back).
+    pub fn is_unreachable(e: &io::Error) -> bool {
+        matches!(
+            StoreFault::find(e),
+            Some(StoreFault::Unreachable { .. } | StoreFault::ExportChanged { .. })
+        )
+    }
+
+    /// The fault as an `io::Error` (EIO to a guest: it has no errno).
+    pub fn into_io(self) -> io::Error {
+        let kind = match self {
+            StoreFault::Unreachable { .. } => io::ErrorKind::NotConnected,
+            StoreFault::WritesMayBeLost { .. } => io::ErrorKind::Other,
+            StoreFault::ExportChanged { .. } => io::ErrorKind::InvalidData,
+        };
+        io::Error::new(kind, self)
     }
 }
 

@@ -42,6 +42,10 @@ pub enum CacheError {
         "{image}: the cache block at offset {offset} held data not yet written back, and the cache device no longer returns it intact: that data is lost (the guest gets an I/O error there until it writes the block again)"
     )]
     Unreadable { image: String, offset: u64 },
+    #[error(
+        "write-back gave up: {fault}; the dirty data stays in the cache and is written back once the storage server is reachable"
+    )]
+    Unreachable { fault: vdcache_backend::StoreFault },
     #[error(transparent)]
     Image(#[from] vdcache_image::ImageError),
 }
@@ -50,6 +54,22 @@ impl CacheError {
     /// Maps an I/O error of the cache device, naming the operation.
     pub fn device(op: &'static str) -> impl FnOnce(std::io::Error) -> CacheError {
         move |cause| CacheError::Device { op, cause }
+    }
+}
+
+impl CacheError {
+    /// The unreachable store behind this error, if that is what it is: a
+    /// backend request that failed because its storage server stayed away
+    /// for the whole reconnect delay.
+    pub fn unreachable_store(&self) -> Option<&vdcache_backend::StoreFault> {
+        let cause = match self {
+            CacheError::Unreachable { fault } => return Some(fault),
+            CacheError::Device { cause, .. } => cause,
+            CacheError::Image(vdcache_image::ImageError::Io { cause, .. }) => cause,
+            _ => return None,
+        };
+        vdcache_backend::StoreFault::find(cause)
+            .filter(|_| vdcache_backend::StoreFault::is_unreachable(cause))
     }
 }
 

@@ -12,7 +12,7 @@ use crate::qimage::{self, ImageOptions, Qcow2Image};
 use std::path::Path;
 use std::sync::Arc;
 use vdcache_backend::{
-    BackendRef, FileBackend, FileOptions, LockMode, MemBackend, NbdBackend, is_nbd_uri,
+    BackendRef, FileBackend, FileOptions, LockMode, MemBackend, NbdBackend, NbdOptions, is_nbd_uri,
 };
 use vdcache_qcow2::header::MAGIC;
 
@@ -53,14 +53,36 @@ pub trait StoreOpener: Send + Sync + std::fmt::Debug {
     fn resolve(&self, parent: &str, backing: &str) -> String;
 }
 
-/// Opens local files.
+/// Opens local files (and NBD exports, with the default settings).
 #[derive(Debug, Default)]
 pub struct LocalFiles;
 
 impl StoreOpener for LocalFiles {
     fn open(&self, name: &str, writable: bool, lock: Option<LockMode>) -> Result<BackendRef> {
+        Stores::default().open(name, writable, lock)
+    }
+
+    fn canonical(&self, name: &str) -> Result<String> {
+        Stores::default().canonical(name)
+    }
+
+    fn resolve(&self, parent: &str, backing: &str) -> String {
+        Stores::default().resolve(parent, backing)
+    }
+}
+
+/// Opens local files and NBD exports, the latter with `nbd` settings (how
+/// long requests wait for a storage server that went away).
+#[derive(Debug, Default, Clone)]
+pub struct Stores {
+    pub nbd: NbdOptions,
+}
+
+impl StoreOpener for Stores {
+    fn open(&self, name: &str, writable: bool, lock: Option<LockMode>) -> Result<BackendRef> {
         if is_nbd_uri(name) {
-            let b = NbdBackend::connect(name).map_err(|e| ImageError::io(name, "connect", e))?;
+            let b = NbdBackend::connect_with(name, self.nbd)
+                .map_err(|e| ImageError::io(name, "connect", e))?;
             return Ok(Arc::new(b));
         }
         let b = FileBackend::open(

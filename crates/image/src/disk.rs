@@ -226,8 +226,11 @@ impl VirtualDisk {
     /// marked as needing the cache (until the next change). Partially
     /// valid clusters are filled first when `fill`.
     pub fn write_back(&self, fill: bool) -> Result<()> {
+        // The bulk is written back here, with guests still served; the
+        // exclusive part below only writes what they changed meanwhile.
+        self.write_back_below()?;
         if fill {
-            self.fill_after_write_back()?;
+            self.fill_partial(usize::MAX)?;
         }
         let clusters = self.size.div_ceil(self.cluster_size()).max(1);
         let _all = self.locks.lock(0, clusters, Mode::Exclusive);
@@ -428,19 +431,23 @@ impl VirtualDisk {
 
     /// Fills every partially valid cluster: a cache below that was offered
     /// the backing chain fills most of them as it writes them back (each
-    /// cluster read and written once, many at a time), so it drains first;
-    /// what it left is filled here.
+    /// cluster read and written once, many at a time), so it writes back
+    /// first; what it left is filled here.
     fn fill_after_write_back(&self) -> Result<()> {
-        let Layer::Qcow2(img) = &self.layers[0] else {
-            return Ok(());
-        };
-        if self.decoupled {
-            self.io
-                .write_back_image(&img.data)
-                .map_err(|e| ImageError::io(img.name(), "write back the cache", e))?;
-        }
+        self.write_back_below()?;
         self.fill_partial(usize::MAX)?;
         Ok(())
+    }
+
+    /// Has a cache below write back what it holds of the top image.
+    fn write_back_below(&self) -> Result<()> {
+        let handle = match &self.layers[0] {
+            Layer::Qcow2(img) => &img.data,
+            Layer::Raw(r) => &r.handle,
+        };
+        self.io
+            .write_back_image(handle)
+            .map_err(|e| ImageError::io(&handle.name, "write back the cache", e))
     }
 
     /// Copies the not yet valid parts of partially valid clusters from the
@@ -935,15 +942,13 @@ impl BackingFill for VirtualDisk {
             return Ok(false);
         };
         let mapped = img
-            .map(guest, len)
-            .map_err(std::io::Error::other)?
+            .map(guest, len)?
             .first()
             .is_some_and(|e| e.kind == ExtentKind::Data(host) && e.len >= len);
         if !mapped {
             return Ok(false);
         }
-        self.read_layer(1, guest, buf, IoClass::CowFill)
-            .map_err(std::io::Error::other)?;
+        self.read_layer(1, guest, buf, IoClass::CowFill)?;
         Ok(true)
     }
 }

@@ -89,3 +89,14 @@ fn libc_eperm() -> i32 {
 }
 
 pub type Result<T> = std::result::Result<T, ImageError>;
+
+impl From<ImageError> for std::io::Error {
+    /// An I/O failure keeps its own error (and whatever typed fault the
+    /// store put in it); anything else becomes an opaque one.
+    fn from(e: ImageError) -> std::io::Error {
+        match e {
+            ImageError::Io { cause, .. } => cause,
+            other => std::io::Error::other(other),
+        }
+    }
+}

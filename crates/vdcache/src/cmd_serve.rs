@@ -1,7 +1,9 @@
 //! `vdcache serve`, `stats`, `flush` and `recover`: the daemon and the
 //! commands that talk to it (or, for recover, to its cache device).
 
-use crate::serve::config::{CacheSection, ExportConfig, Listen, ServerConfig, TlsConfig};
+use crate::serve::config::{
+    CacheSection, ExportConfig, Listen, ServerConfig, StorageSection, TlsConfig,
+};
 use crate::serve::control::{Request, request};
 use crate::serve::run::run;
 use anyhow::{Context, Result, bail};
@@ -78,6 +80,11 @@ pub struct ServeArgs {
     /// the server is idle (`vdcache flush --fill` and a clean stop still do).
     #[arg(long, requires = "cache", conflicts_with = "config")]
     no_idle_fill: bool,
+    /// Seconds requests wait for a storage server (an image given as an
+    /// NBD URI) whose connection dropped before they fail (default 30;
+    /// 0: at once). Reconnection is tried meanwhile and afterwards.
+    #[arg(long, value_name = "SECS", conflicts_with = "config")]
+    reconnect_delay: Option<f64>,
     /// Format the cache device even if it holds something that is not a
     /// vdcache cache (its content is lost).
     #[arg(long)]
@@ -135,6 +142,9 @@ impl ServeArgs {
                 ..Listen::default()
             },
             cache,
+            storage: StorageSection {
+                reconnect_delay: self.reconnect_delay,
+            },
             exports: vec![ExportConfig {
                 name: self.export_name,
                 image,

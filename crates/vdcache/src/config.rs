@@ -15,6 +15,9 @@ pub struct ServerConfig {
     #[serde(default)]
     pub server: Listen,
     pub cache: Option<CacheSection>,
+    /// How images on storage servers (NBD URIs) are reached.
+    #[serde(default)]
+    pub storage: StorageSection,
     #[serde(default, rename = "export")]
     pub exports: Vec<ExportConfig>,
 }
@@ -46,6 +49,28 @@ pub struct Listen {
     /// Payload bytes buffered across all connections before they wait
     /// for room (default "256M").
     pub max_buffered: Option<String>,
+}
+
+/// Settings of the storage servers images live on (NBD exports).
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StorageSection {
+    /// Seconds requests wait for a storage server whose connection dropped
+    /// (reconnections are tried meanwhile) before they fail; a stop gives
+    /// up on an image whose server stays away that long (default 30; 0:
+    /// they fail at once).
+    pub reconnect_delay: Option<f64>,
+}
+
+impl StorageSection {
+    /// The NBD backend settings these keys give (defaults for the rest).
+    pub fn nbd_options(&self) -> vdcache_backend::NbdOptions {
+        let mut o = vdcache_backend::NbdOptions::default();
+        if let Some(s) = self.reconnect_delay {
+            o.reconnect_delay = std::time::Duration::from_secs_f64(s);
+        }
+        o
+    }
 }
 
 /// TLS credentials: an x509 certificate and key, or a PSK keys file.
@@ -179,6 +204,11 @@ impl ServerConfig {
         {
             bail!("[server] handshake_timeout must be 0 to 86400 seconds, not {t}");
         }
+        if let Some(t) = self.storage.reconnect_delay
+            && !(t.is_finite() && (0.0..=86400.0).contains(&t))
+        {
+            bail!("[storage] reconnect_delay must be 0 to 86400 seconds, not {t}");
+        }
         if let Some(v) = &l.max_buffered {
             let bytes = parse_size(v).context("[server] max_buffered")?;
             // The budget must hold one piece of a streamed payload.
@@ -268,6 +298,9 @@ mod tests {
             ("handshake_timeout=-1", "handshake_timeout"),
             ("max_buffered=\"lots\"", "max_buffered"),
             ("max_buffered=\"64k\"", "max_buffered"),
+            ("[storage]\nreconnect_delay=-1", "reconnect_delay"),
+            ("[storage]\nreconnect_delay=nan", "reconnect_delay"),
+            ("[storage]\nreconnect_delay=1e9", "reconnect_delay"),
         ] {
             let cfg: ServerConfig = toml::from_str(&format!(
                 "[server]\nsocket=\"s\"\n{bad}\n[[export]]\nname=\"a\"\nimage=\"x\"\n"
@@ -288,6 +321,26 @@ mod tests {
                 .to_string()
                 .contains("used twice")
         );
+    }
+
+    #[test]
+    fn storage_reconnect_delay_reaches_the_nbd_settings() {
+        let base = "[server]\nsocket=\"s\"\n[[export]]\nname=\"a\"\nimage=\"x\"\n";
+        let cfg = ServerConfig::parse(base).unwrap();
+        assert_eq!(
+            cfg.storage.nbd_options().reconnect_delay,
+            vdcache_backend::DEFAULT_RECONNECT_DELAY
+        );
+        let cfg =
+            ServerConfig::parse(&format!("[storage]\nreconnect_delay = 2.5\n{base}")).unwrap();
+        assert_eq!(
+            cfg.storage.nbd_options().reconnect_delay,
+            std::time::Duration::from_millis(2500)
+        );
+        let err = ServerConfig::parse(&format!("[storage]\nreconect_delay = 2\n{base}"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("reconect_delay"), "{err}");
     }
 
     /// `load` names the file in front of what `parse` reports, as it did

@@ -9,33 +9,9 @@ mod common;
 mod serving;
 
 use common::{Scratch, assert_same_bytes, exec, ok};
-use serving::{CrashWorkload, Streamed, nbdkit, qcow2, qemu_io, serve, uri};
-use std::path::Path;
+use serving::{CrashWorkload, Streamed, nbdkit, qcow2, qemu_io, raw_of, serve, storage_dir, uri};
 
 const M: u64 = 1 << 20;
-
-/// The storage directory with base.qcow2 (`size`, two patterned areas),
-/// written with qemu-io before nbdkit exports it.
-fn storage_dir(s: &Scratch, size: u64) -> std::path::PathBuf {
-    let dir = s.path("storage");
-    std::fs::create_dir(&dir).expect("mkdir storage");
-    let base = dir.join("base.qcow2");
-    qcow2(s, &base, size, None);
-    qemu_io(
-        s,
-        "qcow2",
-        base.to_str().expect("utf-8"),
-        &["write -P 0x11 0 6M".into(), "write -P 0x22 10M 2M".into()],
-    );
-    dir
-}
-
-fn raw_of(s: &Scratch, fmt: &str, src: &str, dst: &Path) -> Vec<u8> {
-    ok(s.qemu_img()
-        .args(["convert", "-f", fmt, "-O", "raw", src])
-        .arg(dst));
-    std::fs::read(dst).expect("read converted image")
-}
 
 #[test]
 fn chain_behind_nbdkit_serves_correctly_and_reports_a_full_export() {

@@ -367,6 +367,8 @@ impl std::fmt::Debug for FlashCache {
 fn io_err(e: CacheError) -> io::Error {
     match e {
         CacheError::Device { cause, .. } => cause,
+        // Keeps the typed fault, so the layers above can tell it.
+        CacheError::Unreachable { fault } => fault.into_io(),
         other => io::Error::other(other.to_string()),
     }
 }

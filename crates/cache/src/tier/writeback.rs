@@ -1,17 +1,21 @@
 //! Background write-back: when more than the high watermark of the data
 //! zone is dirty (or someone drains the cache), dirty blocks are copied to
-//! their images in address order, coalesced into large writes, the images
-//! synced, and the blocks marked clean, until the low watermark is reached.
+//! their images (see `copyback`: many at once, coalesced, partially valid
+//! clusters filled on the way), the images synced, and the blocks marked
+//! clean, until the low watermark is reached. The regions reclaimed next
+//! go first, so reclaiming space seldom waits for a backend; guest writes
+//! slow down gradually when write-back cannot keep up.
 
 use super::space::DirtyBlock;
 use super::{FlashCache, fills};
-use crate::error::Result;
+use crate::error::{CacheError, Result};
 use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE, LINE_BLOCKS};
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
+use vdcache_backend::StoreFault;
 
 /// Blocks per write-back batch (16 MiB), filler included: enough requests
 /// to keep a deep queue busy between the batch's backend syncs.
@@ -40,14 +44,44 @@ pub(crate) fn throttle(dirty: f64, high: f64, blocks: u64) -> Option<Duration> {
     Some((THROTTLE_PER_BLOCK.mul_f64(x * x) * blocks.max(1) as u32).min(THROTTLE_MAX))
 }
 
-/// A wake-up signal for the write-back thread.
+/// A wake-up signal for the write-back thread, and what its failed rounds
+/// tell a drain.
 #[derive(Debug, Default)]
 pub(crate) struct Wakeup {
     pending: Mutex<bool>,
     cv: Condvar,
+    failures: Mutex<Failures>,
+}
+
+/// Failed write-back rounds so far, and whether the last one failed
+/// because a storage server stayed unreachable.
+#[derive(Debug, Default)]
+struct Failures {
+    rounds: u64,
+    unreachable: Option<StoreFault>,
 }
 
 impl Wakeup {
+    fn record_failure(&self, unreachable: Option<StoreFault>) {
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        f.rounds += 1;
+        f.unreachable = unreachable;
+    }
+
+    fn failed_rounds(&self) -> u64 {
+        self.failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .rounds
+    }
+
+    /// The unreachable store that made the last round fail, if a round
+    /// failed since `seen` rounds had.
+    fn unreachable_since(&self, seen: u64) -> Option<StoreFault> {
+        let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        (f.rounds > seen).then(|| f.unreachable.clone()).flatten()
+    }
+
     pub(crate) fn notify(&self) {
         *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = true;
         self.cv.notify_all();
@@ -76,6 +110,9 @@ pub(super) fn start(cache: &Arc<FlashCache>) {
 
 fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
     let mut cursor = 0u64;
+    // Consecutive failed rounds: a backend that keeps failing is retried
+    // at growing intervals (0.5 s doubling to 8 s; a drain wakes it).
+    let mut failed = 0u32;
     loop {
         // Hold the cache only while working: when its last user drops it,
         // the device is closed at once and this thread ends at its next wake.
@@ -91,22 +128,32 @@ fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
                 .writeback_round(&mut cursor, true)
                 .and_then(|data| Ok(cache.meta_writeback_round(false)? || data));
             match round {
-                Ok(true) => false,
+                Ok(true) => {
+                    failed = 0;
+                    false
+                }
                 Ok(false) => {
+                    failed = 0;
                     if let Err(e) = cache.journal_age_check() {
                         tracing::error!("writing the journal failed: {e}");
                     }
                     true
                 }
                 Err(e) => {
-                    tracing::error!("write-back failed: {e}");
+                    failed = failed.saturating_add(1);
+                    tracing::error!("write-back failed (the blocks stay dirty; retrying): {e}");
+                    // Under the state lock, so a drain between its check
+                    // and its wait cannot miss it.
+                    let _st = cache.lock();
+                    wake.record_failure(e.unreachable_store().cloned());
                     cache.progress.notify_all();
                     true
                 }
             }
         };
         if idle {
-            wake.wait(Duration::from_millis(500));
+            let pause = 500u64 << failed.saturating_sub(1).min(4);
+            wake.wait(Duration::from_millis(pause));
         }
     }
 }
@@ -247,9 +294,17 @@ impl FlashCache {
 
     /// Writes every dirty block back and makes the result durable: what
     /// `vdcache flush` and a clean stop do.
+    ///
+    /// Gives up with [`CacheError::Unreachable`] when a write-back round
+    /// fails because a storage server stayed away for its whole reconnect
+    /// delay (its requests then fail at once): waiting longer would make a
+    /// stop hang for as long as the server is gone. The dirty data stays
+    /// in the cache. Other failures (a flush reporting writes that a
+    /// dropped connection may have lost) are retried.
     pub fn drain(&self) -> Result<()> {
         let mut st = self.lock();
         st.drain_requests += 1;
+        let seen = self.wake.failed_rounds();
         self.wake.notify();
         while st.open_dirty() {
             if self.thread.lock().map(|t| t.is_none()).unwrap_or(true) {
@@ -259,9 +314,18 @@ impl FlashCache {
                 st = self.lock();
                 if let Err(e) = result {
                     st.drain_requests -= 1;
-                    return Err(e);
+                    return Err(match e.unreachable_store() {
+                        Some(fault) => CacheError::Unreachable {
+                            fault: fault.clone(),
+                        },
+                        None => e,
+                    });
                 }
                 break;
+            }
+            if let Some(fault) = self.wake.unreachable_since(seen) {
+                st.drain_requests -= 1;
+                return Err(CacheError::Unreachable { fault });
             }
             let (guard, timeout) = self
                 .progress

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use vdcache_backend::{FileBackend, FileOptions, LockMode};
 use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache};
 use vdcache_image::{
-    DiskId, HostIo, ImageFormat, LocalFiles, MetaCacheConfig, OpenOptions, StoreOpener,
-    VirtualDisk, open_chain,
+    DiskId, HostIo, ImageError, ImageFormat, LocalFiles, MetaCacheConfig, OpenOptions, StoreOpener,
+    Stores, VirtualDisk, open_chain,
 };
 
 /// One served disk.
@@ -255,6 +255,9 @@ impl Daemon {
 
     /// Opens every export's chain, through the cache unless it opts out.
     fn open_exports(&mut self, cfg: &ServerConfig) -> Result<()> {
+        let opener = Arc::new(Stores {
+            nbd: cfg.storage.nbd_options(),
+        });
         for (i, e) in cfg.exports.iter().enumerate() {
             let id = DiskId(i as u32 + 1);
             let (io, cow): (Option<Arc<dyn HostIo>>, Option<CowMode>) =
@@ -281,6 +284,7 @@ impl Daemon {
                     cache: meta_cache(e, cow)?,
                     disk: id,
                     io,
+                    opener: opener.clone(),
                     ..OpenOptions::default()
                 },
             )
@@ -298,26 +302,81 @@ impl Daemon {
 
     /// Closes every disk (flushing it and clearing its dirty bit), then the
     /// cache: written back unless `keep_dirty`, checkpointed either way.
+    ///
+    /// A stop always ends: an image that cannot be completed (its storage
+    /// server unreachable for the whole reconnect delay, or any other
+    /// failure) is closed keeping its dirty data in the cache, as with
+    /// `keep_dirty`; it stays marked as needing the cache, and the next
+    /// start with this cache writes the data back. That is reported as an
+    /// error naming the exports.
     pub fn stop(&self) -> Result<()> {
         let mut first_error = None;
+        let mut kept: Vec<&str> = Vec::new();
+        let mut unreachable = false;
         for d in &self.disks {
+            let name = d.config.name.as_str();
             let closed = if self.keep_dirty {
                 d.disk.close_keeping_cached()
             } else {
-                d.disk.close()
+                match d.disk.close() {
+                    Err(e) if self.cache.is_some() => {
+                        unreachable |= store_unreachable(&e);
+                        tracing::error!(
+                            "export '{name}': the image cannot be completed: {e}; its dirty data stays in the cache"
+                        );
+                        first_error.get_or_insert(anyhow::anyhow!("export '{name}': {e}"));
+                        kept.push(name);
+                        d.disk.close_keeping_cached()
+                    }
+                    other => other,
+                }
             };
             if let Err(e) = closed {
-                tracing::error!("closing export '{}': {e}", d.config.name);
-                first_error.get_or_insert(anyhow::anyhow!("export '{}': {e}", d.config.name));
+                tracing::error!("closing export '{name}': {e}");
+                first_error.get_or_insert(anyhow::anyhow!("export '{name}': {e}"));
             }
         }
         if let Some(c) = &self.cache {
-            c.shutdown(self.keep_dirty).context("stopping the cache")?;
+            let keep = self.keep_dirty || !kept.is_empty();
+            if let Err(e) = c.shutdown(keep) {
+                if keep {
+                    return Err(e).context("stopping the cache");
+                }
+                unreachable |= e.unreachable_store().is_some();
+                tracing::error!("the cache cannot be written back: {e}");
+                first_error.get_or_insert(anyhow::anyhow!("writing the cache back: {e}"));
+                kept.extend(self.disks.iter().map(|d| d.config.name.as_str()));
+                c.shutdown(true).context("stopping the cache")?;
+            }
+            if !self.keep_dirty && !kept.is_empty() {
+                kept.sort_unstable();
+                kept.dedup();
+                let why = if unreachable {
+                    "the storage server could not be reached"
+                } else {
+                    "writing them back failed"
+                };
+                let device = c.device_name();
+                tracing::error!(
+                    "stopped with dirty data kept in the cache {device} ({why}): the images of export(s) '{}' stay marked as needing it. The next `vdcache serve` with this cache writes it back once the storage is reachable (or run `vdcache recover --full --cache {device}`)",
+                    kept.join("', '")
+                );
+            }
         }
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// Whether an image error comes from a storage server that could not be
+/// reached (rather than from the data or a disk).
+fn store_unreachable(e: &ImageError) -> bool {
+    match e {
+        ImageError::Io { cause, .. } => vdcache_backend::StoreFault::is_unreachable(cause),
+        ImageError::BackingMissing { cause, .. } => store_unreachable(cause),
+        _ => false,
     }
 }
 

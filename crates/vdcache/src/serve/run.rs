@@ -198,10 +198,11 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     }
     errln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
     server.shutdown();
-    daemon.stop()?;
+    let stopped = daemon.stop();
     if let Some(p) = &cfg.server.socket {
         let _ = std::fs::remove_file(p);
     }
+    stopped?;
     errln!("vdcache: stopped cleanly");
     Ok(())
 }

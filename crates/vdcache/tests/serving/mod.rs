@@ -261,14 +261,65 @@ pub fn serve_refused(s: &Scratch, socket: &Path, args: &[&str]) -> String {
 /// nbdkit's file plugin exporting every file of `dir` (exports are file
 /// names), on a Unix socket.
 pub fn nbdkit(s: &Scratch, socket: &Path, dir: &Path) -> Proc {
+    nbdkit_with(s, socket, dir, &[])
+}
+
+/// [`nbdkit`] with extra arguments before the plugin (filters, e.g.
+/// `--filter=delay`) and after it (their parameters, `key=value`). Each
+/// start logs to a new file; a socket left by a killed server is removed.
+pub fn nbdkit_with(s: &Scratch, socket: &Path, dir: &Path, args: &[&str]) -> Proc {
+    let (filters, params): (Vec<&str>, Vec<&str>) = args.iter().partition(|a| a.starts_with("--"));
+    let _ = std::fs::remove_file(socket);
     let mut cmd = s.cmd("nbdkit");
     cmd.arg("--unix")
         .arg(socket)
-        .args(["--foreground", "--exit-with-parent", "file"])
-        .arg(format!("dir={}", dir.display()));
-    let mut p = Proc::spawn(cmd, socket, s.root().join("nbdkit.log"));
+        .args(["--foreground", "--exit-with-parent"])
+        .args(filters)
+        .arg("file")
+        .arg(format!("dir={}", dir.display()))
+        .args(params);
+    let mut n = 0;
+    let log = loop {
+        let name = if n == 0 {
+            "nbdkit.log".to_string()
+        } else {
+            format!("nbdkit.{n}.log")
+        };
+        let p = s.root().join(name);
+        if !p.exists() {
+            break p;
+        }
+        n += 1;
+    };
+    let mut p = Proc::spawn(cmd, socket, log);
     p.wait_ready();
     p
+}
+
+/// The storage directory with base.qcow2 (`size`, two patterned areas),
+/// written with qemu-io before nbdkit exports it.
+pub fn storage_dir(s: &Scratch, size: u64) -> PathBuf {
+    let dir = s.path("storage");
+    std::fs::create_dir(&dir).expect("mkdir storage");
+    let base = dir.join("base.qcow2");
+    qcow2(s, &base, size, None);
+    qemu_io(
+        s,
+        "qcow2",
+        base.to_str().expect("utf-8"),
+        &["write -P 0x11 0 6M".into(), "write -P 0x22 10M 2M".into()],
+    );
+    dir
+}
+
+/// `src` (format `fmt`) converted to raw at `dst`, and its bytes.
+pub fn raw_of(s: &Scratch, fmt: &str, src: &str, dst: &Path) -> Vec<u8> {
+    crate::common::ok(
+        s.qemu_img()
+            .args(["convert", "-f", fmt, "-O", "raw", src])
+            .arg(dst),
+    );
+    std::fs::read(dst).expect("read converted image")
 }
 
 /// `vdcache stats --socket S --json`, parsed.
