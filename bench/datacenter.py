@@ -78,9 +78,9 @@ def stop(proc, sig=signal.SIGTERM, timeout=120):
 class StorageServer:
     """nbdkit exporting a directory of images, with latency and byte counts."""
 
-    def __init__(self, work, images, delay_ms):
-        self.sock = str(work / "storage.sock")
-        self.stats = work / "storage-stats.txt"
+    def __init__(self, work, images, delay_ms, name="storage"):
+        self.sock = str(work / f"{name}.sock")
+        self.stats = work / f"{name}-stats.txt"
         self.images = images
         self.delay_ms = delay_ms
         self.proc = None
@@ -102,20 +102,27 @@ class StorageServer:
 
     def stop(self):
         """Stops the server and returns (bytes read, bytes written, flushes)."""
+        c = self.stop_counts()
+        return c["bytes"]["read"], c["bytes"]["write"] + c["bytes"]["zero"], c["ops"].get("flush", 0)
+
+    def stop_counts(self):
+        """Stops the server and returns what it served, per request kind:
+        {"ops": {kind: requests}, "bytes": {kind: bytes}, "requests": all
+        requests} (kinds as the stats filter names them: read, write, zero,
+        trim, flush, extents...)."""
         stop(self.proc)
         text = self.stats.read_text() if self.stats.exists() else ""
+        ops = {}
         out = {"read": 0.0, "write": 0.0, "zero": 0.0, "trim": 0.0}
-        flushes = 0
         for line in text.splitlines():
             m = re.match(r"(\w+): (\d+) ops, [\d.]+ s, ([\d.]+) (\w+)", line)
-            if not m:
+            if not m or m.group(1) == "total":
                 continue
-            op, ops, val, unit = m.group(1), int(m.group(2)), float(m.group(3)), m.group(4)
+            op, n, val, unit = m.group(1), int(m.group(2)), float(m.group(3)), m.group(4)
+            ops[op] = n
             if op in out:
                 out[op] = val * UNITS.get(unit, 1)
-            if op == "flush":
-                flushes = ops
-        return out["read"], out["write"] + out["zero"], flushes
+        return {"ops": ops, "bytes": out, "requests": sum(ops.values())}
 
 
 class Contender:
@@ -160,22 +167,27 @@ class Contender:
         out = run([str(self.vdcache), "stats", "--json", "--socket", self.sock]).stdout
         return json.loads(out)
 
-    def stop(self):
-        stop(self.proc, signal.SIGTERM, timeout=600)
+    def stop(self, timeout=600):
+        stop(self.proc, signal.SIGTERM, timeout=timeout)
 
     def uri(self):
         return f"nbd+unix:///?socket={self.sock}"
 
 
-def fio(uri, rw, bs, depth, size, runtime, cwd, extra=()):
-    """Runs one fio job; returns (IOPS, p99 ms, guest bytes, writes, reads)."""
+def fio_job(uri, rw, bs, depth, size, runtime, cwd, extra=()):
+    """Runs one fio job; returns its JSON result (fio's "jobs"[0])."""
     cmd = ["fio", "--name=row", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
            f"--iodepth={depth}", f"--size={size}", "--randrepeat=1", "--random_generator=tausworthe64",
            "--output-format=json", *extra]
     if runtime:
         cmd += [f"--runtime={runtime}", "--time_based"]
     out = run(cmd, cwd=cwd).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return json.loads(out[out.index("{"):])["jobs"][0]
+
+
+def fio(uri, rw, bs, depth, size, runtime, cwd, extra=()):
+    """Runs one fio job; returns (IOPS, p99 ms, guest bytes, writes, reads)."""
+    job = fio_job(uri, rw, bs, depth, size, runtime, cwd, extra)
     r, w = job["read"], job["write"]
     iops = r["iops"] + w["iops"]
     side = w if w["io_bytes"] >= r["io_bytes"] else r
@@ -183,12 +195,15 @@ def fio(uri, rw, bs, depth, size, runtime, cwd, extra=()):
     return iops, p99, r["io_bytes"] + w["io_bytes"], w["total_ios"], r["total_ios"]
 
 
-def fresh_delta(images, storage, name, size, backing="base.qcow2", room=None):
-    """A new, empty delta (backing file on the storage server, or none)."""
+def fresh_delta(images, storage, name, size, backing="base.qcow2", room=None, extended_l2=False):
+    """A new, empty delta (backing file on the storage server, or none);
+    extended_l2: with QEMU's 32 subclusters per cluster."""
     p = images / name
     if p.exists():
         p.unlink()
     cmd = ["qemu-img", "create", "-q", "-f", "qcow2"]
+    if extended_l2:
+        cmd += ["-o", "extended_l2=on"]
     if backing:
         cmd += ["-u", "-b", storage.uri(backing), "-F", "qcow2"]
     run(cmd + [str(p), str(size)])
