@@ -245,3 +245,56 @@ fn a_write_masking_base_blocks_the_guest_read_drops_them() {
         "the other disk still reads the base"
     );
 }
+
+/// Issue 25: with the disk's backing chain offered to it, write-back fills
+/// partially valid clusters itself as it writes them back: exactly the
+/// bytes the guest never wrote come from the base, none of them through
+/// flash, and nothing is left for the COW layer to fill.
+#[test]
+fn write_back_fills_partial_clusters_without_flash() {
+    let rig = Rig::new();
+    let cache = rig.cache(true);
+    let disk = Arc::new(rig.disk(Some(cache.clone())));
+    disk.offer_backing_fill();
+    let mut model = base_content();
+    let writes = writes();
+    let unaligned = (150 * CLUSTER + 4096 + 100, 4000);
+    let first = [(200 * CLUSTER, 4096)];
+    for (i, &(off, len)) in first.iter().chain(&writes).chain([&unaligned]).enumerate() {
+        let data = vec![0xa0 + i as u8; len as usize];
+        model[off as usize..(off + len) as usize].copy_from_slice(&data);
+        disk.write(off, &data, false).expect("write");
+    }
+    disk.flush().expect("flush");
+    assert!(!cache.partial_images().is_empty());
+    let before = cache.report();
+
+    cache.drain().expect("drain");
+    let after = cache.report();
+    assert!(
+        cache.partial_images().is_empty(),
+        "write-back left partially valid clusters"
+    );
+    assert_eq!(
+        after.total.writeback_filled_bytes - before.total.writeback_filled_bytes,
+        unwritten_bytes(&writes, unaligned),
+        "filled other bytes than those the guest never wrote"
+    );
+    assert_eq!(
+        after.device.data_bytes_written, before.device.data_bytes_written,
+        "the filler went through flash"
+    );
+    assert!(read_all(&disk) == model, "reads after write-back");
+    assert_eq!(disk.fill_partial(usize::MAX).expect("fill").filled_bytes, 0);
+
+    disk.close().expect("close");
+    drop(disk);
+    cache.shutdown(false).expect("shutdown");
+    let alone = rig.disk(None);
+    assert!(read_all(&alone) == model, "the image alone");
+    let vdcache_image::Layer::Qcow2(top) = &alone.layers()[0] else {
+        panic!("the delta is qcow2");
+    };
+    let check = top.check().expect("check");
+    assert!(check.is_clean(), "check: {check:?}");
+}
