@@ -104,6 +104,9 @@ pub struct CacheSection {
     pub idle_fill: Option<bool>,
     pub high_watermark: Option<f64>,
     pub low_watermark: Option<f64>,
+    /// Most write-back requests in flight (default 64; fewer when the
+    /// storage server's latency says they only queue).
+    pub writeback_depth: Option<usize>,
 }
 
 /// One export: a name and the top image of a chain.

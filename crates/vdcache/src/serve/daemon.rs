@@ -58,6 +58,9 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     if let Some(l) = c.low_watermark {
         cfg.low_watermark = l;
     }
+    if let Some(d) = c.writeback_depth {
+        cfg.writeback_depth = d;
+    }
     cfg.validate()?;
     Ok(cfg)
 }
