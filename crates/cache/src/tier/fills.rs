@@ -60,7 +60,7 @@ impl LineFill {
     }
 
     /// Sectors of block `slot` taken from the backing chain.
-    fn from_base(&self, slot: usize) -> u8 {
+    fn sectors_from_base(&self, slot: usize) -> u8 {
         if self.partial & (1 << slot) == 0 {
             0
         } else {
@@ -138,7 +138,7 @@ pub(crate) fn pieces(batch: &[DirtyBlock], crcs: &[u32], fills: &[LineFill]) -> 
         if let Some(((key, slot, _), _)) = p.flash
             && let Some(f) = fill_of(key)
         {
-            p.from_base = f.from_base(slot);
+            p.from_base = f.sectors_from_base(slot);
             if p.from_base != 0 {
                 p.base = Some(f.base_block(slot));
             }
@@ -225,7 +225,7 @@ fn read_fill(f: &mut LineFill) -> Result<bool> {
     let mut first = None;
     let mut end = 0;
     for slot in 0..LINE_BLOCKS as usize {
-        let sectors = f.from_base(slot);
+        let sectors = f.sectors_from_base(slot);
         if sectors == 0 {
             continue;
         }
