@@ -19,6 +19,7 @@ use common::{GatedFiles, Held, disk_through};
 use std::sync::Arc;
 use vdcache_backend::inject::{Gate, eventually};
 use vdcache_backend::{BackendRef, MemBackend};
+use vdcache_cache::layout::Layout;
 use vdcache_cache::{CacheConfig, FlashCache};
 use vdcache_image::{ImageFormat, MemFiles, StoreOpener, VirtualDisk};
 
@@ -36,20 +37,25 @@ struct Rig {
 }
 
 impl Rig {
-    /// A write-back cache of 1 MiB regions that writes back only when
-    /// drained, over a raw 64 MiB image.
+    /// A write-back cache of 1 MiB regions on 16 MiB that writes back
+    /// only when drained, over a raw 64 MiB image.
     fn new() -> Rig {
+        Rig::sized(DEVICE, 1 << 20)
+    }
+
+    /// The same with another device and region size.
+    fn sized(device: usize, region_bytes: u64) -> Rig {
         let files = MemFiles::new();
         files.insert(NAME, vec![0u8; IMAGE as usize]);
         let gate = Arc::new(Gate::default());
         let config = CacheConfig {
             host: Some("test-host".into()),
-            region_bytes: 1 << 20,
+            region_bytes,
             high_watermark: 1.0,
             low_watermark: 1.0,
             ..CacheConfig::default()
         };
-        let device: BackendRef = Arc::new(MemBackend::fixed("cache", DEVICE));
+        let device: BackendRef = Arc::new(MemBackend::fixed("cache", device));
         let cache = FlashCache::format(device, config).expect("format");
         let opener = Arc::new(GatedFiles {
             files: files.clone(),
@@ -107,8 +113,8 @@ fn content(block: u64, version: u8) -> Vec<u8> {
 
 /// Blocks written first, all in the first write-back batch.
 const FIRST: u64 = 200;
-/// Blocks of one write-back batch.
-const BATCH: u64 = 1024;
+/// Blocks of one write-back batch (the cache's, for lines without filler).
+const BATCH: u64 = 4096;
 /// Blocks per 1 MiB region.
 const REGION_BLOCKS: u64 = 256;
 
@@ -148,13 +154,21 @@ fn eviction_never_lets_an_older_copy_land_after_a_newer_one() {
 
 #[test]
 fn a_write_over_a_dirty_block_waits_for_room_instead_of_failing() {
-    let rig = Arc::new(Rig::new());
+    // Nine regions of 4 MiB, so that 4 in 7 of seven regions' blocks fill
+    // one write-back batch.
+    let region = 4 << 20;
+    let device = (36u64..256)
+        .map(|m| m << 20)
+        .find(|&d| Layout::compute(d, region).is_ok_and(|l| l.regions == 9))
+        .expect("a device of nine regions");
+    let rig = Arc::new(Rig::sized(device as usize, region));
+    let region_data = u64::from(rig.cache.layout().data_blocks_per_region());
     // Seven of the nine regions filled with dirty blocks (two stay free in
     // reserve), 4 in 7 of them low blocks that make the first write-back
     // batch, the rest high ones: held at the gate, the batch pins all seven.
     let mut low = 0;
     let mut high = Vec::new();
-    for i in 0..7 * (REGION_BLOCKS - 1) {
+    for i in 0..7 * region_data {
         if i % 7 < 4 {
             rig.write(low, 1);
             low += 1;
