@@ -298,3 +298,41 @@ fn write_back_fills_partial_clusters_without_flash() {
     let check = top.check().expect("check");
     assert!(check.is_clean(), "check: {check:?}");
 }
+
+/// A delta with clusters smaller than the cache's 64 KiB line: two fresh
+/// clusters of one line serve different guest clusters, and filling them
+/// must copy each one's own backing bytes.
+#[test]
+fn small_clusters_sharing_a_line_fill_from_their_own_guest_clusters() {
+    let files = MemFiles::new();
+    files.insert("d/base.raw", base_content());
+    let opts = CreateOptions {
+        backing: Some(("base.raw".into(), ImageFormat::Raw)),
+        cluster_size: 32 << 10,
+        ..CreateOptions::default()
+    };
+    files.insert(
+        "d/top.qcow2",
+        qcow2_image_bytes(Path::new("top"), &opts, SIZE).expect("create"),
+    );
+    let rig = Rig {
+        files,
+        ..Rig::new()
+    };
+    let cache = rig.cache(true);
+    let disk = rig.disk(Some(cache.clone()));
+    let mut model = base_content();
+    // Guest clusters 3 and 40 get host clusters next to each other.
+    for (at, byte) in [(3 * (32 << 10) + 4096, 0x61u8), (40 * (32 << 10), 0x62)] {
+        disk.write(at, &[byte; 4096], false).expect("write");
+        model[at as usize..at as usize + 4096].fill(byte);
+    }
+    assert!(read_all(&disk) == model, "reads before filling");
+    disk.fill_partial(usize::MAX).expect("fill");
+    assert!(read_all(&disk) == model, "reads after filling");
+    disk.close().expect("close");
+    drop(disk);
+    cache.shutdown(false).expect("shutdown");
+    let alone = rig.disk(None);
+    assert!(read_all(&alone) == model, "the image alone");
+}
