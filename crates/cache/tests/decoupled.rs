@@ -130,6 +130,17 @@ fn unwritten_bytes(writes: &[(u64, u64)], unaligned: (u64, u64)) -> u64 {
     clusters.len() as u64 * CLUSTER - sectors.len() as u64 * SECTOR
 }
 
+/// The delta read without the cache holds `model` and checks clean.
+fn assert_standalone(rig: &Rig, model: &[u8]) {
+    let alone = rig.disk(None);
+    assert!(read_all(&alone) == model, "the image alone");
+    let vdcache_image::Layer::Qcow2(top) = &alone.layers()[0] else {
+        panic!("the delta is qcow2");
+    };
+    let check = top.check().expect("check");
+    assert!(check.is_clean(), "check: {check:?}");
+}
+
 fn read_all(disk: &VirtualDisk) -> Vec<u8> {
     let mut got = vec![0u8; SIZE as usize];
     disk.read(0, &mut got).expect("read");
@@ -191,13 +202,7 @@ fn unaligned_writes_into_fresh_clusters_read_nothing_from_the_base() {
     drop(disk);
     cache.shutdown(false).expect("write back");
 
-    let alone = rig.disk(None);
-    assert!(read_all(&alone) == model, "the image alone");
-    let vdcache_image::Layer::Qcow2(top) = &alone.layers()[0] else {
-        panic!("the delta is qcow2");
-    };
-    let check = top.check().expect("check");
-    assert!(check.is_clean(), "check: {check:?}");
+    assert_standalone(&rig, &model);
 }
 
 fn base_cached(cache: &FlashCache) -> u64 {
@@ -290,13 +295,7 @@ fn write_back_fills_partial_clusters_without_flash() {
     disk.close().expect("close");
     drop(disk);
     cache.shutdown(false).expect("shutdown");
-    let alone = rig.disk(None);
-    assert!(read_all(&alone) == model, "the image alone");
-    let vdcache_image::Layer::Qcow2(top) = &alone.layers()[0] else {
-        panic!("the delta is qcow2");
-    };
-    let check = top.check().expect("check");
-    assert!(check.is_clean(), "check: {check:?}");
+    assert_standalone(&rig, &model);
 }
 
 /// A delta with clusters smaller than the cache's 64 KiB line: two fresh
@@ -333,6 +332,5 @@ fn small_clusters_sharing_a_line_fill_from_their_own_guest_clusters() {
     disk.close().expect("close");
     drop(disk);
     cache.shutdown(false).expect("shutdown");
-    let alone = rig.disk(None);
-    assert!(read_all(&alone) == model, "the image alone");
+    assert_standalone(&rig, &model);
 }

@@ -54,19 +54,7 @@ fn plain_writes() -> Vec<String> {
 fn images(s: &Scratch) -> PathBuf {
     let dir = storage_dir(s, 16 * M);
     let delta = dir.join("delta.qcow2");
-    ok(s.qemu_img()
-        .args([
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "base.qcow2",
-            "-F",
-            "qcow2",
-        ])
-        .arg(&delta)
-        .arg((16 * M).to_string()));
+    qcow2(s, &delta, 16 * M, Some("base.qcow2"));
     qcow2(s, &dir.join("plain.qcow2"), 32 * M, None);
     for f in ["delta.qcow2", "plain.qcow2"] {
         ok(s.cmd("truncate").args(["-s", "64M"]).arg(dir.join(f)));

@@ -164,19 +164,7 @@ fn sigkill_mid_workload_loses_nothing_flushed() {
         &s.path("base.raw"),
     );
     let delta = dir.join("delta.qcow2");
-    ok(s.qemu_img()
-        .args([
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "base.qcow2",
-            "-F",
-            "qcow2",
-        ])
-        .arg(&delta)
-        .arg(size.to_string()));
+    qcow2(&s, &delta, size, Some("base.qcow2"));
     ok(s.cmd("truncate").args(["-s", "64M"]).arg(&delta));
     let ksock = s.path("storage.sock");
     let storage = nbdkit(&s, &ksock, &dir);
