@@ -10,19 +10,18 @@
 //! quarter of the copy workers run.
 
 use super::FlashCache;
+use super::fills::LineFill;
 use super::space::{DirtyBlock, Target};
 use crate::error::{CacheError, Result};
 use crate::layout::BLOCK;
 use crate::stats::bump;
 use std::cell::Cell;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Largest coalesced write (1 MiB).
 const MAX_RUN_BLOCKS: usize = 256;
-/// Sectors per block.
-const SECTOR: usize = 512;
 
 /// One block to copy back.
 #[derive(Debug)]
@@ -32,27 +31,10 @@ pub(crate) struct Piece {
     pub pos: u64,
     /// Its copy in flash and the checksum that copy was written with.
     pub flash: Option<(DirtyBlock, u32)>,
-    /// Sectors (bit i: sector i) taken from `base` instead of flash.
-    pub from_base: u8,
-    /// The backing chain's bytes under the block (when `from_base` != 0).
-    pub base: Option<BaseBytes>,
-}
-
-/// Backing bytes read for a whole line, shared by its pieces.
-#[derive(Debug, Clone)]
-pub(crate) struct BaseBytes {
-    pub bytes: std::sync::Arc<[u8]>,
-    /// Where the piece's block starts relative to `bytes` (negative when
-    /// the bytes start inside the block).
-    pub block_at: i64,
-}
-
-impl BaseBytes {
-    /// Sector `s` of the block, if read.
-    fn sector(&self, s: usize) -> Option<&[u8]> {
-        let at = usize::try_from(self.block_at + (s * SECTOR) as i64).ok()?;
-        self.bytes.get(at..at + SECTOR)
-    }
+    /// The partially valid line whose backing bytes fill the block's not
+    /// yet valid sectors. A piece with neither flash copy nor filler
+    /// (the line's backing bytes could not be read) is not written.
+    pub base: Option<Arc<LineFill>>,
 }
 
 /// Runs of pieces, adjacent in one image, written as one request.
@@ -298,10 +280,20 @@ impl FlashCache {
             .iter()
             .find(|(id, _, _)| *id == first.image)
             .ok_or_else(|| CacheError::Corrupt(format!("no store for image {}", first.image)))?;
-        let mut data = vec![0u8; run.len() * BLOCK as usize];
-        let good = self.assemble_run(run, &mut data)?;
-        let counters = self.stats.disk(*disk);
         let mut timing = Timing::default();
+        let mut read_before = None;
+        for fill in run.iter().filter_map(|p| p.base.as_ref()) {
+            // A line's pieces are adjacent: one pointer compare skips the
+            // repeats.
+            if read_before.is_some_and(|f| Arc::ptr_eq(f, fill)) {
+                continue;
+            }
+            read_before = Some(fill);
+            timing.extend(fill.read()?);
+        }
+        let mut data = vec![0u8; run.len() * BLOCK as usize];
+        let (good, filled) = self.assemble_run(run, &mut data)?;
+        let counters = self.stats.disk(*disk);
         let mut damaged = Vec::new();
         let mut start = 0;
         for n in 0..=run.len() {
@@ -325,9 +317,8 @@ impl FlashCache {
             }
             start = n + 1;
         }
+        bump(&counters.writeback_filled_bytes, filled);
         for p in run {
-            let from_base = u64::from(p.from_base.count_ones()) * SECTOR as u64;
-            bump(&counters.writeback_filled_bytes, from_base);
             if p.flash.is_some() {
                 bump(&counters.flash_bytes_read, BLOCK);
             }
@@ -337,8 +328,9 @@ impl FlashCache {
 
     /// Fills `data` with the run's bytes: flash copies (adjacent cache
     /// blocks read at once) with backing bytes over the sectors flash
-    /// lacks. Returns which pieces verified.
-    fn assemble_run(&self, run: &[Piece], data: &mut [u8]) -> Result<Vec<bool>> {
+    /// lacks. Returns which pieces are whole (verified, or filled) and how
+    /// many backing bytes went in.
+    fn assemble_run(&self, run: &[Piece], data: &mut [u8]) -> Result<(Vec<bool>, u64)> {
         let mut good = vec![true; run.len()];
         let mut i = 0;
         while i < run.len() {
@@ -362,21 +354,21 @@ impl FlashCache {
                 .map_err(CacheError::device("read block"))?;
             i = j;
         }
+        let mut filled = 0;
         for (n, p) in run.iter().enumerate() {
             let block = &mut data[n * BLOCK as usize..(n + 1) * BLOCK as usize];
             if let Some((_, crc)) = p.flash {
                 good[n] = crc32c::crc32c(block) == crc;
             }
-            let Some(base) = &p.base else { continue };
-            for s in 0..(BLOCK as usize / SECTOR) {
-                if p.from_base & (1 << s) != 0
-                    && let Some(bytes) = base.sector(s)
-                {
-                    block[s * SECTOR..(s + 1) * SECTOR].copy_from_slice(bytes);
-                }
+            let Some(fill) = &p.base else { continue };
+            let slot = ((p.pos % crate::layout::LINE) / BLOCK) as usize;
+            match fill.copy_base(slot, block) {
+                Some(bytes) => filled += bytes,
+                // Unfilled, a block with no flash copy holds nothing.
+                None => good[n] &= p.flash.is_some(),
             }
         }
-        Ok(good)
+        Ok((good, filled))
     }
 
     /// Dirty blocks as pieces to copy whole from flash.
@@ -388,7 +380,6 @@ impl FlashCache {
                 image: crate::index::key_image(key),
                 pos: crate::index::key_line(key) * crate::layout::LINE + slot as u64 * BLOCK,
                 flash: Some(((key, slot, cbn), crc)),
-                from_base: 0,
                 base: None,
             })
             .collect()
@@ -404,7 +395,6 @@ mod tests {
             image,
             pos: block * BLOCK,
             flash: None,
-            from_base: 0xff,
             base: None,
         }
     }

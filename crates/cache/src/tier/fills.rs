@@ -12,7 +12,7 @@
 //! written block, a line changed meanwhile) is left to the COW layer's own
 //! fill, which reads through the cache.
 
-use super::copyback::{BaseBytes, Piece};
+use super::copyback::Piece;
 use super::space::DirtyBlock;
 use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
@@ -20,12 +20,15 @@ use crate::index::{Cbn, NO_BLOCK, key_image, key_line};
 use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE, LINE_BLOCKS};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 use vdcache_image::BackingFill;
 use vdcache_qcow2::HostOffset;
 
 const SECTOR: u64 = 512;
 
-/// A partially valid line as it was when its filler was read.
+/// A partially valid line as it was when it was chosen for filling. Its
+/// backing bytes are read by the first copy worker that needs them, so
+/// reading one line's filler overlaps writing another's.
 pub(crate) struct LineFill {
     pub key: u64,
     partial: u16,
@@ -33,9 +36,30 @@ pub(crate) struct LineFill {
     cbns: [Cbn; LINE_BLOCKS as usize],
     guest: u32,
     filler: Weak<dyn BackingFill>,
+    base: Mutex<BaseRead>,
+}
+
+/// What reading a line's backing bytes gave.
+enum BaseRead {
+    NotYet,
+    /// The COW layer could not supply them (the image closed, or the
+    /// cluster no longer serves the guest cluster): the line is left to
+    /// the COW layer's own fill.
+    Unavailable,
     /// The backing chain's bytes from `start` (line-relative) on.
-    start: u64,
-    bytes: Arc<[u8]>,
+    Read {
+        start: u64,
+        bytes: Vec<u8>,
+    },
+}
+
+impl std::fmt::Debug for LineFill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LineFill")
+            .field("key", &self.key)
+            .field("partial", &self.partial)
+            .finish_non_exhaustive()
+    }
 }
 
 impl LineFill {
@@ -45,7 +69,7 @@ impl LineFill {
         (key_image(self.key), at, at + LINE)
     }
 
-    /// Whether the line is still as its filler was read for.
+    /// Whether the line is still as it was chosen.
     pub(crate) fn unchanged(&self, st: &State) -> bool {
         let Some(l) = st.index.get(self.key) else {
             return false;
@@ -59,6 +83,12 @@ impl LineFill {
             })
     }
 
+    /// Whether its backing bytes were read (and so went out with the
+    /// line's blocks).
+    pub(crate) fn was_read(&self) -> bool {
+        matches!(*self.lock_base(), BaseRead::Read { .. })
+    }
+
     /// Sectors of block `slot` taken from the backing chain.
     fn sectors_from_base(&self, slot: usize) -> u8 {
         if self.partial & (1 << slot) == 0 {
@@ -68,19 +98,87 @@ impl LineFill {
         }
     }
 
-    /// The backing bytes as seen from block `slot`.
-    fn base_block(&self, slot: usize) -> BaseBytes {
-        BaseBytes {
-            bytes: self.bytes.clone(),
-            block_at: (slot as u64 * BLOCK) as i64 - self.start as i64,
+    fn lock_base(&self) -> std::sync::MutexGuard<'_, BaseRead> {
+        self.base.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads the backing bytes unless done already; returns how long the
+    /// read took (None when nothing was read now).
+    pub(crate) fn read(&self) -> Result<Option<(usize, Duration)>> {
+        let mut base = self.lock_base();
+        if !matches!(*base, BaseRead::NotYet) {
+            return Ok(None);
         }
+        let began = Instant::now();
+        *base = self.read_backing()?;
+        Ok(match &*base {
+            BaseRead::Read { bytes, .. } => Some((bytes.len(), began.elapsed())),
+            _ => None,
+        })
+    }
+
+    /// Copies the backing bytes under block `slot`'s not yet valid
+    /// sectors into `block`; returns how many bytes, or None when the
+    /// line's backing bytes could not be read.
+    pub(crate) fn copy_base(&self, slot: usize, block: &mut [u8]) -> Option<u64> {
+        let base = self.lock_base();
+        let BaseRead::Read { start, bytes } = &*base else {
+            return None;
+        };
+        let sectors = self.sectors_from_base(slot);
+        let mut copied = 0;
+        for s in 0..(BLOCK / SECTOR) as usize {
+            let at = (slot as u64 * BLOCK + s as u64 * SECTOR).checked_sub(*start);
+            if sectors & (1 << s) != 0
+                && let Some(from) = at.and_then(|a| bytes.get(a as usize..(a + SECTOR) as usize))
+            {
+                block[s * SECTOR as usize..(s + 1) * SECTOR as usize].copy_from_slice(from);
+                copied += SECTOR;
+            }
+        }
+        Some(copied)
+    }
+
+    /// Reads the backing chain's bytes under the line's not yet valid
+    /// sectors.
+    fn read_backing(&self) -> Result<BaseRead> {
+        let Some(filler) = self.filler.upgrade() else {
+            return Ok(BaseRead::Unavailable);
+        };
+        let mut first = None;
+        let mut end = 0;
+        for slot in 0..LINE_BLOCKS as usize {
+            let sectors = self.sectors_from_base(slot);
+            if sectors == 0 {
+                continue;
+            }
+            let lo = slot as u64 * BLOCK + u64::from(sectors.trailing_zeros()) * SECTOR;
+            let hi = slot as u64 * BLOCK + u64::from(8 - sectors.leading_zeros()) * SECTOR;
+            first.get_or_insert(lo);
+            end = hi;
+        }
+        let Some(start) = first else {
+            return Ok(BaseRead::Unavailable);
+        };
+        let mut bytes = vec![0u8; (end - start) as usize];
+        let host = HostOffset(key_line(self.key) * LINE + start);
+        let read = filler
+            .backing_bytes(host, u64::from(self.guest), &mut bytes)
+            .map_err(CacheError::device(
+                "read the backing chain to fill a cluster",
+            ))?;
+        Ok(if read {
+            BaseRead::Read { start, bytes }
+        } else {
+            BaseRead::Unavailable
+        })
     }
 }
 
 /// The partially valid lines of the batch that can be filled now, with
 /// nothing read yet.
-pub(crate) fn partial_lines(st: &State, batch: &[DirtyBlock]) -> Vec<LineFill> {
-    let mut out: Vec<LineFill> = Vec::new();
+pub(crate) fn partial_lines(st: &State, batch: &[DirtyBlock]) -> Vec<Arc<LineFill>> {
+    let mut out: Vec<Arc<LineFill>> = Vec::new();
     for &(key, _, _) in batch {
         if out.last().is_some_and(|f| f.key == key) {
             continue;
@@ -113,16 +211,15 @@ pub(crate) fn partial_lines(st: &State, batch: &[DirtyBlock]) -> Vec<LineFill> {
             };
         }
         if fillable {
-            out.push(LineFill {
+            out.push(Arc::new(LineFill {
                 key,
                 partial: l.partial,
                 valid,
                 cbns,
                 guest: l.guest,
                 filler: filler.clone(),
-                start: 0,
-                bytes: Arc::from(Vec::new()),
-            });
+                base: Mutex::new(BaseRead::NotYet),
+            }));
         }
     }
     out
@@ -131,17 +228,15 @@ pub(crate) fn partial_lines(st: &State, batch: &[DirtyBlock]) -> Vec<LineFill> {
 /// The pieces to copy: the batch's dirty blocks, with the backing bytes
 /// of their not yet valid sectors, and the blocks of filled lines that
 /// hold nothing valid yet.
-pub(crate) fn pieces(batch: &[DirtyBlock], crcs: &[u32], fills: &[LineFill]) -> Vec<Piece> {
+pub(crate) fn pieces(batch: &[DirtyBlock], crcs: &[u32], fills: &[Arc<LineFill>]) -> Vec<Piece> {
     let fill_of = |key: u64| fills.iter().find(|f| f.key == key);
     let mut out = FlashCache::flash_pieces(batch, crcs);
     for p in &mut out {
         if let Some(((key, slot, _), _)) = p.flash
             && let Some(f) = fill_of(key)
+            && f.sectors_from_base(slot) != 0
         {
-            p.from_base = f.sectors_from_base(slot);
-            if p.from_base != 0 {
-                p.base = Some(f.base_block(slot));
-            }
+            p.base = Some(f.clone());
         }
     }
     for f in fills {
@@ -151,8 +246,7 @@ pub(crate) fn pieces(batch: &[DirtyBlock], crcs: &[u32], fills: &[LineFill]) -> 
                     image: key_image(f.key),
                     pos: key_line(f.key) * LINE + slot as u64 * BLOCK,
                     flash: None,
-                    from_base: u8::MAX,
-                    base: Some(f.base_block(slot)),
+                    base: Some(f.clone()),
                 });
             }
         }
@@ -161,35 +255,6 @@ pub(crate) fn pieces(batch: &[DirtyBlock], crcs: &[u32], fills: &[LineFill]) -> 
 }
 
 impl FlashCache {
-    /// Reads the backing bytes of every line's not yet valid sectors, many
-    /// lines at once; lines whose filler is gone or which no longer serve
-    /// their guest cluster are dropped.
-    pub(crate) fn read_fills(&self, lines: Vec<LineFill>) -> Result<Vec<LineFill>> {
-        if lines.is_empty() {
-            return Ok(lines);
-        }
-        let done: Mutex<Vec<LineFill>> = Mutex::new(Vec::new());
-        let timing = Mutex::new(Vec::new());
-        let slots: Vec<Mutex<Option<LineFill>>> =
-            lines.into_iter().map(|l| Mutex::new(Some(l))).collect();
-        self.run_parallel(&slots, |slot| {
-            let Some(mut f) = slot.lock().ok().and_then(|mut s| s.take()) else {
-                return Ok(());
-            };
-            let began = std::time::Instant::now();
-            if read_fill(&mut f)? {
-                let took = (f.bytes.len(), began.elapsed());
-                timing.lock().unwrap_or_else(|p| p.into_inner()).push(took);
-                done.lock().unwrap_or_else(|p| p.into_inner()).push(f);
-            }
-            Ok(())
-        })?;
-        self.record_latencies(&timing.into_inner().unwrap_or_else(|p| p.into_inner()));
-        let mut out = done.into_inner().unwrap_or_else(|p| p.into_inner());
-        out.sort_unstable_by_key(|f| f.key);
-        Ok(out)
-    }
-
     /// After the line's bytes landed and were synced: it is whole in its
     /// image. Copies of half-written blocks are dropped (their other
     /// sectors in flash hold nothing), and the line leaves the partially
@@ -215,36 +280,4 @@ impl FlashCache {
             guest: u64::MAX,
         });
     }
-}
-
-/// Reads one line's filler; false when the COW layer cannot supply it.
-fn read_fill(f: &mut LineFill) -> Result<bool> {
-    let Some(filler) = f.filler.upgrade() else {
-        return Ok(false);
-    };
-    let mut first = None;
-    let mut end = 0;
-    for slot in 0..LINE_BLOCKS as usize {
-        let sectors = f.sectors_from_base(slot);
-        if sectors == 0 {
-            continue;
-        }
-        let lo = slot as u64 * BLOCK + u64::from(sectors.trailing_zeros()) * SECTOR;
-        let hi = slot as u64 * BLOCK + u64::from(8 - sectors.leading_zeros()) * SECTOR;
-        first.get_or_insert(lo);
-        end = hi;
-    }
-    let Some(start) = first else {
-        return Ok(false);
-    };
-    let mut bytes = vec![0u8; (end - start) as usize];
-    let host = HostOffset(key_line(f.key) * LINE + start);
-    let read = filler
-        .backing_bytes(host, u64::from(f.guest), &mut bytes)
-        .map_err(CacheError::device(
-            "read the backing chain to fill a cluster",
-        ))?;
-    f.start = start;
-    f.bytes = Arc::from(bytes);
-    Ok(read)
 }

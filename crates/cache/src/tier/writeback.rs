@@ -182,7 +182,7 @@ impl FlashCache {
     /// are completed on the way (never inline in a writer: the chain's
     /// reader may need locks the writer holds).
     fn writeback_round(&self, cursor: &mut u64, fill: bool) -> Result<bool> {
-        let (collected, lines) = {
+        let (collected, fills) = {
             let mut st = self.lock();
             let dirty = st.index.dirty_blocks();
             if !self.needs_writeback(dirty, st.drain_requests > 0, st.writeback_busy) {
@@ -212,8 +212,6 @@ impl FlashCache {
             };
             (batch, lines)
         };
-        // The backing chain is read with no lock held.
-        let fills = self.read_fills(lines)?;
         // Hold the image ranges so no write-through or discard of the same
         // bytes interleaves with this copy; then keep only blocks that are
         // still dirty in the same place.
@@ -237,8 +235,7 @@ impl FlashCache {
                         .is_some_and(|l| l.dirty & (1 << slot) != 0 && l.cbn(slot) == cbn)
                 })
                 .collect();
-            let fills: Vec<fills::LineFill> =
-                fills.into_iter().filter(|f| f.unchanged(&st)).collect();
+            let fills: Vec<_> = fills.into_iter().filter(|f| f.unchanged(&st)).collect();
             for &(key, slot, cbn) in &batch {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);
@@ -283,7 +280,7 @@ impl FlashCache {
             }
         }
         for f in &fills {
-            if !damaged.iter().any(|&(key, _, _)| key == f.key) {
+            if f.was_read() && !damaged.iter().any(|&(key, _, _)| key == f.key) {
                 self.complete_fill(&mut st, f);
             }
         }

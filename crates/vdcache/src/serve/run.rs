@@ -210,7 +210,9 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
 /// Fills partially valid clusters while the server is idle (no request in
 /// the last interval), a few at a time, so a busy guest never waits on it.
 struct Filler {
-    stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Dropping it wakes the thread at once, so stopping never waits out
+    /// the rest of an interval.
+    stop: Option<std::sync::mpsc::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -219,8 +221,7 @@ const FILL_BATCH: usize = 16;
 
 impl Filler {
     fn start(daemon: Arc<Daemon>, server: Arc<Server>) -> Filler {
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let s = stop.clone();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("vdcache-filler".into())
             .spawn(move || {
@@ -232,8 +233,9 @@ impl Filler {
                         .sum::<u64>()
                 };
                 let mut last = requests(&server);
-                while !s.load(std::sync::atomic::Ordering::SeqCst) {
-                    std::thread::sleep(FILL_INTERVAL);
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(FILL_INTERVAL)
+                {
                     let now = requests(&server);
                     if now != last {
                         last = now;
@@ -247,11 +249,14 @@ impl Filler {
                 }
             })
             .ok();
-        Filler { stop, thread }
+        Filler {
+            stop: Some(stop),
+            thread,
+        }
     }
 
     fn stop(mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        drop(self.stop.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
