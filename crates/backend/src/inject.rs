@@ -69,12 +69,14 @@ impl Gate {
 
 type Hook = Box<dyn Fn() -> io::Result<()> + Send + Sync>;
 
-/// A backend whose writes and flushes first run a hook; an error from the
-/// hook fails the request without reaching the inner backend. Flushes also
+/// A backend whose reads, writes and flushes first run a hook (a read's
+/// hook is told its length); an error from the hook fails the request
+/// without reaching the inner backend. Flushes also
 /// run a hook after the inner one (a sync that takes its time after the
 /// point it covers).
 pub struct HookedBackend {
     inner: BackendRef,
+    before_read: Box<dyn Fn(usize) -> io::Result<()> + Send + Sync>,
     before_write: Hook,
     before_flush: Hook,
     after_flush: Hook,
@@ -84,9 +86,17 @@ impl HookedBackend {
     pub fn new(inner: BackendRef) -> HookedBackend {
         HookedBackend {
             inner,
+            before_read: Box::new(|_| Ok(())),
             before_write: Box::new(|| Ok(())),
             before_flush: Box::new(|| Ok(())),
             after_flush: Box::new(|| Ok(())),
+        }
+    }
+
+    pub fn on_read(self, hook: impl Fn(usize) -> io::Result<()> + Send + Sync + 'static) -> Self {
+        HookedBackend {
+            before_read: Box::new(hook),
+            ..self
         }
     }
 
@@ -126,6 +136,7 @@ impl Backend for HookedBackend {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        (self.before_read)(buf.len())?;
         self.inner.read_at(buf, offset)
     }
 

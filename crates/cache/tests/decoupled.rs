@@ -11,11 +11,13 @@ mod common;
 
 use std::path::Path;
 use std::sync::Arc;
-use vdcache_backend::MemBackend;
+use std::sync::atomic::{AtomicU64, Ordering};
+use vdcache_backend::inject::HookedBackend;
+use vdcache_backend::{BackendRef, LockMode, MemBackend};
 use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache, WriteMode};
 use vdcache_image::{
     CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, MetaCacheConfig, OpenOptions,
-    VirtualDisk, open_chain, qcow2_image_bytes,
+    StoreOpener, VirtualDisk, open_chain, qcow2_image_bytes,
 };
 
 const SIZE: u64 = 16 << 20;
@@ -333,4 +335,114 @@ fn small_clusters_sharing_a_line_fill_from_their_own_guest_clusters() {
     drop(disk);
     cache.shutdown(false).expect("shutdown");
     assert_standalone(&rig, &model);
+}
+
+/// Image files that count the bytes read from those named `counted`.
+#[derive(Debug)]
+struct CountedFiles {
+    files: Arc<MemFiles>,
+    counted: &'static str,
+    read: Arc<AtomicU64>,
+}
+
+impl StoreOpener for CountedFiles {
+    fn open(
+        &self,
+        name: &str,
+        writable: bool,
+        lock: Option<LockMode>,
+    ) -> vdcache_image::Result<BackendRef> {
+        let inner = self.files.open(name, writable, lock)?;
+        if !name.ends_with(self.counted) {
+            return Ok(inner);
+        }
+        let read = self.read.clone();
+        Ok(Arc::new(HookedBackend::new(inner).on_read(move |len| {
+            read.fetch_add(len as u64, Ordering::Relaxed);
+            Ok(())
+        })))
+    }
+
+    fn canonical(&self, name: &str) -> vdcache_image::Result<String> {
+        self.files.canonical(name)
+    }
+
+    fn resolve(&self, parent: &str, backing: &str) -> String {
+        self.files.resolve(parent, backing)
+    }
+}
+
+/// Issue 25: finding the base blocks a write masks takes the base's mapping
+/// tables. Hints use only the tables at hand, so writes into fresh delta
+/// clusters read nothing of a qcow2 base, not even its L2 tables; a base
+/// cluster the guest read (its table loaded then) is still dropped when
+/// masked.
+#[test]
+fn masked_hints_read_no_base_tables() {
+    let rig = Rig::new();
+    let base_opts = CreateOptions {
+        size: Some(SIZE),
+        ..CreateOptions::default()
+    };
+    rig.files.insert(
+        "d/qbase.qcow2",
+        qcow2_image_bytes(Path::new("qbase"), &base_opts, SIZE).expect("create base"),
+    );
+    let base = open_chain(
+        "d/qbase.qcow2",
+        &OpenOptions {
+            opener: rig.files.clone(),
+            format: Some(ImageFormat::Qcow2),
+            ..OpenOptions::default()
+        },
+    )
+    .expect("open base");
+    base.write(0, &base_content(), false).expect("fill base");
+    base.close().expect("close base");
+    drop(base);
+    let top_opts = CreateOptions {
+        backing: Some(("qbase.qcow2".into(), ImageFormat::Qcow2)),
+        ..CreateOptions::default()
+    };
+    rig.files.insert(
+        "d/qtop.qcow2",
+        qcow2_image_bytes(Path::new("qtop"), &top_opts, SIZE).expect("create top"),
+    );
+    let cache = rig.cache(true);
+    let base_read = Arc::new(AtomicU64::new(0));
+    let disk = open_chain(
+        "d/qtop.qcow2",
+        &OpenOptions {
+            opener: Arc::new(CountedFiles {
+                files: rig.files.clone(),
+                counted: "qbase.qcow2",
+                read: base_read.clone(),
+            }),
+            io: Some(cache.clone()),
+            disk: DiskId(1),
+            format: Some(ImageFormat::Qcow2),
+            cache: MetaCacheConfig {
+                slice_bytes: Some(512),
+                ..MetaCacheConfig::default()
+            },
+            ..OpenOptions::default()
+        },
+    )
+    .expect("open");
+    let opened = base_read.load(Ordering::Relaxed);
+    for i in 0..32u64 {
+        disk.write(i * 7 * CLUSTER, &[2; 4096], false)
+            .expect("write");
+    }
+    assert_eq!(
+        base_read.load(Ordering::Relaxed),
+        opened,
+        "writes into fresh clusters read the base's tables"
+    );
+
+    let mut buf = vec![0u8; CLUSTER as usize];
+    disk.read(3 * CLUSTER, &mut buf).expect("read");
+    assert!(buf[..] == base_content()[(3 * CLUSTER) as usize..(4 * CLUSTER) as usize]);
+    disk.write(3 * CLUSTER, &[3; 4096], false).expect("write");
+    assert_eq!(cache.report().total.masked_blocks_dropped, 1);
 }

@@ -11,7 +11,7 @@ use crate::hostio::{
     BackingFill, DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, PartialRange,
     WriteSegment,
 };
-use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image};
+use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image, TableReads};
 use crate::range_lock::{Mode, RangeLocks};
 use std::sync::Arc;
 use vdcache_qcow2::HostOffset;
@@ -341,7 +341,15 @@ impl VirtualDisk {
         match layer {
             Layer::Raw(r) => forget(&r.handle, offset, len),
             Layer::Qcow2(img) => {
-                for e in img.map(offset, len)? {
+                // Only what the tables in memory tell: a backing cluster
+                // whose table is not at hand was not read lately through
+                // this disk, and reading the table for a hint would cost
+                // more than the hint saves (a write into a fresh delta
+                // cluster would read the base's tables).
+                let Some(extents) = img.map_if(offset, len, TableReads::Forbidden)? else {
+                    return Ok(());
+                };
+                for e in extents {
                     match e.kind {
                         ExtentKind::Data(host) => forget(&img.data, host.0, e.len)?,
                         ExtentKind::Unallocated => {

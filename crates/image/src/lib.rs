@@ -31,4 +31,4 @@ pub use hostio::{
 };
 pub use identity::{ImageIdentity, MarkIdentity, Verdict};
 pub use meta_cache::MetaCacheConfig;
-pub use qimage::{Qcow2Image, abandon_cache};
+pub use qimage::{Qcow2Image, TableReads, abandon_cache};

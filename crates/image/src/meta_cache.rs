@@ -137,6 +137,12 @@ impl SliceCache {
 
     /// Looks a slice up, counting a hit (resident or known zero) or a miss.
     /// A known-zero slice stops being known here: the caller inserts it.
+    /// Whether the slice at `start` is at hand without I/O (resident, or
+    /// known to be zeros); unlike [`SliceCache::probe`], changes nothing.
+    pub fn holds(&self, start: u64) -> bool {
+        self.lru.contains(&start) || self.is_known_zero(start)
+    }
+
     pub fn probe(&mut self, start: u64) -> Probe {
         if self.lru.get(&start).is_some() {
             self.stats.hits += 1;

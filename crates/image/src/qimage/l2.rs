@@ -10,6 +10,15 @@ use vdcache_qcow2::HostOffset;
 use vdcache_qcow2::bytes::{be64_at, put_be64_at};
 use vdcache_qcow2::entries::{COPIED, L1Entry, L2Mapping};
 
+/// Whether a lookup may read a table it does not hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableReads {
+    Allowed,
+    /// Answer from the tables in memory only (for hints, which are not
+    /// worth a read).
+    Forbidden,
+}
+
 /// The two kinds of sliced tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Sliced {
@@ -165,10 +174,25 @@ impl Locked<'_> {
 
     /// The mapping of one guest cluster in this image.
     pub(crate) fn l2_entry(&mut self, guest_cluster: u64) -> Result<L2Mapping> {
+        Ok(self
+            .l2_entry_if(guest_cluster, TableReads::Allowed)?
+            .unwrap_or(L2Mapping::UNALLOCATED))
+    }
+
+    /// The mapping of one guest cluster; None when that needs a table
+    /// read and `reads` forbids it.
+    pub(crate) fn l2_entry_if(
+        &mut self,
+        guest_cluster: u64,
+        reads: TableReads,
+    ) -> Result<Option<L2Mapping>> {
         let Some((table, _)) = self.l2_table_of(guest_cluster)? else {
-            return Ok(L2Mapping::UNALLOCATED);
+            return Ok(Some(L2Mapping::UNALLOCATED));
         };
         let (start, at) = self.entry_position(table, guest_cluster);
+        if reads == TableReads::Forbidden && !self.m.l2.holds(start) {
+            return Ok(None);
+        }
         let tag = self.l2_tag(guest_cluster);
         self.load_slice(Sliced::L2, start, tag)?;
         let extended = self.img.geometry.extended_l2();
@@ -198,7 +222,7 @@ impl Locked<'_> {
         };
         self.check_within_file(guest_cluster, &mapping)?;
         self.check_not_on_metadata(guest_cluster, &mapping)?;
-        Ok(mapping)
+        Ok(Some(mapping))
     }
 
     /// Refuses mappings whose data lies on metadata: reading would return

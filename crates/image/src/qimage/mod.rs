@@ -33,6 +33,7 @@ use vdcache_qcow2::header::{self, CompressionType, field_offset};
 use vdcache_qcow2::snapshot::{self, Snapshot};
 use vdcache_qcow2::{Geometry, Header, HostOffset};
 
+pub use l2::TableReads;
 pub use marks::abandon_cache;
 pub use persist::FlushReport;
 
@@ -400,6 +401,14 @@ impl Qcow2Image {
     /// Maps `[offset, offset+len)` (inside the virtual size) to extents,
     /// merging neighbours with the same kind and contiguous host addresses.
     pub fn map(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        Ok(self
+            .map_if(offset, len, TableReads::Allowed)?
+            .unwrap_or_default())
+    }
+
+    /// [`Qcow2Image::map`], or None when that needs a table read and
+    /// `reads` forbids it.
+    pub fn map_if(&self, offset: u64, len: u64, reads: TableReads) -> Result<Option<Vec<Extent>>> {
         let mut l = self.lock();
         let mut out: Vec<Extent> = Vec::new();
         let cs = self.geometry.cluster_size();
@@ -410,7 +419,9 @@ impl Qcow2Image {
             let cluster = pos / cs;
             let cluster_start = cluster * cs;
             let cluster_end = (cluster_start + cs).min(end);
-            let mapping = l.l2_entry(cluster)?;
+            let Some(mapping) = l.l2_entry_if(cluster, reads)? else {
+                return Ok(None);
+            };
             match mapping {
                 L2Mapping::Compressed(d) => {
                     push_extent(
@@ -440,7 +451,7 @@ impl Qcow2Image {
                 }
             }
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// Reads part of a compressed cluster.
