@@ -5,5 +5,5 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let _ = vdcache_nbd::fuzzing::server_handshake(data);
+    let _ = vdcache_nbd_server::fuzzing::server_handshake(data);
 });

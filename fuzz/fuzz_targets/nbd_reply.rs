@@ -5,6 +5,6 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let _ = vdcache_nbd::fuzzing::client_handshake(data);
-    let _ = vdcache_nbd::fuzzing::client_replies(data);
+    let _ = vdcache_backend::nbd::fuzzing::client_handshake(data);
+    let _ = vdcache_backend::nbd::fuzzing::client_replies(data);
 });

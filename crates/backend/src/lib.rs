@@ -1,23 +1,30 @@
 //! Backends: the storage an image file lives on (a local file or an NBD
-//! export), and the recording and fault-injecting backends of the tests.
+//! export, through this crate's NBD client), store names (URI or path),
+//! and the recording and fault-injecting backends of the tests.
 //!
 //! A backend is a flat, offset-addressed byte store. It knows nothing about
 //! qcow2, classes of I/O or caching; those live above it. Every method may
 //! be called from several threads at once.
+//!
+//! Owns: byte stores, the NBD client, the meaning of a store name.
+//! Must not: depend on a front end (the NBD server included), the COW
+//! layer or the cache.
 
 mod file;
 pub mod inject;
 mod lock;
 mod mem;
-mod nbd;
+pub mod nbd;
 pub mod recording;
 mod sparse;
+mod store_name;
 
 pub use file::{FileBackend, FileOptions, publish_new_file};
 pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
-pub use nbd::{DEFAULT_RECONNECT_DELAY, NbdBackend, NbdOptions, is_nbd_uri};
+pub use nbd::{DEFAULT_RECONNECT_DELAY, NbdBackend, NbdOptions};
 pub use sparse::{HoleFill, SparseStore};
+pub use store_name::{StoreName, is_nbd_uri, resolve_backing_name};
 
 use std::fmt::Debug;
 use std::io;

@@ -9,10 +9,10 @@ use crate::hostio::{DirectIo, DiskId, HostIo, ImageHandle};
 use crate::identity::read_identity;
 use crate::meta_cache::MetaCacheConfig;
 use crate::qimage::{self, ImageOptions, Qcow2Image};
-use std::path::Path;
 use std::sync::Arc;
 use vdcache_backend::{
-    BackendRef, FileBackend, FileOptions, LockMode, MemBackend, NbdBackend, NbdOptions, is_nbd_uri,
+    BackendRef, FileBackend, FileOptions, LockMode, MemBackend, NbdBackend, NbdOptions, StoreName,
+    resolve_backing_name,
 };
 use vdcache_qcow2::header::MAGIC;
 
@@ -80,13 +80,16 @@ pub struct Stores {
 
 impl StoreOpener for Stores {
     fn open(&self, name: &str, writable: bool, lock: Option<LockMode>) -> Result<BackendRef> {
-        if is_nbd_uri(name) {
-            let b = NbdBackend::connect_with(name, self.nbd)
-                .map_err(|e| ImageError::io(name, "connect", e))?;
-            return Ok(Arc::new(b));
-        }
+        let path = match StoreName::of(name) {
+            StoreName::Nbd(uri) => {
+                let b = NbdBackend::connect_with(uri, self.nbd)
+                    .map_err(|e| ImageError::io(name, "connect", e))?;
+                return Ok(Arc::new(b));
+            }
+            StoreName::Path(path) => path,
+        };
         let b = FileBackend::open(
-            Path::new(name),
+            path,
             FileOptions {
                 read_only: !writable,
                 lock,
@@ -97,45 +100,16 @@ impl StoreOpener for Stores {
     }
 
     fn canonical(&self, name: &str) -> Result<String> {
-        if is_nbd_uri(name) {
+        let StoreName::Path(path) = StoreName::of(name) else {
             return Ok(name.to_string());
-        }
-        std::fs::canonicalize(name)
+        };
+        std::fs::canonicalize(path)
             .map(|p| p.display().to_string())
             .map_err(|e| ImageError::io(name, "open", e))
     }
 
     fn resolve(&self, parent: &str, backing: &str) -> String {
-        let b = Path::new(backing);
-        if b.is_absolute() || is_nbd_uri(backing) {
-            return backing.to_string();
-        }
-        if is_nbd_uri(parent) {
-            return resolve_in_uri(parent, backing);
-        }
-        let dir = Path::new(parent)
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default();
-        dir.join(b).display().to_string()
-    }
-}
-
-/// A backing name relative to an image on an NBD export names another
-/// export of the same server, in the same directory of export names (as
-/// nbdkit's file plugin exports a directory).
-fn resolve_in_uri(parent: &str, backing: &str) -> String {
-    match vdcache_nbd::NbdUri::parse(parent) {
-        Ok(mut uri) => {
-            let dir = uri
-                .export
-                .rfind('/')
-                .map_or("", |i| &uri.export[..=i])
-                .to_string();
-            uri.export = format!("{dir}{backing}");
-            uri.to_string()
-        }
-        Err(_) => backing.to_string(),
+        resolve_backing_name(parent, backing)
     }
 }
 

@@ -184,7 +184,9 @@ fn serve_and_read(dir: &Path, disk: &VirtualDisk) -> Result<()> {
     let export = Arc::new(DiskExport {
         disk: Arc::new(shared_view(disk)?),
     });
-    let server = vdcache_nbd::Server::builder().export("", export).build()?;
+    let server = vdcache_nbd_server::Server::builder()
+        .export("", export)
+        .build()?;
     server.listen_unix(&sock)?;
     let out = std::process::Command::new("qemu-io")
         .args([

@@ -215,7 +215,7 @@ impl ServerConfig {
         if let Some(v) = &l.max_buffered {
             let bytes = parse_size(v).context("[server] max_buffered")?;
             // The budget must hold one piece of a streamed payload.
-            let piece = u64::from(vdcache_nbd::Limits::default().payload_chunk);
+            let piece = u64::from(vdcache_nbd_server::Limits::default().payload_chunk);
             if bytes < piece {
                 bail!("[server] max_buffered must be at least {piece} bytes, not {v}");
             }

@@ -10,10 +10,11 @@ use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use vdcache::fuzzing::exercise_config;
+use vdcache_backend::nbd::fuzzing::{client_handshake, client_replies};
 use vdcache_eval::trace::fuzzing::{exercise_detection, exercise_reader};
 use vdcache_eval::trace::{BlkAction, Format, MAX_LINE_BYTES};
 use vdcache_image::fuzzing::exercise_image;
-use vdcache_nbd::fuzzing::{client_handshake, client_replies, server_handshake, server_requests};
+use vdcache_nbd_server::fuzzing::{server_handshake, server_requests};
 use vdcache_qcow2::fuzzing::exercise_structures;
 
 fn fuzz_dir() -> PathBuf {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use vdcache_image::{ImageError, VirtualDisk, ZeroFlags as DiskZeroFlags};
-use vdcache_nbd::{BlockSizes, Export, ExportError, Extent, ZeroFlags};
+use vdcache_nbd_server::{BlockSizes, Export, ExportError, Extent, ZeroFlags};
 
 /// Prefetch (NBD_CMD_CACHE) reads at most this much per request.
 const PREFETCH_CHUNK: u64 = 4 << 20;

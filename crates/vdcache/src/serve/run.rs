@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use std::path::PathBuf;
 use std::sync::Arc;
-use vdcache_nbd::{Limits, Server, TlsServerConfig};
+use vdcache_nbd_server::{Limits, Server, TlsServerConfig};
 
 /// Default worker threads per connection: enough for a queue depth of 16.
 pub const DEFAULT_WORKERS: usize = 16;

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-use vdcache_nbd::NbdClient;
+use vdcache_backend::nbd::NbdClient;
 
 /// The delta's cluster size (trims zero whole clusters of it).
 const CLUSTER: u64 = 64 << 10;

@@ -18,7 +18,8 @@ use rand::{RngExt, SeedableRng};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use vdcache_nbd::{NbdClient, ZeroFlags};
+use vdcache_backend::nbd::NbdClient;
+use vdcache_nbd_server::ZeroFlags;
 
 /// Largest write, in sectors (256 KiB).
 const MAX_SECTORS: u64 = 512;
