@@ -18,7 +18,7 @@ use vdcache_nbd_server::fuzzing;
 
 fn corpus(target: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/corpus")
+        .join("../../../fuzz/corpus")
         .join(target)
 }
 
