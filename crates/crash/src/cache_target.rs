@@ -1,13 +1,16 @@
 //! The flash cache under crash test: a [`Qcow2Target`]'s images plus a
 //! cache device, all recorded. The workload runs through the cache (with
 //! some guest reopens also restarting the cache, keeping its dirty data).
-//! Recovery after a crash is the cache's fast recovery, whose reads must
-//! equal, byte for byte, the images after full recovery (partially valid
-//! clusters filled, every dirty block written back, none left partial);
-//! the harness then checks those standalone images.
+//! Recovery after a crash is the production recovery (`vdcache-host`):
+//! the device opened as serve opens it (fast recovery), whose reads must
+//! equal, byte for byte, the images after full recovery as `vdcache
+//! recover --full` runs it (partially valid clusters filled, every dirty
+//! block written back, nothing left dirty or partial in the cache); the
+//! harness then checks those standalone images.
 //!
-//! This module only wires the cache into the harness; it must not relax
-//! any check.
+//! This module only wires the cache and its recovery into the harness
+//! and checks what they leave; it must not recover anything itself, nor
+//! relax any check.
 
 use crate::error::BoxError;
 use crate::target::{CrashTarget, Qcow2Target, RecordingFiles, mem_files};
@@ -15,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use vdcache_backend::BackendRef;
 use vdcache_backend::recording::CrashState;
 use vdcache_cache::{CacheConfig, FlashCache};
+use vdcache_host::FullRecovery;
 use vdcache_image::chain::StoreOpener;
 use vdcache_image::{DiskId, HostIo, ImageFormat, OpenOptions, VirtualDisk, open_chain};
 
@@ -132,39 +136,36 @@ impl CrashTarget for CacheTarget {
 
     fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
         let files = mem_files(state);
-        let dev = files
+        let dev: BackendRef = files
             .get(CACHE_DEVICE)
             .ok_or("crash state has no cache device")?;
-        let dev: BackendRef = dev;
-        // A crash while the cache was being formatted leaves no cache (and
-        // nothing in it): formatting again is what serve does.
-        let cache = FlashCache::open_or_format(dev, self.config.clone())?;
-        // Fast recovery: what the guest sees when it continues on this host.
+        // The device opened as serve opens it: fast recovery (a crash
+        // while the cache was being formatted leaves no cache, and serve
+        // formats it again).
+        let cache = vdcache_host::open_for_serving(dev.clone(), self.config.clone(), false)?;
+        // What the guest sees when it continues on this host.
         let fast = open_chain(
             Qcow2Target::TOP,
             &self.options(files.clone(), Some(cache.clone())),
         )?;
         let mut seen = vec![0u8; fast.size() as usize];
         fast.read(0, &mut seen)?;
-        // Full recovery: partially valid clusters filled from the backing
-        // chain, every dirty block and metadata sector back to the images.
-        let filled = fast.fill_partial(usize::MAX)?;
-        if filled.remaining > 0 {
-            return Err(format!(
-                "{} partially valid clusters remain after filling",
-                filled.remaining
-            )
-            .into());
-        }
-        fast.close()?;
+        // The server stops keeping its dirty data in flash; the operator
+        // then runs `vdcache recover --full`: partially valid clusters
+        // filled from the backing chain, every dirty block and metadata
+        // sector back to the images, marks cleared, leaks repaired.
+        fast.close_keeping_cached()?;
         drop(fast);
-        cache.drain()?;
-        let partial = cache.partial_images();
-        if !partial.is_empty() {
-            return Err(format!("partially valid clusters remain in {partial:?}").into());
-        }
-        cache.shutdown(false)?;
+        cache.shutdown(true)?;
         drop(cache);
+        let recovery = FullRecovery {
+            salvage: false,
+            host: self.config.host.clone(),
+            opener: files.clone(),
+        };
+        vdcache_host::recover_full(dev.clone(), CACHE_DEVICE, &recovery)
+            .map_err(|e| vdcache_host::error::chain(&e))?;
+        check_emptied(dev, &recovery)?;
         let standalone = open_chain(Qcow2Target::TOP, &self.options(files, None))?;
         let mut alone = vec![0u8; standalone.size() as usize];
         standalone.read(0, &mut alone)?;
@@ -177,4 +178,34 @@ impl CrashTarget for CacheTarget {
         }
         Ok(standalone)
     }
+}
+
+/// After full recovery the cache holds nothing the images lack: no dirty
+/// block or metadata sector, no partially valid cluster.
+fn check_emptied(dev: BackendRef, recovery: &FullRecovery) -> Result<(), BoxError> {
+    let cache = FlashCache::open(
+        dev,
+        CacheConfig {
+            force_foreign: true,
+            host: recovery.host.clone(),
+            ..CacheConfig::default()
+        },
+    )?;
+    let dirty: Vec<(String, u64)> = cache
+        .images()
+        .into_iter()
+        .filter(|(_, bytes)| *bytes > 0)
+        .collect();
+    let partial = cache.partial_images();
+    // Keeping what it holds: a stop must not write anything to the images.
+    cache.shutdown(true)?;
+    if !dirty.is_empty() {
+        return Err(
+            format!("dirty data remains in the cache after full recovery: {dirty:?}").into(),
+        );
+    }
+    if !partial.is_empty() {
+        return Err(format!("partially valid clusters remain in {partial:?}").into());
+    }
+    Ok(())
 }

@@ -335,7 +335,13 @@ pub fn recover(a: RecoverArgs) -> Result<u8> {
             "give --full --cache PATH to write a cache's data back to its images (fast recovery happens when serve opens the cache), or --without-cache IMAGE if an image's cache is lost"
         );
     };
-    let written = crate::serve::daemon::recover_full(cache, a.salvage)?;
+    let written = vdcache_host::recover_full_at(
+        cache,
+        &vdcache_host::FullRecovery {
+            salvage: a.salvage,
+            ..vdcache_host::FullRecovery::default()
+        },
+    )?;
     if written.is_empty() {
         outln!(
             "no dirty data in {}; the images are already complete",

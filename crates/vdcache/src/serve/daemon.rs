@@ -1,17 +1,16 @@
 //! Building a server's disks from its configuration: the shared cache
-//! (created, recovered or formatted), one VirtualDisk per export with its
-//! own policy, and an orderly stop that leaves every image clean.
+//! (created, recovered or formatted by `vdcache-host`, which owns how a
+//! cache device is opened and recovered), one VirtualDisk per export with
+//! its own policy, and an orderly stop that leaves every image clean.
 
 use super::config::{CacheSection, ExportConfig, ServerConfig};
 use crate::size::parse_size;
-use anyhow::{Context, Result, bail};
-use std::path::Path;
+use anyhow::{Context, Result};
 use std::sync::Arc;
-use vdcache_backend::{FileBackend, FileOptions, LockMode};
 use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache};
 use vdcache_image::{
-    DiskId, HostIo, ImageError, ImageFormat, LocalFiles, MetaCacheConfig, OpenOptions, StoreOpener,
-    Stores, VirtualDisk, open_chain,
+    DiskId, HostIo, ImageError, ImageFormat, MetaCacheConfig, OpenOptions, Stores, VirtualDisk,
+    open_chain,
 };
 
 /// One served disk.
@@ -65,123 +64,26 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     Ok(cfg)
 }
 
-/// Opens the cache device, or creates and formats a cache file.
-///
-/// A new file is built under a temporary name and renamed into place only
-/// once formatted, so a failure (a size below the minimum, a full disk)
-/// leaves nothing behind. An existing cache keeps the size it was created
-/// with: `size` must then match it or be absent. A device that holds
-/// something but no cache is refused unless `format_anyway`. Returns the
-/// cache and whether this call created its file.
+/// Opens the cache device of a `[cache]` section for serving, or creates
+/// and formats its cache file (see [`vdcache_host::open_cache_file`]).
+/// Returns the cache and whether this call created its file.
 pub fn open_cache(
     c: &CacheSection,
     cfg: CacheConfig,
     format_anyway: bool,
 ) -> Result<(Arc<FlashCache>, bool)> {
-    let path = &c.path;
     let size = c
         .size
         .as_deref()
         .map(parse_size)
         .transpose()
         .context("[cache] size (--cache-size)")?;
-    let created = !path.exists();
-    if created {
-        let size = size.with_context(|| {
-            format!(
-                "cache {} does not exist; give its size (--cache-size) to create it",
-                path.display()
-            )
-        })?;
-        create_cache_file(path, size, cfg.clone())?;
-        tracing::info!("created cache file {} ({size} bytes)", path.display());
-    }
-    let opened = (|| {
-        let device = open_device(path)?;
-        check_requested_size(path, &*device, size)?;
-        let cache = if format_anyway {
-            FlashCache::format(device, cfg)
-        } else {
-            FlashCache::open_or_format(device, cfg)
-        };
-        cache.with_context(|| format!("cache {}", path.display()))
-    })();
-    if opened.is_err() && created {
-        remove_created_cache(path);
-    }
-    Ok((opened?, created))
-}
-
-/// Removes a cache file this run created, once what it was for failed: a
-/// refused start leaves no new file behind.
-fn remove_created_cache(path: &Path) {
-    if let Err(e) = std::fs::remove_file(path) {
-        tracing::warn!("cannot remove the new cache {}: {e}", path.display());
-    }
-}
-
-/// An existing cache file must be the size asked for, if one was asked
-/// for: a size that does not apply is an error, never silently ignored.
-fn check_requested_size(
-    path: &Path,
-    device: &dyn vdcache_backend::Backend,
-    size: Option<u64>,
-) -> Result<()> {
-    let Some(want) = size else { return Ok(()) };
-    let is_file = std::fs::metadata(path)
-        .map(|m| m.file_type().is_file())
-        .unwrap_or(false);
-    if !is_file {
-        bail!(
-            "cache {} is not a regular file; --cache-size (size) applies only when a cache file is created: remove it",
-            path.display()
-        );
-    }
-    let have = device
-        .len()
-        .with_context(|| format!("cannot stat cache {}", path.display()))?;
-    if have != want {
-        bail!(
-            "cache {} is {have} bytes, but its size was given as {want} bytes; a cache keeps the size it was created with (omit --cache-size to use it, or remove the file to create a new cache; `vdcache recover --full` writes its dirty data back first)",
-            path.display()
-        );
-    }
-    Ok(())
-}
-
-/// Creates a formatted cache file of `size` bytes at `path`, complete or
-/// not at all.
-fn create_cache_file(path: &Path, size: u64, cfg: CacheConfig) -> Result<()> {
-    let name = path
-        .file_name()
-        .with_context(|| format!("cache path {} names no file", path.display()))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".creating.{}", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let built = (|| -> Result<()> {
-        let f = std::fs::File::create_new(&tmp)
-            .with_context(|| format!("cannot create cache {}", path.display()))?;
-        f.set_len(size)
-            .with_context(|| format!("cannot size cache {} to {size} bytes", path.display()))?;
-        drop(f);
-        let cache = FlashCache::format(open_device(&tmp)?, cfg)
-            .with_context(|| format!("cannot format cache {}", path.display()))?;
-        cache
-            .shutdown(false)
-            .with_context(|| format!("cannot format cache {}", path.display()))?;
-        drop(cache);
-        vdcache_backend::publish_new_file(&tmp, path).with_context(|| {
-            format!(
-                "cannot create cache {} (did another process create it meanwhile?)",
-                path.display()
-            )
-        })
-    })();
-    if built.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    built
+    Ok(vdcache_host::open_cache_file(
+        &c.path,
+        size,
+        cfg,
+        format_anyway,
+    )?)
 }
 
 /// Metadata cache of an export: whole tables for the stacked baseline;
@@ -246,7 +148,7 @@ impl Daemon {
             if let Err(stop) = daemon.stop() {
                 tracing::error!("undoing a failed start: {stop:#}");
             } else if let (true, Some(c)) = (created, &cfg.cache) {
-                remove_created_cache(&c.path);
+                vdcache_host::remove_created_cache(&c.path);
             }
             return Err(e);
         }
@@ -399,141 +301,4 @@ fn warn_unserved_dirty(cache: &FlashCache, disks: &[Disk]) {
             );
         }
     }
-}
-
-/// Opens a cache device by its absolute path: images record where their
-/// cache lives, for the advice their error messages give.
-fn open_device(path: &Path) -> Result<vdcache_backend::BackendRef> {
-    let path = std::fs::canonicalize(path)
-        .with_context(|| format!("cannot open cache {}", path.display()))?;
-    let device = FileBackend::open(
-        &path,
-        FileOptions {
-            read_only: false,
-            lock: Some(LockMode::Write),
-            create: false,
-        },
-    )
-    .with_context(|| format!("cannot open cache {}", path.display()))?;
-    Ok(Arc::new(device))
-}
-
-/// Full recovery of a cache device: every image the cache holds data of
-/// (or marked as needing it) is opened through the cache and closed, which
-/// fills its partially valid clusters from its backing chain, writes every
-/// dirty block back and clears its mark; leaked clusters are then
-/// repaired, so each image is standalone and `qemu-img check` clean. A
-/// device recorded for another host is then formatted for this one (what
-/// it still caches may be stale where the images move). Returns the
-/// images made standalone; an image that could not be is an error, after
-/// the others were done.
-pub fn recover_full(cache_path: &Path, salvage: bool) -> Result<Vec<String>> {
-    let cfg = CacheConfig {
-        force_foreign: true,
-        salvage,
-        ..CacheConfig::default()
-    };
-    let cache = FlashCache::open(open_device(cache_path)?, cfg.clone())
-        .with_context(|| format!("cache {}", cache_path.display()))?;
-    let foreign = cache.superblock().host != vdcache_cache::layout::host_identity();
-    let mut done = Vec::new();
-    let mut failed = Vec::new();
-    for name in needing_recovery(&cache) {
-        match make_standalone(&cache, &name) {
-            Ok(()) => done.push(name),
-            Err(e) => {
-                tracing::error!("{name}: {e:#}");
-                failed.push(format!("{name}: {e:#}"));
-            }
-        }
-    }
-    cache.shutdown(false)?;
-    drop(cache);
-    for name in &done {
-        repair_leaks(name)?;
-    }
-    if !failed.is_empty() {
-        bail!(
-            "{} image(s) still need the cache {} (it was left as it is): {}",
-            failed.len(),
-            cache_path.display(),
-            failed.join("; ")
-        );
-    }
-    if foreign {
-        FlashCache::format(open_device(cache_path)?, CacheConfig::default())?.shutdown(false)?;
-        tracing::info!("{} now belongs to this host", cache_path.display());
-    }
-    Ok(done)
-}
-
-/// Images the cache holds data of, or that carry its in-cache mark.
-fn needing_recovery(cache: &FlashCache) -> Vec<String> {
-    let holder = cache.superblock().uuid;
-    let partial = cache.partial_images();
-    cache
-        .images()
-        .into_iter()
-        .filter(|(name, dirty)| *dirty > 0 || partial.contains(name) || marked_by(name, &holder))
-        .map(|(name, _)| name)
-        .collect()
-}
-
-/// Whether the image file `name` says this cache holds its newest data.
-fn marked_by(name: &str, cache_id: &[u8; 16]) -> bool {
-    let Ok(backend) = LocalFiles.open(name, false, None) else {
-        return false;
-    };
-    let handle = vdcache_image::ImageHandle {
-        name: Arc::from(name),
-        depth: 0,
-        backend,
-    };
-    vdcache_image::identity::needs_cache_of(&handle).is_some_and(|id| id == *cache_id)
-}
-
-/// Opens `name` writable through the cache and closes it: the image is
-/// then complete in its file and no longer marked.
-fn make_standalone(cache: &Arc<FlashCache>, name: &str) -> Result<()> {
-    let disk = open_chain(
-        name,
-        &OpenOptions {
-            io: Some(cache.clone()),
-            ..OpenOptions::default()
-        },
-    )
-    .context("cannot open it through the cache")?;
-    disk.close().context("cannot write it back")?;
-    let left = disk.partially_valid_bytes()?;
-    if left > 0 {
-        bail!("{left} bytes of partially valid clusters could not be filled");
-    }
-    tracing::info!("{name}: written back");
-    Ok(())
-}
-
-/// Rebuilds refcounts of a qcow2 image if it has leaks after a crash.
-fn repair_leaks(name: &str) -> Result<()> {
-    let disk = open_chain(
-        name,
-        &OpenOptions {
-            no_backing: true,
-            ..OpenOptions::default()
-        },
-    )?;
-    if let vdcache_image::Layer::Qcow2(img) = &disk.layers()[0] {
-        let report = img.check()?;
-        if !report.corruptions.is_empty() {
-            bail!(
-                "{name}: corrupt after write-back: {}",
-                report.corruptions.join("; ")
-            );
-        }
-        if !report.leaks.is_empty() {
-            tracing::info!("{name}: repairing {} leaked clusters", report.leaks.len());
-            img.repair()?;
-        }
-    }
-    disk.close()?;
-    Ok(())
 }
