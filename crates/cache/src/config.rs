@@ -109,16 +109,13 @@ impl CowMode {
         }
     }
 
-    /// The COW layer's metadata cache that goes with this mode: whole
-    /// tables for the stacked baseline; 512-byte sectors when cow-aware,
-    /// so that an 8-byte L2 change costs one sector record in the journal
-    /// and not a whole table (COWCache section 3.2).
-    pub fn meta_cache(self) -> vdcache_image::MetaCacheConfig {
-        let mut m = vdcache_image::MetaCacheConfig::default();
-        if self == CowMode::CowAware {
-            m.slice_bytes = Some(512);
-        }
-        m
+    /// The slice size of the COW layer's metadata cache that goes with
+    /// this mode (`None`: whole tables, for the stacked baseline); 512-byte
+    /// sectors when cow-aware, so that an 8-byte L2 change costs one sector
+    /// record in the journal and not a whole table (COWCache section 3.2).
+    /// Whoever assembles the COW layer over the cache sets it.
+    pub fn meta_slice_bytes(self) -> Option<u64> {
+        (self == CowMode::CowAware).then_some(512)
     }
 }
 

@@ -46,8 +46,6 @@ pub enum CacheError {
         "write-back gave up: {fault}; the dirty data stays in the cache and is written back once the storage server is reachable"
     )]
     Unreachable { fault: vdcache_backend::StoreFault },
-    #[error(transparent)]
-    Image(#[from] vdcache_image::ImageError),
 }
 
 impl CacheError {
@@ -65,7 +63,6 @@ impl CacheError {
         let cause = match self {
             CacheError::Unreachable { fault } => return Some(fault),
             CacheError::Device { cause, .. } => cause,
-            CacheError::Image(vdcache_image::ImageError::Io { cause, .. }) => cause,
             _ => return None,
         };
         vdcache_backend::StoreFault::find(cause)

@@ -16,7 +16,7 @@
 use crate::error::{CacheError, Result};
 use crate::layout::{BLOCK, Layout};
 use vdcache_backend::{Backend, StoreIdentity};
-use vdcache_image::{ImageIdentity, MarkIdentity};
+use vdcache_contract::{ImageIdentity, MarkIdentity};
 
 const BATCH_MAGIC: u32 = 0x5644_4a52; // "VDJR"
 const CHECKPOINT_MAGIC: u32 = 0x5644_434b; // "VDCK"

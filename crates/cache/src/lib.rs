@@ -1,6 +1,6 @@
 //! The flash cache tier: a log-structured cache device shared by every disk
 //! a server serves, sitting under the COW layer's narrow I/O interface
-//! (`vdcache_image::HostIo`). Layout follows SVD (paper 004, section III):
+//! (`vdcache_contract::HostIo`). Layout follows SVD (paper 004, section III):
 //! superblock, two checkpoint slots, a journal ring, and a data zone of
 //! erase-block-sized regions filled append-only and reclaimed whole. The
 //! index is COWCache's virtual cache map (paper 000, section 4.1).

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use vdcache_image::DiskId;
+use vdcache_contract::DiskId;
 
 /// Counters of one disk.
 #[derive(Debug, Default)]

@@ -7,12 +7,14 @@
 //! bug).
 
 use std::collections::HashMap;
-use std::io;
 use std::sync::{Arc, Mutex};
 use vdcache_image::DirectIo;
+use vdcache_image::hostio::HostError;
 use vdcache_image::hostio::{
     FlushKind, HostIo, ImageHandle, IoClass, IoTag, MetaTable, WriteSegment,
 };
+
+type HostResult<T> = Result<T, HostError>;
 use vdcache_qcow2::HostOffset;
 
 /// Which ordering rule to break.
@@ -59,7 +61,7 @@ impl BrokenIo {
     }
 
     /// Issues the held-back writes of `image`, in order.
-    fn release(&self, image: &ImageHandle) -> io::Result<()> {
+    fn release(&self, image: &ImageHandle) -> HostResult<()> {
         let held = self.held().remove(&image.name).unwrap_or_default();
         for (off, bytes, tag) in held {
             self.inner.write(
@@ -87,7 +89,7 @@ impl HostIo for BrokenIo {
         offset: HostOffset,
         buf: &mut [u8],
         tag: IoTag,
-    ) -> io::Result<()> {
+    ) -> HostResult<()> {
         self.inner.read(image, offset, buf, tag)?;
         let held = self.held();
         let start = offset.0;
@@ -107,7 +109,7 @@ impl HostIo for BrokenIo {
         image: &ImageHandle,
         offset: HostOffset,
         segments: &[WriteSegment<'_>],
-    ) -> io::Result<()> {
+    ) -> HostResult<()> {
         if self.breakage != Breakage::DataAfterMetadata || segments.is_empty() {
             return self.inner.write(image, offset, segments);
         }
@@ -139,11 +141,11 @@ impl HostIo for BrokenIo {
         offset: HostOffset,
         len: u64,
         tag: IoTag,
-    ) -> io::Result<()> {
+    ) -> HostResult<()> {
         self.inner.discard(image, offset, len, tag)
     }
 
-    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> io::Result<()> {
+    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> HostResult<()> {
         match (self.breakage, kind) {
             (Breakage::DropFlushes, _) | (Breakage::DropBarriers, FlushKind::Barrier) => Ok(()),
             (Breakage::DropBarriers, FlushKind::Durable) => self.inner.flush(image, kind),
@@ -155,7 +157,7 @@ impl HostIo for BrokenIo {
         }
     }
 
-    fn len(&self, image: &ImageHandle) -> io::Result<u64> {
+    fn len(&self, image: &ImageHandle) -> HostResult<u64> {
         let store = self.inner.len(image)?;
         let held = self.held();
         Ok(held

@@ -101,7 +101,7 @@ impl StoreOpener for RecordingFiles {
             None => Err(ImageError::Io {
                 image: name.to_string(),
                 op: "open",
-                cause: std::io::Error::from(std::io::ErrorKind::NotFound),
+                cause: std::io::Error::from(std::io::ErrorKind::NotFound).into(),
             }),
         }
     }

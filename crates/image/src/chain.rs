@@ -417,11 +417,12 @@ fn prepare_top(layers: &[Layer], opts: &OpenOptions) -> Result<()> {
 /// Tells the layer below which file `handle` is, before it serves any
 /// copy it kept of it.
 fn attach(io: &Arc<dyn HostIo>, handle: &ImageHandle, disk: DiskId, writable: bool) -> Result<()> {
-    if io.holder().is_none() {
+    if io.copies().holder().is_none() {
         return Ok(());
     }
     let identity = read_identity(handle, writable)
         .map_err(|e| ImageError::io(&handle.name, "read its identity", e))?;
-    io.attach(handle, disk, &identity)
+    io.copies()
+        .attach(handle, disk, &identity)
         .map_err(|e| ImageError::io(&handle.name, "check it against the cache", e))
 }

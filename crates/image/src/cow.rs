@@ -216,6 +216,7 @@ impl VirtualDisk {
         }
         let invalid = self
             .io
+            .partial()
             .invalid_ranges(&img.data, HostOffset(host.0 + lo_b), hi_b - lo_b)
             .map_err(|e| ImageError::io(img.name(), "read validity", e))?;
         let covers = |at: u64| {
@@ -244,6 +245,7 @@ impl VirtualDisk {
             let tag = self.tag(IoClass::CowFill, g.cluster_offset(p.cluster));
             let mark = |start: u64, end: u64, invalid: bool| {
                 self.io
+                    .partial()
                     .set_invalid(
                         &img.data,
                         HostOffset(host.0 + start),

@@ -14,6 +14,7 @@ use crate::hostio::{
 use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image, TableReads};
 use crate::range_lock::{Mode, RangeLocks};
 use std::sync::Arc;
+use vdcache_contract::{GuestCluster, GuestOffset, HostError};
 use vdcache_qcow2::HostOffset;
 use vdcache_qcow2::entries::{L2Mapping, StandardCluster, all_subclusters};
 
@@ -123,7 +124,7 @@ impl VirtualDisk {
             Layer::Qcow2(q) => {
                 let g = q.geometry();
                 !read_only
-                    && io.decoupled_cow(disk)
+                    && io.partial().decoupled_cow(disk)
                     && !g.extended_l2()
                     && !q.external_data
                     && g.cluster_size() >= 2 * DCOW_BLOCK
@@ -132,7 +133,7 @@ impl VirtualDisk {
             }
             Layer::Raw(_) => false,
         };
-        let hints_masked = layers.len() > 1 && io.wants_masked_hints(disk);
+        let hints_masked = layers.len() > 1 && io.hints().wants_masked_hints(disk);
         Ok(VirtualDisk {
             size: top.size(),
             layers,
@@ -178,7 +179,10 @@ impl VirtualDisk {
         IoTag {
             class,
             disk: self.disk,
-            guest_cluster: Some(guest >> self.cluster_bits),
+            guest_cluster: Some(GuestCluster::containing(
+                GuestOffset(guest),
+                self.cluster_bits,
+            )),
             unit: None,
         }
     }
@@ -240,6 +244,7 @@ impl VirtualDisk {
             Layer::Qcow2(_) => Ok(()),
             Layer::Raw(r) => self
                 .io
+                .copies()
                 .write_back_image(&r.handle)
                 .map_err(|e| ImageError::io(&r.handle.name, "write back the cache", e)),
         }
@@ -335,6 +340,7 @@ impl VirtualDisk {
         let tag = self.tag(IoClass::GuestData, offset);
         let forget = |image: &ImageHandle, host: u64, len: u64| {
             self.io
+                .hints()
                 .forget(image, HostOffset(host), len, tag)
                 .map_err(|e| ImageError::io(&image.name, "drop masked blocks", e))
         };
@@ -377,6 +383,7 @@ impl VirtualDisk {
         let len = buf.len() as u64;
         let invalid = self
             .io
+            .partial()
             .invalid_ranges(&img.data, host, len)
             .map_err(|e| ImageError::io(img.name(), "read", e))?;
         let mut pos = host.0;
@@ -420,6 +427,7 @@ impl VirtualDisk {
 
     fn partial_ranges(&self, img: &Qcow2Image) -> Result<Vec<PartialRange>> {
         self.io
+            .partial()
             .partial_ranges(&img.data)
             .map_err(|e| ImageError::io(img.name(), "list partially valid clusters", e))
     }
@@ -433,7 +441,9 @@ impl VirtualDisk {
             && self.decoupled
         {
             let fill: Arc<dyn BackingFill> = self.clone();
-            self.io.set_backing_fill(&img.data, Arc::downgrade(&fill));
+            self.io
+                .partial()
+                .set_backing_fill(&img.data, Arc::downgrade(&fill));
         }
     }
 
@@ -454,6 +464,7 @@ impl VirtualDisk {
             Layer::Raw(r) => &r.handle,
         };
         self.io
+            .copies()
             .write_back_image(handle)
             .map_err(|e| ImageError::io(&handle.name, "write back the cache", e))
     }
@@ -472,16 +483,17 @@ impl VirtualDisk {
             ..FillReport::default()
         };
         for r in ranges.into_iter().take(limit) {
-            let guest = r.guest_cluster * cs + (r.offset & (cs - 1));
+            let guest = r.guest_cluster.0 * cs + (r.offset.0 & (cs - 1));
             if guest + r.len > self.size {
                 continue;
             }
             let (first, end) = self.cluster_range(guest, r.len);
             let _guard = self.locks.lock(first, end, Mode::Exclusive);
             self.before_change()?;
-            let still_mapped = img.map(guest, r.len)?.first().is_some_and(|e| {
-                e.kind == ExtentKind::Data(HostOffset(r.offset)) && e.len == r.len
-            });
+            let still_mapped = img
+                .map(guest, r.len)?
+                .first()
+                .is_some_and(|e| e.kind == ExtentKind::Data(r.offset) && e.len == r.len);
             let tag = self.tag(IoClass::CowFill, guest);
             if !still_mapped {
                 // An allocation whose L2 entry never became durable (a crash
@@ -489,23 +501,20 @@ impl VirtualDisk {
                 // cluster through this guest address, so nothing needs filling.
                 tracing::debug!(
                     image = img.name(),
-                    offset = r.offset,
+                    offset = r.offset.0,
                     "dropping an orphaned partially valid record"
                 );
                 self.io
-                    .set_invalid(&img.data, HostOffset(r.offset), r.len, false, tag)
+                    .partial()
+                    .set_invalid(&img.data, r.offset, r.len, false, tag)
                     .map_err(|e| ImageError::io(img.name(), "update validity", e))?;
                 continue;
             }
-            img.lock().check_data_write(r.offset, r.len)?;
+            img.lock().check_data_write(r.offset.0, r.len)?;
             let mut buf = vec![0u8; r.len as usize];
             self.read_layer(1, guest, &mut buf, IoClass::CowFill)?;
             self.io
-                .write(
-                    &img.data,
-                    HostOffset(r.offset),
-                    &[WriteSegment { data: &buf, tag }],
-                )
+                .write(&img.data, r.offset, &[WriteSegment { data: &buf, tag }])
                 .map_err(|e| ImageError::io(img.name(), "fill", e))?;
             report.filled_bytes += r.len;
         }
@@ -629,6 +638,7 @@ impl VirtualDisk {
                             // A kept (preallocated) cluster reads zeros: none
                             // of it may be routed to the backing chain later.
                             self.io
+                                .partial()
                                 .set_invalid(
                                     &img.data,
                                     h,
@@ -781,6 +791,7 @@ impl VirtualDisk {
             Layer::Raw(r) => {
                 self.flush()?;
                 self.io
+                    .copies()
                     .write_back_image(&r.handle)
                     .map_err(|e| ImageError::io(&r.handle.name, "write back the cache", e))
             }
@@ -933,9 +944,9 @@ impl BackingFill for VirtualDisk {
     fn backing_bytes(
         &self,
         host: HostOffset,
-        guest_cluster: u64,
+        guest_cluster: GuestCluster,
         buf: &mut [u8],
-    ) -> std::io::Result<bool> {
+    ) -> std::result::Result<bool, HostError> {
         let Layer::Qcow2(img) = &self.layers[0] else {
             return Ok(false);
         };
@@ -943,6 +954,7 @@ impl BackingFill for VirtualDisk {
         let len = buf.len() as u64;
         let within = host.0 & (cs - 1);
         let Some(guest) = guest_cluster
+            .0
             .checked_mul(cs)
             .map(|g| g + within)
             .filter(|&g| within + len <= cs && g + len <= self.size)

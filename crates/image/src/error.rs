@@ -1,5 +1,6 @@
 //! Errors of the COW layer, each naming the image it concerns.
 
+use vdcache_contract::HostError;
 use vdcache_qcow2::FormatError;
 
 /// Why an image or chain operation failed. Each message is complete in
@@ -9,11 +10,13 @@ use vdcache_qcow2::FormatError;
 pub enum ImageError {
     #[error("{image}: {cause}")]
     Format { image: String, cause: FormatError },
+    /// An I/O of the store or the layer below failed; `cause` says how
+    /// (a full store, an unreachable server, corrupt data, ...).
     #[error("{image}: {op} failed: {cause}")]
     Io {
         image: String,
         op: &'static str,
-        cause: std::io::Error,
+        cause: HostError,
     },
     #[error(transparent)]
     Lock(#[from] vdcache_backend::LockError),
@@ -50,11 +53,11 @@ pub enum ImageError {
 }
 
 impl ImageError {
-    pub(crate) fn io(image: &str, op: &'static str, cause: std::io::Error) -> Self {
+    pub(crate) fn io(image: &str, op: &'static str, cause: impl Into<HostError>) -> Self {
         ImageError::Io {
             image: image.to_string(),
             op,
-            cause,
+            cause: cause.into(),
         }
     }
 
@@ -78,7 +81,7 @@ impl ImageError {
             ImageError::ReadOnly { .. } => libc_eperm(),
             ImageError::OutOfRange { .. } => 22,
             ImageError::NoSpace { .. } => 28,
-            ImageError::Io { cause, .. } => cause.raw_os_error().unwrap_or(5),
+            ImageError::Io { cause, .. } => cause.errno(),
             _ => 5,
         }
     }
@@ -95,8 +98,24 @@ impl From<ImageError> for std::io::Error {
     /// store put in it); anything else becomes an opaque one.
     fn from(e: ImageError) -> std::io::Error {
         match e {
-            ImageError::Io { cause, .. } => cause,
+            ImageError::Io { cause, .. } => cause.into(),
             other => std::io::Error::other(other),
+        }
+    }
+}
+
+impl From<ImageError> for HostError {
+    /// For the layer below that calls back into the COW layer (see
+    /// `BackingFill`): an I/O failure keeps its own cause, corrupt data
+    /// stays corrupt, anything else is an I/O failure in the COW layer's
+    /// words.
+    fn from(e: ImageError) -> HostError {
+        match e {
+            ImageError::Io { cause, .. } => cause,
+            e @ (ImageError::Corrupt { .. } | ImageError::Format { .. }) => {
+                HostError::Corrupt(e.to_string())
+            }
+            other => HostError::Io(std::io::Error::other(other)),
         }
     }
 }

@@ -4,8 +4,9 @@
 //! discards and zero writes, and orders metadata writes so that a crash
 //! never leaves a flushed write unreadable. It owns the metadata cache.
 //!
-//! All storage I/O leaves through [`hostio::HostIo`], tagged with its class
-//! and addresses, so a cache can sit underneath without this crate knowing.
+//! All storage I/O leaves through [`hostio::HostIo`] (the contract of
+//! `vdcache-contract`), tagged with its class and addresses, so a cache can
+//! sit underneath without this crate knowing.
 
 pub mod chain;
 pub mod check;
@@ -15,7 +16,7 @@ pub mod disk;
 pub mod error;
 pub mod fuzzing;
 pub mod hostio;
-pub mod identity;
+pub use vdcache_contract::identity;
 pub mod meta_cache;
 pub mod qimage;
 mod range_lock;
@@ -26,8 +27,8 @@ pub use create::{CreateOptions, create_qcow2, create_raw, qcow2_image_bytes};
 pub use disk::{BlockState, FillReport, Layer, VirtualDisk, ZeroFlags};
 pub use error::{ImageError, Result};
 pub use hostio::{
-    BackingFill, DirectIo, DiskId, FlushKind, Holder, HostIo, ImageHandle, IoClass, IoTag,
-    MetaTable, PartialRange, WriteSegment,
+    BackingFill, DirectIo, DiskId, FlushKind, Holder, HostError, HostIo, ImageHandle, IoClass,
+    IoTag, MetaTable, PartialRange, WriteSegment,
 };
 pub use identity::{ImageIdentity, MarkIdentity, Verdict};
 pub use meta_cache::MetaCacheConfig;

@@ -25,6 +25,17 @@ pub struct MetaCacheConfig {
     pub slice_bytes: Option<u64>,
 }
 
+impl MetaCacheConfig {
+    /// The default sizes with slices of `slice_bytes` (`None`: whole
+    /// tables), as the layer below asks for (a flash cache's COW mode).
+    pub fn with_slice_bytes(slice_bytes: Option<u64>) -> MetaCacheConfig {
+        MetaCacheConfig {
+            slice_bytes,
+            ..MetaCacheConfig::default()
+        }
+    }
+}
+
 impl Default for MetaCacheConfig {
     fn default() -> Self {
         MetaCacheConfig {

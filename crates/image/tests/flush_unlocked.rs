@@ -2,16 +2,18 @@
 //! the disk's requests go on during it, and what they change (a cluster
 //! freed, data written) is not counted as covered by that sync.
 
-use std::io;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use vdcache_backend::inject::{Gate, eventually};
+use vdcache_image::HostError;
 use vdcache_image::{
     CreateOptions, DirectIo, FlushKind, HostIo, ImageFormat, ImageHandle, IoClass, IoTag, MemFiles,
     OpenOptions, VirtualDisk, WriteSegment, open_chain, qcow2_image_bytes,
 };
 use vdcache_qcow2::HostOffset;
+
+type Result<T> = std::result::Result<T, HostError>;
 
 const CLUSTER: u64 = 64 << 10;
 const SIZE: u64 = 64 << 20;
@@ -47,7 +49,7 @@ impl HostIo for GatedIo {
         offset: HostOffset,
         buf: &mut [u8],
         tag: IoTag,
-    ) -> io::Result<()> {
+    ) -> Result<()> {
         self.inner.read(image, offset, buf, tag)
     }
 
@@ -56,24 +58,18 @@ impl HostIo for GatedIo {
         image: &ImageHandle,
         offset: HostOffset,
         segments: &[WriteSegment<'_>],
-    ) -> io::Result<()> {
+    ) -> Result<()> {
         self.inner.write(image, offset, segments)
     }
 
-    fn discard(
-        &self,
-        image: &ImageHandle,
-        offset: HostOffset,
-        len: u64,
-        tag: IoTag,
-    ) -> io::Result<()> {
+    fn discard(&self, image: &ImageHandle, offset: HostOffset, len: u64, tag: IoTag) -> Result<()> {
         if tag.class == IoClass::Reclaim {
             self.reclaimed.fetch_add(1, Ordering::SeqCst);
         }
         self.inner.discard(image, offset, len, tag)
     }
 
-    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> io::Result<()> {
+    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> Result<()> {
         if kind == FlushKind::Durable && std::thread::current().name() == Some(GATED_THREAD) {
             self.gate.wait();
         }

@@ -39,7 +39,7 @@ impl StoreOpener for ReplayFiles {
             .ok_or_else(|| ImageError::Io {
                 image: name.to_string(),
                 op: "open",
-                cause: std::io::Error::from(std::io::ErrorKind::NotFound),
+                cause: std::io::Error::from(std::io::ErrorKind::NotFound).into(),
             })
     }
 

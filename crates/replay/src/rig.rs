@@ -17,8 +17,8 @@ use vdcache_cache::{CacheConfig, CacheError, DiskPolicy, FlashCache, Replacement
 use vdcache_eval::cost::DeviceProfile;
 use vdcache_eval::ftl::{FtlConfig, FtlError};
 use vdcache_image::{
-    CreateOptions, DiskId, HostIo, ImageError, ImageFormat, OpenOptions, VirtualDisk, open_chain,
-    qcow2_image_bytes,
+    CreateOptions, DiskId, HostIo, ImageError, ImageFormat, MetaCacheConfig, OpenOptions,
+    VirtualDisk, open_chain, qcow2_image_bytes,
 };
 
 /// How each trace disk is laid out.
@@ -218,14 +218,14 @@ impl Rig {
         vdcache_backend::Backend::write_at(&store, &bytes, 0).map_err(|cause| ImageError::Io {
             image: name.clone(),
             op: "write",
-            cause,
+            cause: cause.into(),
         })?;
         self.files.insert(&name, self.metered(store));
         self.open(&name, n, ImageFormat::Qcow2)
     }
 
     fn open(&self, name: &str, n: u32, format: ImageFormat) -> Result<VirtualDisk, RigError> {
-        let mut meta = self.config.policy.cow.meta_cache();
+        let mut meta = MetaCacheConfig::with_slice_bytes(self.config.policy.cow.meta_slice_bytes());
         if let Some(l2) = self.config.l2_cache_bytes {
             meta.l2_bytes = l2;
         }

@@ -10,7 +10,7 @@ use vdcache_backend::{BackendRef, MemBackend};
 use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache};
 use vdcache_eval::ftl::{Ftl, FtlConfig};
 use vdcache_image::{
-    CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, open_chain,
+    CreateOptions, DiskId, HostIo, ImageFormat, MemFiles, MetaCacheConfig, OpenOptions, open_chain,
     qcow2_image_bytes,
 };
 use vdcache_replay::FtlDevice;
@@ -60,7 +60,7 @@ fn log_structured_cache_keeps_flash_write_amplification_near_one() {
             io: Some(io),
             disk: DiskId(1),
             format: Some(ImageFormat::Qcow2),
-            cache: CowMode::CowAware.meta_cache(),
+            cache: MetaCacheConfig::with_slice_bytes(CowMode::CowAware.meta_slice_bytes()),
             ..OpenOptions::default()
         },
     )

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use vdcache_backend::{FileBackend, FileOptions, LockMode};
 use vdcache_cache::{CacheConfig, CowMode, FlashCache};
 use vdcache_image::{
-    CreateOptions, DiskId, HostIo, ImageFormat, Layer, OpenOptions, VirtualDisk, create_qcow2,
-    open_chain,
+    CreateOptions, DiskId, HostIo, ImageFormat, Layer, MetaCacheConfig, OpenOptions, VirtualDisk,
+    create_qcow2, open_chain,
 };
 
 #[derive(clap::Args)]
@@ -67,7 +67,7 @@ fn open_disk(delta: &Path, cache: Option<&Arc<FlashCache>>) -> Result<VirtualDis
             io,
             disk: DiskId(1),
             // The cache's default mode is cow-aware: sector-sized metadata.
-            cache: CowMode::CowAware.meta_cache(),
+            cache: MetaCacheConfig::with_slice_bytes(CowMode::CowAware.meta_slice_bytes()),
             ..OpenOptions::default()
         },
     )?)

@@ -26,8 +26,10 @@ use hashbrown::HashTable;
 pub use sparse::SPARSE_MAX;
 use sparse::{Entry, SparseLine, SparseTable, Upsert};
 use std::hash::BuildHasher;
+use vdcache_contract::{CacheBlock, ImageId, LineKey};
 
-/// A cache block number in the data zone.
+/// A cache block number in the data zone: the raw form of
+/// [`vdcache_contract::CacheBlock`], which the cache's interfaces speak.
 pub type Cbn = u32;
 
 /// One reference to a cache block: the (line, slot) holding it.
@@ -48,19 +50,20 @@ impl BlockRef {
 /// Guest cluster number of a line that does not record one (sparse lines).
 pub const NO_GUEST: u64 = u32::MAX as u64;
 /// No block.
-pub const NO_BLOCK: Cbn = u32::MAX;
+pub const NO_BLOCK: Cbn = CacheBlock::NONE.0;
 
-/// Key of a line: image id (16 bits) and line number (48 bits).
+/// Key of a line, raw: image id (16 bits) and line number (48 bits), as
+/// [`LineKey`] packs them.
 pub fn line_key(image: u16, line: u64) -> u64 {
-    (u64::from(image) << 48) | (line & ((1 << 48) - 1))
+    LineKey::new(ImageId(image), line).0
 }
 
 pub fn key_image(key: u64) -> u16 {
-    (key >> 48) as u16
+    LineKey(key).image().0
 }
 
 pub fn key_line(key: u64) -> u64 {
-    key & ((1 << 48) - 1)
+    LineKey(key).line()
 }
 
 /// One entry of the virtual cache map (24 bytes: packed to 4-byte

@@ -11,7 +11,7 @@ use crate::stats::bump;
 use std::collections::BTreeSet;
 use std::sync::{Arc, MutexGuard};
 use vdcache_backend::BackendRef;
-use vdcache_image::{DiskId, FlushKind, ImageHandle};
+use vdcache_contract::{DiskId, FlushKind, ImageHandle};
 
 impl FlashCache {
     /// Syncs images holding write-through data (`which`: all of them, or

@@ -21,7 +21,7 @@ use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE, LINE_BLOCKS};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
-use vdcache_image::BackingFill;
+use vdcache_contract::{BackingFill, GuestCluster};
 use vdcache_qcow2::HostOffset;
 
 const SECTOR: u64 = 512;
@@ -163,10 +163,12 @@ impl LineFill {
         let mut bytes = vec![0u8; (end - start) as usize];
         let host = HostOffset(key_line(self.key) * LINE + start);
         let read = filler
-            .backing_bytes(host, u64::from(self.guest), &mut bytes)
-            .map_err(CacheError::device(
-                "read the backing chain to fill a cluster",
-            ))?;
+            .backing_bytes(host, GuestCluster(u64::from(self.guest)), &mut bytes)
+            .map_err(|e| {
+                CacheError::device("read the backing chain to fill a cluster")(
+                    std::io::Error::from(e),
+                )
+            })?;
         Ok(if read {
             BaseRead::Read { start, bytes }
         } else {

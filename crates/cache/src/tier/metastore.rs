@@ -27,8 +27,8 @@ use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::stats::bump;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
-use vdcache_image::hostio::WriteSegment;
-use vdcache_image::{IoClass, IoTag, MetaTable};
+use vdcache_contract::WriteSegment;
+use vdcache_contract::{IoClass, IoTag, MetaTable};
 
 /// Metadata sector size.
 pub(crate) const SECTOR: u64 = META_SECTOR as u64;
@@ -510,7 +510,7 @@ impl FlashCache {
                 .into_iter()
                 .filter(|(k, _, _)| keys.binary_search(k).is_ok())
                 .collect();
-            let targets: Vec<Option<(vdcache_backend::BackendRef, vdcache_image::DiskId)>> = st
+            let targets: Vec<Option<(vdcache_backend::BackendRef, vdcache_contract::DiskId)>> = st
                 .images
                 .iter()
                 .map(|r| r.backend.clone().map(|b| (b, r.disk)))

@@ -35,14 +35,14 @@ use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
 use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
-use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use vdcache_backend::BackendRef;
-use vdcache_image::hostio::WriteSegment;
-use vdcache_image::{
-    DiskId, FlushKind, Holder, HostIo, ImageHandle, ImageIdentity, IoTag, Verdict,
+use vdcache_contract::{
+    BackingFill, CopyHolder, CowHints, DiskId, FlushKind, HostError, HostIo, ImageHandle,
+    ImageIdentity, IoTag, PartialRange, PartialValidity, Verdict, WriteSegment,
 };
+use vdcache_contract::{Holder, Result as HostResult};
 use vdcache_qcow2::HostOffset;
 
 /// An image the cache has seen.
@@ -163,7 +163,7 @@ pub(crate) struct State {
     pub meta: metastore::MetaStore,
     /// Per image, the COW layer's reader of its backing chain, with which
     /// write-back fills partially valid clusters (see `fills`).
-    pub fillers: HashMap<u16, std::sync::Weak<dyn vdcache_image::BackingFill>>,
+    pub fillers: HashMap<u16, std::sync::Weak<dyn BackingFill>>,
     /// When the journal buffer was last written out.
     pub journal_written: std::time::Instant,
     /// Regions emptied with their summary / by scanning the index.
@@ -364,12 +364,20 @@ impl std::fmt::Debug for FlashCache {
     }
 }
 
-fn io_err(e: CacheError) -> io::Error {
+/// A cache error as the COW layer above sees it, typed by what it means
+/// there; the text is the cache's own.
+fn host_err(e: CacheError) -> HostError {
     match e {
-        CacheError::Device { cause, .. } => cause,
+        // The device's or the store's own error: ENOSPC, store faults and
+        // errnos stay as they were.
+        CacheError::Device { cause, .. } => HostError::from(cause),
         // Keeps the typed fault, so the layers above can tell it.
-        CacheError::Unreachable { fault } => fault.into_io(),
-        other => io::Error::other(other.to_string()),
+        CacheError::Unreachable { fault } => HostError::from(fault),
+        e @ (CacheError::NotACache
+        | CacheError::Corrupt(_)
+        | CacheError::Damaged { .. }
+        | CacheError::Unreadable { .. }) => HostError::Corrupt(e.to_string()),
+        other => HostError::Refused(other.to_string()),
     }
 }
 
@@ -811,8 +819,9 @@ impl HostIo for FlashCache {
         offset: HostOffset,
         buf: &mut [u8],
         tag: IoTag,
-    ) -> io::Result<()> {
-        self.read_blocks(image, offset.0, buf, tag).map_err(io_err)
+    ) -> HostResult<()> {
+        self.read_blocks(image, offset.0, buf, tag)
+            .map_err(host_err)
     }
 
     fn write(
@@ -820,8 +829,9 @@ impl HostIo for FlashCache {
         image: &ImageHandle,
         offset: HostOffset,
         segments: &[WriteSegment<'_>],
-    ) -> io::Result<()> {
-        self.write_blocks(image, offset.0, segments).map_err(io_err)
+    ) -> HostResult<()> {
+        self.write_blocks(image, offset.0, segments)
+            .map_err(host_err)
     }
 
     fn discard(
@@ -830,24 +840,54 @@ impl HostIo for FlashCache {
         offset: HostOffset,
         len: u64,
         tag: IoTag,
-    ) -> io::Result<()> {
+    ) -> HostResult<()> {
         self.discard_blocks(image, offset.0, len, tag)
-            .map_err(io_err)
+            .map_err(host_err)
     }
 
-    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> io::Result<()> {
-        self.flush_image(image, kind).map_err(io_err)
+    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> HostResult<()> {
+        self.flush_image(image, kind).map_err(host_err)
     }
 
+    fn len(&self, image: &ImageHandle) -> HostResult<u64> {
+        let stored = image.backend.len()?;
+        let st = self.lock();
+        let cached = st
+            .by_name
+            .get(&*image.name)
+            .and_then(|&id| st.images.get(id as usize))
+            .map_or(0, |r| r.end);
+        Ok(stored.max(cached))
+    }
+
+    fn write_durable(
+        &self,
+        image: &ImageHandle,
+        writes: &[(HostOffset, &[u8])],
+        tag: IoTag,
+    ) -> HostResult<()> {
+        self.write_to_store(image, writes, tag).map_err(host_err)
+    }
+
+    fn partial(&self) -> &dyn PartialValidity {
+        self
+    }
+
+    fn hints(&self) -> &dyn CowHints {
+        self
+    }
+
+    fn copies(&self) -> &dyn CopyHolder {
+        self
+    }
+}
+
+impl PartialValidity for FlashCache {
     fn decoupled_cow(&self, disk: DiskId) -> bool {
         self.decoupled_for(disk)
     }
 
-    fn set_backing_fill(
-        &self,
-        image: &ImageHandle,
-        fill: std::sync::Weak<dyn vdcache_image::BackingFill>,
-    ) {
+    fn set_backing_fill(&self, image: &ImageHandle, fill: std::sync::Weak<dyn BackingFill>) {
         let mut st = self.lock();
         if let Some(&id) = st.by_name.get(&*image.name) {
             st.fillers.insert(id, fill);
@@ -861,9 +901,9 @@ impl HostIo for FlashCache {
         len: u64,
         invalid: bool,
         tag: IoTag,
-    ) -> io::Result<()> {
+    ) -> HostResult<()> {
         self.set_invalid_range(image, offset.0, len, invalid, tag)
-            .map_err(io_err)
+            .map_err(host_err)
     }
 
     fn invalid_ranges(
@@ -871,14 +911,33 @@ impl HostIo for FlashCache {
         image: &ImageHandle,
         offset: HostOffset,
         len: u64,
-    ) -> io::Result<Vec<(u64, u64)>> {
+    ) -> HostResult<Vec<(u64, u64)>> {
         Ok(self.invalid_ranges_of(image, offset.0, len))
     }
 
-    fn partial_ranges(&self, image: &ImageHandle) -> io::Result<Vec<vdcache_image::PartialRange>> {
+    fn partial_ranges(&self, image: &ImageHandle) -> HostResult<Vec<PartialRange>> {
         Ok(self.partial_ranges_of(image))
     }
+}
 
+impl CowHints for FlashCache {
+    fn wants_masked_hints(&self, disk: DiskId) -> bool {
+        self.lock().policy(disk, self.config.default_policy).cow == crate::config::CowMode::CowAware
+    }
+
+    fn forget(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        len: u64,
+        tag: IoTag,
+    ) -> HostResult<()> {
+        self.drop_masked(image, offset.0, len, tag);
+        Ok(())
+    }
+}
+
+impl CopyHolder for FlashCache {
     fn holder(&self) -> Option<Holder> {
         Some(Holder {
             id: self.sb.uuid,
@@ -891,10 +950,10 @@ impl HostIo for FlashCache {
         image: &ImageHandle,
         disk: DiskId,
         identity: &ImageIdentity,
-    ) -> io::Result<()> {
+    ) -> HostResult<()> {
         self.attach_image(image, disk, identity)
             .map(|_| ())
-            .map_err(io_err)
+            .map_err(host_err)
     }
 
     fn keeps_newer(&self, disk: DiskId) -> bool {
@@ -902,7 +961,7 @@ impl HostIo for FlashCache {
             == crate::config::WriteMode::WriteBack
     }
 
-    fn holds_newer(&self, image: &ImageHandle) -> io::Result<bool> {
+    fn holds_newer(&self, image: &ImageHandle) -> HostResult<bool> {
         let st = self.lock();
         Ok(st
             .by_name
@@ -910,42 +969,7 @@ impl HostIo for FlashCache {
             .is_some_and(|&id| self.holds_newer_of(&st, id)))
     }
 
-    fn write_back_image(&self, _image: &ImageHandle) -> io::Result<()> {
-        self.drain().map_err(io_err)
-    }
-
-    fn write_durable(
-        &self,
-        image: &ImageHandle,
-        writes: &[(HostOffset, &[u8])],
-        tag: IoTag,
-    ) -> io::Result<()> {
-        self.write_to_store(image, writes, tag).map_err(io_err)
-    }
-
-    fn wants_masked_hints(&self, disk: DiskId) -> bool {
-        self.lock().policy(disk, self.config.default_policy).cow == crate::config::CowMode::CowAware
-    }
-
-    fn forget(
-        &self,
-        image: &ImageHandle,
-        offset: HostOffset,
-        len: u64,
-        tag: IoTag,
-    ) -> io::Result<()> {
-        self.drop_masked(image, offset.0, len, tag);
-        Ok(())
-    }
-
-    fn len(&self, image: &ImageHandle) -> io::Result<u64> {
-        let stored = image.backend.len()?;
-        let st = self.lock();
-        let cached = st
-            .by_name
-            .get(&*image.name)
-            .and_then(|&id| st.images.get(id as usize))
-            .map_or(0, |r| r.end);
-        Ok(stored.max(cached))
+    fn write_back_image(&self, _image: &ImageHandle) -> HostResult<()> {
+        self.drain().map_err(host_err)
     }
 }

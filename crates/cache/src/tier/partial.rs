@@ -13,7 +13,7 @@ use crate::index::line_key;
 use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE, LINE_BLOCKS};
 use crate::stats::bump;
-use vdcache_image::{ImageHandle, IoTag, PartialRange};
+use vdcache_contract::{GuestCluster, HostOffset, ImageHandle, IoTag, PartialRange};
 
 /// Granularity of validity inside a partially valid block.
 const SECTOR: u64 = 512;
@@ -137,7 +137,11 @@ impl FlashCache {
             if new != old {
                 // Marking blocks invalid is an allocation for this guest
                 // cluster: the line now serves it.
-                let guest = if invalid { tag.guest_cluster } else { None };
+                let guest = if invalid {
+                    tag.guest_cluster.map(u64::from)
+                } else {
+                    None
+                };
                 st.index.set_partial(key, guest, new);
                 st.journal.push(&Entry::Partial {
                     key,
@@ -254,11 +258,13 @@ impl FlashCache {
         for (line, mask, guest) in lines {
             for (s, e) in invalid_in_line(&st, line_key(id, line), mask) {
                 match out.last_mut() {
-                    Some(r) if r.offset + r.len == s && r.guest_cluster == guest => r.len += e - s,
+                    Some(r) if r.offset.0 + r.len == s && r.guest_cluster.0 == guest => {
+                        r.len += e - s
+                    }
                     _ => out.push(PartialRange {
-                        offset: s,
+                        offset: HostOffset(s),
                         len: e - s,
-                        guest_cluster: guest,
+                        guest_cluster: GuestCluster(guest),
                     }),
                 }
             }
@@ -298,7 +304,7 @@ impl FlashCache {
     }
 
     /// Whether the disk's blocks may be left partially valid.
-    pub(crate) fn decoupled_for(&self, disk: vdcache_image::DiskId) -> bool {
+    pub(crate) fn decoupled_for(&self, disk: vdcache_contract::DiskId) -> bool {
         let p = self.lock().policy(disk, self.config.default_policy);
         p.cow == crate::config::CowMode::CowAware && p.mode == crate::config::WriteMode::WriteBack
     }

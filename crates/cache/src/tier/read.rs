@@ -12,7 +12,7 @@ use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::region::Stream;
 use crate::stats::bump;
-use vdcache_image::{ImageHandle, IoClass, IoTag};
+use vdcache_contract::{HostOffset, ImageHandle, IoClass, IoTag};
 
 /// Copies the part of `data` (starting at byte `data_at` of the image)
 /// that overlaps the request `[req_at, req_at + buf.len())` into `buf`.
@@ -180,7 +180,7 @@ impl FlashCache {
         tag: IoTag,
         misses: &mut Vec<u64>,
     ) {
-        let Some((start, len)) = tag.unit else {
+        let Some((HostOffset(start), len)) = tag.unit else {
             return;
         };
         if policy.cow != crate::config::CowMode::CowAware
@@ -391,7 +391,7 @@ impl FlashCache {
                         st.regions.release_block(cbn);
                         continue;
                     }
-                    let guest = tag.guest_cluster.unwrap_or(u64::MAX);
+                    let guest = tag.guest_cluster.map_or(u64::MAX, u64::from);
                     let crc = crcs[(block - first) as usize];
                     st.map_block(key, guest, slot, cbn, false, crc);
                     st.clean_copy_needs_sync(id);

@@ -11,8 +11,8 @@ use crate::journal::{self, CheckpointMark, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock, host_identity, random_uuid};
 use std::sync::Arc;
 use vdcache_backend::BackendRef;
-use vdcache_image::identity::read_identity;
-use vdcache_image::{DiskId, ImageHandle};
+use vdcache_contract::identity::read_identity;
+use vdcache_contract::{DiskId, ImageHandle};
 
 /// What fast recovery found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -636,7 +636,7 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
                 name: name.clone(),
                 identity,
                 backend: None,
-                disk: vdcache_image::DiskId::default(),
+                disk: vdcache_contract::DiskId::default(),
                 shared_by_disks: false,
                 end: 0,
                 backend_syncs: Default::default(),

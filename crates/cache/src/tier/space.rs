@@ -19,7 +19,7 @@ use crate::summary::decode_entry;
 pub(crate) type DirtyBlock = (u64, usize, Cbn);
 
 /// Where an image's blocks go back to: (image id, store, disk to bill).
-pub(crate) type Target = (u16, vdcache_backend::BackendRef, vdcache_image::DiskId);
+pub(crate) type Target = (u16, vdcache_backend::BackendRef, vdcache_contract::DiskId);
 
 /// Where a region's references were found.
 pub(crate) enum RefsFrom {

@@ -16,8 +16,8 @@ use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::region::Stream;
 use crate::stats::bump;
 use std::time::{Duration, Instant};
-use vdcache_image::hostio::WriteSegment;
-use vdcache_image::{ImageHandle, IoClass, IoTag};
+use vdcache_contract::WriteSegment;
+use vdcache_contract::{ImageHandle, IoClass, IoTag};
 use vdcache_qcow2::HostOffset;
 
 /// How long a write over a dirty block waits for flash room before it
@@ -85,7 +85,7 @@ fn continues_long_run(
     let mut clusters = segments
         .iter()
         .filter(|s| s.tag.class == IoClass::GuestData)
-        .filter_map(|s| s.tag.guest_cluster);
+        .filter_map(|s| s.tag.guest_cluster.map(u64::from));
     let Some(first) = clusters.next() else {
         return false;
     };
@@ -154,7 +154,7 @@ fn block_guests(off: u64, segments: &[WriteSegment<'_>], first_block: u64, n: u6
     let mut at = off;
     for s in segments {
         let end = at + s.data.len() as u64;
-        spans.push((at, end, s.tag.guest_cluster.unwrap_or(u64::MAX)));
+        spans.push((at, end, s.tag.guest_cluster.map_or(u64::MAX, u64::from)));
         at = end;
     }
     (first_block..first_block + n)

@@ -60,7 +60,7 @@ impl Locked<'_> {
         // Tables are one cluster: tell the layer below which one this is.
         let cs = self.img.geometry.cluster_size();
         let tag = IoTag {
-            unit: Some((start & !(cs - 1), cs as u32)),
+            unit: Some((vdcache_qcow2::HostOffset(start & !(cs - 1)), cs as u32)),
             ..tag
         };
         let size = self.cache(kind).slice_size() as usize;
@@ -119,7 +119,7 @@ impl Locked<'_> {
 
     fn l2_tag(&self, guest_cluster: u64) -> IoTag {
         let mut t = self.tag(MetaTable::L2);
-        t.guest_cluster = Some(guest_cluster);
+        t.guest_cluster = Some(vdcache_contract::GuestCluster(guest_cluster));
         t
     }
 

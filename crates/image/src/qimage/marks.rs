@@ -42,7 +42,7 @@ impl Qcow2Image {
             return Ok(());
         }
         let mark = h.extensions.cache_mark.as_ref().and_then(|m| m.current());
-        let holder = self.io.holder();
+        let holder = self.io.copies().holder();
         if let (Some(m), Some(holder)) = (mark, &holder)
             && m.cache_id == holder.id
         {
@@ -60,13 +60,13 @@ impl Qcow2Image {
     /// file. Durable before any write of the open; the cache then records
     /// the new identity.
     pub(crate) fn stamp_for_holder(&self) -> Result<()> {
-        let Some(holder) = self.io.holder() else {
+        let Some(holder) = self.io.copies().holder() else {
             return Ok(());
         };
         if self.read_only {
             return Ok(());
         }
-        let keeps_newer = self.io.keeps_newer(self.disk);
+        let keeps_newer = self.io.copies().keeps_newer(self.disk);
         let mut l = self.lock();
         if l.m.header.version < 3 {
             if keeps_newer {
@@ -90,6 +90,7 @@ impl Qcow2Image {
         let mark = next_mark(slots.current(), &holder);
         let holds = self
             .io
+            .copies()
             .holds_newer(&self.handle)
             .map_err(|e| ImageError::io(self.name(), "ask the cache", e))?;
         let mut bits = h.clone();
@@ -136,6 +137,7 @@ impl Qcow2Image {
             writable: true,
         };
         self.io
+            .copies()
             .attach(&self.handle, self.disk, &found)
             .map_err(|e| ImageError::io(self.name(), "record its identity", e))
     }
@@ -216,6 +218,7 @@ impl Qcow2Image {
         }
         for handle in [&self.handle, &self.data] {
             self.io
+                .copies()
                 .write_back_image(handle)
                 .map_err(|e| ImageError::io(self.name(), "write back the cache", e))?;
         }
@@ -223,6 +226,7 @@ impl Qcow2Image {
         for handle in [&self.handle, &self.data] {
             newer |= self
                 .io
+                .copies()
                 .holds_newer(handle)
                 .map_err(|e| ImageError::io(self.name(), "ask the cache", e))?;
         }

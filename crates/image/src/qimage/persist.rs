@@ -271,7 +271,11 @@ impl Locked<'_> {
         Ok(())
     }
 
-    pub(crate) fn io_error(&self, op: &'static str, e: std::io::Error) -> ImageError {
+    pub(crate) fn io_error(
+        &self,
+        op: &'static str,
+        e: impl Into<vdcache_contract::HostError>,
+    ) -> ImageError {
         ImageError::io(self.name(), op, e)
     }
 }

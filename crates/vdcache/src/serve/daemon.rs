@@ -89,7 +89,7 @@ pub fn open_cache(
 /// Metadata cache of an export: whole tables for the stacked baseline;
 /// sectors (COWCache's fine-grained metadata) when the cache is cow-aware.
 fn meta_cache(e: &ExportConfig, cow: Option<CowMode>) -> Result<MetaCacheConfig> {
-    let mut m = cow.map_or_else(MetaCacheConfig::default, CowMode::meta_cache);
+    let mut m = MetaCacheConfig::with_slice_bytes(cow.and_then(CowMode::meta_slice_bytes));
     if let Some(s) = &e.l2_cache_size {
         m.l2_bytes = parse_size(s)?;
     }
@@ -279,7 +279,7 @@ impl Daemon {
 /// reached (rather than from the data or a disk).
 fn store_unreachable(e: &ImageError) -> bool {
     match e {
-        ImageError::Io { cause, .. } => vdcache_backend::StoreFault::is_unreachable(cause),
+        ImageError::Io { cause, .. } => cause.is_unreachable(),
         ImageError::BackingMissing { cause, .. } => store_unreachable(cause),
         _ => false,
     }

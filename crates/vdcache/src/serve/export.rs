@@ -2,7 +2,7 @@
 //! engine, engine errors mapped onto NBD error values.
 
 use std::sync::Arc;
-use vdcache_image::{ImageError, VirtualDisk, ZeroFlags as DiskZeroFlags};
+use vdcache_image::{HostError, ImageError, VirtualDisk, ZeroFlags as DiskZeroFlags};
 use vdcache_nbd_server::{BlockSizes, Export, ExportError, Extent, ZeroFlags};
 
 /// Prefetch (NBD_CMD_CACHE) reads at most this much per request.
@@ -19,9 +19,10 @@ fn to_nbd(e: ImageError) -> ExportError {
         ImageError::ReadOnly { .. } => ExportError::PermissionDenied(m),
         ImageError::OutOfRange { .. } => ExportError::Invalid(m),
         ImageError::NoSpace { .. } => ExportError::NoSpace(m),
-        ImageError::Io { ref cause, .. } if cause.raw_os_error() == Some(28) => {
-            ExportError::NoSpace(m)
-        }
+        ImageError::Io {
+            cause: HostError::NoSpace(_),
+            ..
+        } => ExportError::NoSpace(m),
         _ => {
             tracing::error!("I/O error: {m}");
             ExportError::Io(m)

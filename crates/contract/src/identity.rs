@@ -11,7 +11,7 @@
 //! This module decides whether two identities are the same image; it does
 //! no I/O beyond reading a header it is handed a store for.
 
-use crate::hostio::ImageHandle;
+use crate::io::ImageHandle;
 use vdcache_backend::StoreIdentity;
 use vdcache_qcow2::features::{autoclear, incompatible};
 use vdcache_qcow2::{Header, header};
@@ -119,7 +119,7 @@ fn compare_marks(found: &MarkIdentity, rec: &MarkIdentity, cache_id: &[u8; 16]) 
 }
 
 /// The mark and in-cache state of a parsed header.
-pub(crate) fn mark_of(h: &Header) -> Option<MarkIdentity> {
+pub fn mark_of(h: &Header) -> Option<MarkIdentity> {
     let m = h.extensions.cache_mark.as_ref()?.current()?;
     Some(MarkIdentity {
         image_id: m.image_id,
@@ -130,7 +130,7 @@ pub(crate) fn mark_of(h: &Header) -> Option<MarkIdentity> {
 }
 
 /// Whether a header says a cache holds data its file lacks.
-pub(crate) fn in_cache(h: &Header) -> bool {
+pub fn in_cache(h: &Header) -> bool {
     h.incompatible_features & incompatible::IN_CACHE != 0
 }
 
@@ -154,7 +154,7 @@ pub fn needs_cache_of(handle: &ImageHandle) -> Option<[u8; 16]> {
 }
 
 /// The header as the store holds it, if it parses as qcow2.
-pub(crate) fn read_header_direct(handle: &ImageHandle) -> std::io::Result<Option<Header>> {
+pub fn read_header_direct(handle: &ImageHandle) -> std::io::Result<Option<Header>> {
     let b = &handle.backend;
     let len = b.len()?;
     let mut prefix = [0u8; 128];
