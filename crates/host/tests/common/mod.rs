@@ -1,4 +1,5 @@
-//! Helpers shared by the cache tier's integration tests.
+//! Helpers shared by the whole-stack tests of the cache (the COW layer
+//! over the flash cache over memory stores).
 // Each test file uses its own subset.
 #![allow(dead_code)]
 
