@@ -30,7 +30,7 @@ use std::io::{self, BufRead, BufReader, Cursor, Read, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-pub use line::MAX_LINE_BYTES;
+pub use line::{LineParser, LineReader, MAX_LINE_BYTES};
 
 /// Size of one content-addressed block: FIU digests and [`TraceRecord::content`]
 /// are per 4 KiB.
