@@ -7,8 +7,6 @@
 
 mod common;
 
-use rand::{RngExt, SeedableRng};
-use rand_xoshiro::Xoshiro256PlusPlus;
 use std::sync::Arc;
 use vdcache_backend::MemBackend;
 use vdcache_cache::CacheConfig;
@@ -28,9 +26,12 @@ fn sparse_reads(cache_bytes: u64, reads: u64) -> vdcache_cache::CacheReport {
     let cache = common::cache_on(&device, &config, true);
     let disk = common::disk_through(files.clone(), &cache, "d/disk.raw", ImageFormat::Raw);
     let mut buf = vec![0u8; 4096];
-    let mut rng = Xoshiro256PlusPlus::seed_from_u64(0x9e37_79b9_7f4a_7c15);
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
     for _ in 0..reads {
-        let block = rng.random_range(0..IMAGE / 4096);
+        s ^= s >> 12;
+        s ^= s << 25;
+        s ^= s >> 27;
+        let block = s.wrapping_mul(0x2545_f491_4f6c_dd1d) % (IMAGE / 4096);
         disk.read(block * 4096, &mut buf).expect("read");
         assert!(buf.iter().all(|&b| b == 7));
     }
