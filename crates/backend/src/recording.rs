@@ -24,6 +24,8 @@
 //! belongs to the crash harness.
 
 use crate::{Backend, MemBackend};
+use rand::{Rng as _, RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::fmt;
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -385,25 +387,9 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// A small deterministic generator (SplitMix64): the crash states of a
-/// seed never change with a dependency's version.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 { 0 } else { self.next() % n }
-    }
-
-    fn chance(&mut self, p: f64) -> bool {
-        ((self.next() >> 11) as f64) < p * (1u64 << 53) as f64
-    }
-}
+/// The generator of crash states: a [`StateKind::Random`] seed gives the
+/// same state for as long as Cargo.lock keeps the `rand` crates' versions.
+type Rng = Xoshiro256PlusPlus;
 
 /// A frozen log: the input of crash-state enumeration. Crash points run
 /// from 0 (nothing recorded happened) to [`History::len`] (all did).
@@ -502,8 +488,8 @@ impl History {
         }
         let random = (random as u64).min(bound - 2) as usize;
         let mut out = vec![StateKind::All, StateKind::None];
-        let mut rng = Rng(seed ^ mix(point.wrapping_add(0x5bd1_e995)));
-        out.extend((0..random).map(|_| StateKind::Random(rng.next())));
+        let mut rng = Rng::seed_from_u64(seed ^ mix(point.wrapping_add(0x5bd1_e995)));
+        out.extend((0..random).map(|_| StateKind::Random(rng.next_u64())));
         out
     }
 
@@ -556,34 +542,34 @@ impl Replayer<'_> {
     pub fn state(&mut self, point: u64, kind: StateKind) -> CrashState {
         let h = self.history;
         let point = point.min(h.len());
-        let mut rng = Rng(match kind {
+        let mut rng = Rng::seed_from_u64(match kind {
             StateKind::Random(s) => s,
             _ => 0,
         });
         // One strategy for the whole state, so the population contains
         // sparse, dense, torn and in-order (prefix) landings.
-        let strategy = rng.below(4);
-        let p = [0.2, 0.5, 0.8][rng.below(3) as usize];
+        let strategy = rng.random_range(0..4);
+        let p = [0.2, 0.5, 0.8][rng.random_range(0..3)];
         let mut devices = Vec::with_capacity(h.devices.len());
         for (d, info) in h.devices.iter().enumerate() {
             let (start, end) = h.window(d, point);
             self.advance(d, start);
             let mut data = self.durable[d].clone();
             let pending = end - start;
-            let prefix = rng.below(pending as u64 + 1) as usize;
+            let prefix = rng.random_range(0..=pending);
             let (mut landed, mut torn) = (0, 0);
             for (n, &i) in h.per_device[d][start..end].iter().enumerate() {
                 let landing = match kind {
                     StateKind::All => Landing::Whole,
                     StateKind::None => Landing::Not,
                     StateKind::Random(_) => match strategy {
-                        0 if rng.chance(p) => Landing::Whole,
+                        0 if rng.random_bool(p) => Landing::Whole,
                         0 => Landing::Not,
                         1 => Landing::Torn(p),
                         2 if n < prefix => Landing::Whole,
                         2 if n == prefix => Landing::Torn(0.5),
                         2 => Landing::Not,
-                        _ => match rng.below(3) {
+                        _ => match rng.random_range(0..3) {
                             0 => Landing::Not,
                             1 => Landing::Whole,
                             _ => Landing::Torn(0.5),
@@ -621,7 +607,7 @@ impl Replayer<'_> {
             self.applied[d] = 0;
         }
         let list = &self.history.per_device[d];
-        let mut rng = Rng(0);
+        let mut rng = Rng::seed_from_u64(0);
         for &i in &list[self.applied[d]..upto] {
             apply(
                 &mut self.durable[d],
@@ -663,7 +649,7 @@ fn apply(data: &mut Vec<u8>, op: &LogOp, landing: Landing, rng: &mut Rng) -> App
         let to = ((sector + 1) * SECTOR).min(end);
         total += 1;
         let lands = match landing {
-            Landing::Torn(p) => rng.chance(p),
+            Landing::Torn(p) => rng.random_bool(p),
             _ => true,
         };
         if lands {

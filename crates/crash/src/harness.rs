@@ -10,7 +10,7 @@
 use crate::check::{self, CheckOptions};
 use crate::error::HarnessError;
 use crate::model::{DataMismatch, GuestHistory};
-use crate::rng::{Rng, mix};
+use crate::rng::{Draw, Rng, SeedableRng, mix};
 use crate::target::{CrashTarget, RecordingFiles};
 use crate::workload::{WorkloadConfig, run_workload};
 use std::collections::HashSet;
@@ -276,7 +276,7 @@ fn plan(history: &History, cfg: &RunConfig) -> Vec<(u64, StateKind)> {
         .random_per_point
         .max((cfg.budget as u64 / points).saturating_sub(2) as usize);
     let mut order: Vec<u64> = (0..points).collect();
-    let mut rng = Rng::new(cfg.state_seed ^ mix(cfg.workload.seed));
+    let mut rng = Rng::seed_from_u64(cfg.state_seed ^ mix(cfg.workload.seed));
     for i in (1..order.len()).rev() {
         let j = rng.below(i as u64 + 1) as usize;
         order.swap(i, j);

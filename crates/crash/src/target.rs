@@ -10,7 +10,8 @@
 //! the target's back.
 
 use crate::error::BoxError;
-use crate::rng::Rng;
+use crate::rng::{Rng, SeedableRng};
+use rand::Rng as _;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -215,7 +216,7 @@ impl Qcow2Target {
 fn base_pattern(len: u64) -> Vec<u8> {
     let mut v = vec![0u8; len as usize];
     for (i, sector) in v.chunks_mut(512).enumerate() {
-        Rng::new(0xba5e_0000 + i as u64).fill(sector);
+        Rng::seed_from_u64(0xba5e_0000 + i as u64).fill_bytes(sector);
     }
     v
 }

@@ -10,7 +10,9 @@
 
 use crate::error::HarnessError;
 use crate::model::{GuestHistory, GuestModel, GuestOp, GuestOpKind, SECTOR};
-use crate::rng::Rng;
+use rand::Rng as _;
+
+use crate::rng::{Draw, Rng, SeedableRng};
 use crate::target::{CrashTarget, RecordingFiles};
 use std::sync::Arc;
 use vdcache_image::{VirtualDisk, ZeroFlags};
@@ -158,7 +160,7 @@ pub fn run_workload(
     let mut model = GuestModel::new(initial);
     let mut ops: Vec<GuestOp> = Vec::new();
     let mut live = Vec::new();
-    let mut rng = Rng::new(cfg.seed);
+    let mut rng = Rng::seed_from_u64(cfg.seed);
     let log = files.log().clone();
     let total = cfg.ops + usize::from(cfg.close_at_end);
     let compare = |disk: &VirtualDisk, model: &GuestModel, live: &mut Vec<String>| {
@@ -202,7 +204,8 @@ pub fn run_workload(
         match p.kind {
             GuestOpKind::Write => {
                 let mut data = vec![0u8; len as usize];
-                Rng::new(cfg.seed ^ (i as u64).wrapping_mul(0x2545_f491_4f6c_dd1d)).fill(&mut data);
+                Rng::seed_from_u64(cfg.seed ^ (i as u64).wrapping_mul(0x2545_f491_4f6c_dd1d))
+                    .fill_bytes(&mut data);
                 disk.write(off, &data, p.fua)
                     .map_err(|e| fail(i, desc.clone(), e))?;
                 model.apply(i, off, &data);

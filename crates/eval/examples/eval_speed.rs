@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io::BufWriter;
 use std::time::Instant;
 
+use rand::{RngExt, SeedableRng};
 use vdcache_eval::ftl::{Ftl, FtlConfig};
 use vdcache_eval::trace::{Format, WriterOptions, open_trace};
 use vdcache_eval::workload::{Rng, WorkloadClass, WorkloadSpec, generate, write_workload};
@@ -97,11 +98,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     ftl.write(0, 4 << 30)?;
     let seq_s = t.elapsed().as_secs_f64();
-    let mut rng = Rng::new(1);
+    let mut rng = Rng::seed_from_u64(1);
     let writes = 2 * pages;
     let t = Instant::now();
     for _ in 0..writes {
-        ftl.write(rng.below(pages) * 4096, 4096)?;
+        ftl.write(rng.random_range(0..pages) * 4096, 4096)?;
     }
     let rnd_s = t.elapsed().as_secs_f64();
     let s = ftl.stats();

@@ -395,6 +395,7 @@ impl Ftl {
 mod tests {
     use super::*;
     use crate::workload::Rng;
+    use rand::{RngExt, SeedableRng};
 
     const P: u64 = 4096;
 
@@ -450,9 +451,10 @@ mod tests {
     }
 
     fn random_overwrites(f: &mut Ftl, span_pages: u64, writes: u64, seed: u64) {
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng::seed_from_u64(seed);
         for _ in 0..writes {
-            f.write(rng.below(span_pages) * P, P).expect("in range");
+            f.write(rng.random_range(0..span_pages) * P, P)
+                .expect("in range");
         }
     }
 

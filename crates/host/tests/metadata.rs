@@ -11,6 +11,8 @@
 
 mod common;
 
+use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::path::Path;
 use std::sync::Arc;
 use vdcache_backend::MemBackend;
@@ -25,14 +27,10 @@ const CLUSTER: u64 = 64 << 10;
 const WRITES: u64 = 1500;
 const CACHE: u64 = 256 << 20;
 
-/// xorshift64*: seeded cluster numbers.
-fn clusters(mut s: u64) -> impl Iterator<Item = u64> {
-    (0..WRITES).map(move |_| {
-        s ^= s >> 12;
-        s ^= s << 25;
-        s ^= s >> 27;
-        s.wrapping_mul(0x2545_f491_4f6c_dd1d) % (DISK / CLUSTER)
-    })
+/// Seeded cluster numbers.
+fn clusters(seed: u64) -> impl Iterator<Item = u64> {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    (0..WRITES).map(move |_| rng.random_range(0..DISK / CLUSTER))
 }
 
 struct Run {

@@ -10,6 +10,8 @@
 mod common;
 
 use common::{GatedFiles, Held, disk_through};
+use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -65,14 +67,15 @@ fn content(block: u64, round: u64) -> Vec<u8> {
 }
 
 /// Seeded block numbers.
-struct Blocks(u64);
+struct Blocks(Xoshiro256PlusPlus);
 
 impl Blocks {
+    fn seeded(seed: u64) -> Blocks {
+        Blocks(Xoshiro256PlusPlus::seed_from_u64(seed))
+    }
+
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % (IMAGE / BLOCK)
+        self.0.random_range(0..IMAGE / BLOCK)
     }
 }
 
@@ -105,7 +108,7 @@ fn flushed_writes_survive_checkpoints_that_never_landed() {
     let files = image_files();
     let cache = FlashCache::format(device, config(true, Some(16 << 10))).expect("format");
     let disk = disk_on(&files, &cache);
-    let mut blocks = Blocks(0x5eed);
+    let mut blocks = Blocks::seeded(0x5eed);
     let mut model = HashMap::new();
     let mut flushes = Vec::new();
     for round in 0..80 {
@@ -174,7 +177,7 @@ fn guest_flushes_do_not_wait_for_a_checkpoint_in_flight() {
     let config = config(false, Some(16 << 10));
     let cache = FlashCache::format(device.clone(), config.clone()).expect("format");
     let disk = disk_on(&files, &cache);
-    let mut blocks = Blocks(0xbeef);
+    let mut blocks = Blocks::seeded(0xbeef);
     let mut model = HashMap::new();
     // Each round journals about 250 bytes: checkpoints start every ~65
     // rounds, and the first one is stuck at the gate for the whole run.
@@ -210,7 +213,7 @@ fn a_full_journal_ring_waits_for_the_checkpoint_in_flight() {
     let config = config(false, None);
     let cache = FlashCache::format(device.clone(), config.clone()).expect("format");
     let disk = disk_on(&files, &cache);
-    let mut blocks = Blocks(0xf00d);
+    let mut blocks = Blocks::seeded(0xf00d);
     let mut model = HashMap::new();
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -290,7 +293,7 @@ fn guest_flushes_sync_outside_the_locks_and_share_the_next_sync() {
         // Its sync is stuck: requests of other threads must still run,
         // allocating clusters too (neither the cache's lock nor the
         // image's metadata lock is held through the sync).
-        let mut blocks = Blocks(0xcafe);
+        let mut blocks = Blocks::seeded(0xcafe);
         write_round(&disk, &mut blocks, &mut model, 2);
         check(&disk, &model, "during a sync");
         let lock_was_free = !gate.is_open();
@@ -430,7 +433,7 @@ fn write_through_backend_syncs_run_outside_the_lock() {
             "the first flush never synced the backend"
         );
         note_written(&mut model, 0, 1);
-        write_round(&disk, &mut Blocks(0xfeed), &mut model, 2);
+        write_round(&disk, &mut Blocks::seeded(0xfeed), &mut model, 2);
         check(&disk, &model, "during a backend sync");
         let lock_was_free = !gate.is_open();
         gate.release();
@@ -633,16 +636,16 @@ fn a_failed_device_sync_fails_every_later_flush() {
     let cache = FlashCache::format(Arc::new(device), config(false, None)).expect("format");
     let disk = disk_on(&files, &cache);
     let mut model = HashMap::new();
-    write_round(&disk, &mut Blocks(1), &mut model, 0);
+    write_round(&disk, &mut Blocks::seeded(1), &mut model, 0);
     disk.flush().expect("flush");
     failing.store(true, Ordering::SeqCst);
-    write_round(&disk, &mut Blocks(2), &mut model, 1);
+    write_round(&disk, &mut Blocks::seeded(2), &mut model, 1);
     assert!(
         disk.flush().is_err(),
         "the injected failure was not reported"
     );
     failing.store(false, Ordering::SeqCst);
-    write_round(&disk, &mut Blocks(3), &mut model, 2);
+    write_round(&disk, &mut Blocks::seeded(3), &mut model, 2);
     let err = disk
         .flush()
         .expect_err("a flush after a failed sync succeeded");

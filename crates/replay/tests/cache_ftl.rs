@@ -4,6 +4,8 @@
 //! sees write amplification of at most 1.1, while the same guest writes
 //! placed in place (a block's home fixed by its address) amplify far more.
 
+use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::path::Path;
 use std::sync::Arc;
 use vdcache_backend::{BackendRef, MemBackend};
@@ -24,14 +26,10 @@ fn ftl_config() -> FtlConfig {
     FtlConfig::new(CACHE, 4096, REGION, 0.07)
 }
 
-/// xorshift64*: a fixed, seeded sequence of block numbers.
-fn blocks(mut s: u64, n: u64, range: u64) -> impl Iterator<Item = u64> {
-    (0..n).map(move |_| {
-        s ^= s >> 12;
-        s ^= s << 25;
-        s ^= s >> 27;
-        s.wrapping_mul(0x2545_f491_4f6c_dd1d) % range
-    })
+/// A fixed, seeded sequence of block numbers.
+fn blocks(seed: u64, n: u64, range: u64) -> impl Iterator<Item = u64> {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    (0..n).map(move |_| rng.random_range(0..range))
 }
 
 #[test]

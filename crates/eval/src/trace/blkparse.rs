@@ -47,23 +47,25 @@
 
 use std::io::{BufRead, Write};
 
-use super::line::{LineSource, MAX_LINE_BYTES, Next};
+use super::line::{LineParser, LineReader};
 use super::{
     BlkAction, LineProblem, Op, SECTOR, TraceError, TraceRecord, TraceWrite, WriteError,
     WriterOptions, bad, excerpt, is_digits, num_field, parse_u64, split_once,
 };
 
 /// Streaming blkparse reader.
-pub struct BlkparseReader<R> {
-    src: LineSource<R>,
+pub type BlkparseReader<R> = LineReader<R, BlkparseLines>;
+
+/// What a blkparse line means for the selected action.
+pub struct BlkparseLines {
     action: BlkAction,
+    /// The data record of a line that also yielded a flush.
     pending: Option<TraceRecord>,
     in_summary: bool,
+    /// Records produced so far.
     emitted: u64,
     /// Data-carrying events seen per action, Q, D, C.
     seen: [u64; 3],
-    failed: bool,
-    ended: bool,
 }
 
 enum Parsed {
@@ -106,20 +108,21 @@ fn bracket_code(t: &[u8]) -> Option<i64> {
 
 impl<R: BufRead> BlkparseReader<R> {
     pub fn new(input: R, action: BlkAction) -> Self {
-        BlkparseReader {
-            src: LineSource::new(input),
-            action,
-            pending: None,
-            in_summary: false,
-            emitted: 0,
-            seen: [0; 3],
-            failed: false,
-            ended: false,
-        }
+        LineReader::with_parser(
+            input,
+            BlkparseLines {
+                action,
+                pending: None,
+                in_summary: false,
+                emitted: 0,
+                seen: [0; 3],
+            },
+        )
     }
+}
 
-    fn parse(&mut self) -> Result<Parsed, LineProblem> {
-        let line = self.src.line();
+impl BlkparseLines {
+    fn parse(&mut self, line: &[u8]) -> Result<Parsed, LineProblem> {
         let mut t: [&[u8]; 10] = [&[]; 10];
         let mut n = 0;
         for tok in line
@@ -269,11 +272,7 @@ impl<R: BufRead> BlkparseReader<R> {
         })
     }
 
-    fn end_hint(&mut self) -> Option<TraceError> {
-        if self.ended {
-            return None;
-        }
-        self.ended = true;
+    fn end_hint(&self) -> Option<TraceError> {
         if self.emitted > 0 {
             return None;
         }
@@ -295,55 +294,28 @@ impl<R: BufRead> BlkparseReader<R> {
     }
 }
 
-impl<R: BufRead> Iterator for BlkparseReader<R> {
-    type Item = Result<TraceRecord, TraceError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if let Some(p) = self.pending.take() {
-            self.emitted += 1;
-            return Some(Ok(p));
-        }
-        if self.failed {
-            return None;
-        }
-        loop {
-            match self.src.next_line() {
-                Ok(Next::Eof) => return self.end_hint().map(Err),
-                Ok(Next::TooLong) => {
-                    return Some(Err(TraceError::Line {
-                        line: self.src.line_no(),
-                        problem: LineProblem::TooLong {
-                            max: MAX_LINE_BYTES,
-                        },
-                    }));
-                }
-                Err(source) => {
-                    self.failed = true;
-                    return Some(Err(TraceError::Io {
-                        line: self.src.line_no(),
-                        source,
-                    }));
-                }
-                Ok(Next::Line) => match self.parse() {
-                    Ok(Parsed::Skip) => continue,
-                    Ok(Parsed::One(r)) => {
-                        self.emitted += 1;
-                        return Some(Ok(r));
-                    }
-                    Ok(Parsed::Two(a, b)) => {
-                        self.emitted += 1;
-                        self.pending = Some(b);
-                        return Some(Ok(a));
-                    }
-                    Err(problem) => {
-                        return Some(Err(TraceError::Line {
-                            line: self.src.line_no(),
-                            problem,
-                        }));
-                    }
-                },
+impl LineParser for BlkparseLines {
+    fn parse_line(&mut self, line: &[u8]) -> Result<Option<TraceRecord>, LineProblem> {
+        Ok(match self.parse(line)? {
+            Parsed::Skip => None,
+            Parsed::One(r) => {
+                self.emitted += 1;
+                Some(r)
             }
-        }
+            Parsed::Two(a, b) => {
+                self.emitted += 2;
+                self.pending = Some(b);
+                Some(a)
+            }
+        })
+    }
+
+    fn take_pending(&mut self) -> Option<TraceRecord> {
+        self.pending.take()
+    }
+
+    fn at_end(&mut self) -> Option<TraceError> {
+        self.end_hint()
     }
 }
 

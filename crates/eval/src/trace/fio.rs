@@ -39,43 +39,47 @@
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
 
-use super::line::{LineSource, MAX_LINE_BYTES, Next};
+use super::line::{LineParser, LineReader};
 use super::{
-    FioVersion, LineProblem, Op, TraceError, TraceRecord, TraceWrite, WriteError, bad, excerpt,
-    num_field, push_u64,
+    FioVersion, LineProblem, Op, TraceRecord, TraceWrite, WriteError, bad, excerpt, num_field,
+    push_u64,
 };
 
 const HEADER_V2: &[u8] = b"fio version 2 iolog";
 const HEADER_V3: &[u8] = b"fio version 3 iolog";
 
 /// Streaming fio iolog reader (v2 and v3).
-pub struct FioReader<R> {
-    src: LineSource<R>,
+pub type FioReader<R> = LineReader<R, FioLines>;
+
+/// What a fio iolog line means, given the header version, the file table
+/// and the wait accumulated so far.
+pub struct FioLines {
     version: Option<FioVersion>,
     files: HashMap<Vec<u8>, u32>,
     wait_us: u64,
-    failed: bool,
 }
 
 impl<R: BufRead> FioReader<R> {
     pub fn new(input: R) -> Self {
-        FioReader {
-            src: LineSource::new(input),
-            version: None,
-            files: HashMap::new(),
-            wait_us: 0,
-            failed: false,
-        }
+        LineReader::with_parser(
+            input,
+            FioLines {
+                version: None,
+                files: HashMap::new(),
+                wait_us: 0,
+            },
+        )
     }
 
     /// The version from the header, once read.
     pub fn version(&self) -> Option<FioVersion> {
-        self.version
+        self.parser().version
     }
 
     /// File names by disk id.
     pub fn files(&self) -> Vec<String> {
         let mut v: Vec<(u32, String)> = self
+            .parser()
             .files
             .iter()
             .map(|(k, &d)| (d, String::from_utf8_lossy(k).into_owned()))
@@ -83,9 +87,11 @@ impl<R: BufRead> FioReader<R> {
         v.sort();
         v.into_iter().map(|(_, n)| n).collect()
     }
+}
 
-    fn parse(&mut self) -> Result<Option<TraceRecord>, LineProblem> {
-        let line = self.src.line().trim_ascii();
+impl LineParser for FioLines {
+    fn parse_line(&mut self, line: &[u8]) -> Result<Option<TraceRecord>, LineProblem> {
+        let line = line.trim_ascii();
         if line.is_empty() {
             return Ok(None);
         }
@@ -224,52 +230,10 @@ impl<R: BufRead> FioReader<R> {
         };
         Ok(Some(TraceRecord::new(time_ns, disk, op, offset, len)))
     }
-}
 
-impl<R: BufRead> Iterator for FioReader<R> {
-    type Item = Result<TraceRecord, TraceError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.failed {
-            return None;
-        }
-        loop {
-            match self.src.next_line() {
-                Ok(Next::Eof) => return None,
-                Ok(Next::TooLong) => {
-                    return Some(Err(TraceError::Line {
-                        line: self.src.line_no(),
-                        problem: LineProblem::TooLong {
-                            max: MAX_LINE_BYTES,
-                        },
-                    }));
-                }
-                Err(source) => {
-                    self.failed = true;
-                    return Some(Err(TraceError::Io {
-                        line: self.src.line_no(),
-                        source,
-                    }));
-                }
-                Ok(Next::Line) => {
-                    let header_missing = self.version.is_none();
-                    match self.parse() {
-                        Ok(Some(rec)) => return Some(Ok(rec)),
-                        Ok(None) => continue,
-                        Err(problem) => {
-                            // Without a valid header nothing after it can be read.
-                            if header_missing && self.version.is_none() {
-                                self.failed = true;
-                            }
-                            return Some(Err(TraceError::Line {
-                                line: self.src.line_no(),
-                                problem,
-                            }));
-                        }
-                    }
-                }
-            }
-        }
+    /// Without a valid header nothing after it can be read.
+    fn stops_after_error(&self) -> bool {
+        self.version.is_none()
     }
 }
 
@@ -384,6 +348,7 @@ impl<W: Write> TraceWrite for FioWriter<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trace::TraceError;
 
     fn read(text: &str) -> Vec<Result<TraceRecord, TraceError>> {
         FioReader::new(text.as_bytes()).collect()

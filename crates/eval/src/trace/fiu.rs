@@ -41,10 +41,10 @@
 
 use std::io::{BufRead, Write};
 
-use super::line::{LineSource, MAX_LINE_BYTES, Next};
+use super::line::{LineParser, LineReader};
 use super::{
-    CONTENT_BLOCK, ContentHash, LineProblem, Op, SECTOR, TraceError, TraceRecord, TraceWrite,
-    WriteError, WriterOptions, bad, num_field, push_hex, push_u64,
+    CONTENT_BLOCK, ContentHash, LineProblem, Op, SECTOR, TraceRecord, TraceWrite, WriteError,
+    WriterOptions, bad, num_field, push_hex, push_u64,
 };
 
 const NAMES: [&str; 9] = [
@@ -52,17 +52,14 @@ const NAMES: [&str; 9] = [
 ];
 
 /// Streaming FIU reader.
-pub struct FiuReader<R> {
-    src: LineSource<R>,
-    failed: bool,
-}
+pub type FiuReader<R> = LineReader<R, FiuLines>;
+
+/// What an FIU line means; nothing is kept across lines.
+pub struct FiuLines;
 
 impl<R: BufRead> FiuReader<R> {
     pub fn new(input: R) -> Self {
-        FiuReader {
-            src: LineSource::new(input),
-            failed: false,
-        }
+        LineReader::with_parser(input, FiuLines)
     }
 }
 
@@ -119,9 +116,8 @@ pub fn address_digest(disk: u32, chunk_offset: u64) -> ContentHash {
     out
 }
 
-impl<R: BufRead> FiuReader<R> {
-    fn parse(&mut self) -> Result<Option<TraceRecord>, LineProblem> {
-        let line = self.src.line();
+impl LineParser for FiuLines {
+    fn parse_line(&mut self, line: &[u8]) -> Result<Option<TraceRecord>, LineProblem> {
         let mut toks = line
             .split(|b| b.is_ascii_whitespace())
             .filter(|t| !t.is_empty());
@@ -206,46 +202,6 @@ impl<R: BufRead> FiuReader<R> {
             len,
             content,
         }))
-    }
-}
-
-impl<R: BufRead> Iterator for FiuReader<R> {
-    type Item = Result<TraceRecord, TraceError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.failed {
-            return None;
-        }
-        loop {
-            match self.src.next_line() {
-                Ok(Next::Eof) => return None,
-                Ok(Next::TooLong) => {
-                    return Some(Err(TraceError::Line {
-                        line: self.src.line_no(),
-                        problem: LineProblem::TooLong {
-                            max: MAX_LINE_BYTES,
-                        },
-                    }));
-                }
-                Err(source) => {
-                    self.failed = true;
-                    return Some(Err(TraceError::Io {
-                        line: self.src.line_no(),
-                        source,
-                    }));
-                }
-                Ok(Next::Line) => match self.parse() {
-                    Ok(Some(rec)) => return Some(Ok(rec)),
-                    Ok(None) => continue,
-                    Err(problem) => {
-                        return Some(Err(TraceError::Line {
-                            line: self.src.line_no(),
-                            problem,
-                        }));
-                    }
-                },
-            }
-        }
     }
 }
 
@@ -359,6 +315,7 @@ impl<W: Write> TraceWrite for FiuWriter<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trace::TraceError;
 
     fn read_all(text: &str) -> Vec<Result<TraceRecord, TraceError>> {
         FiuReader::new(text.as_bytes()).collect()

@@ -1,15 +1,23 @@
-//! A line reader with a reused buffer and a length cap (constant memory).
+//! The one line reader every trace format reads through: a reused buffer
+//! with a length cap (constant memory), line counting, and the loop that
+//! turns a format's per-line verdict into records and typed errors naming
+//! the line.
 //!
-//! Owns line splitting for all readers; must not grow its buffer past
-//! [`MAX_LINE_BYTES`] nor interpret content.
+//! Owns line splitting, line numbers and the error protocol shared by all
+//! readers (an overlong or unparsable line is reported and skipped; a read
+//! error ends the reading). It must not grow its buffer past
+//! [`MAX_LINE_BYTES`] nor interpret content: what a line means belongs to
+//! the format's [`LineParser`].
 
 use std::io::{self, BufRead};
+
+use super::{LineProblem, TraceError, TraceRecord};
 
 /// Longest line any reader accepts; longer lines are reported and skipped.
 pub const MAX_LINE_BYTES: usize = 1 << 16;
 
 /// Outcome of reading one line.
-pub(crate) enum Next {
+enum Next {
     /// A line is in the buffer (without its `\n` or `\r\n`).
     Line,
     /// The line exceeded [`MAX_LINE_BYTES`]; its bytes were consumed.
@@ -18,14 +26,14 @@ pub(crate) enum Next {
     Eof,
 }
 
-pub(crate) struct LineSource<R> {
+struct LineSource<R> {
     inner: R,
     buf: Vec<u8>,
     line_no: u64,
 }
 
 impl<R: BufRead> LineSource<R> {
-    pub(crate) fn new(inner: R) -> Self {
+    fn new(inner: R) -> Self {
         LineSource {
             inner,
             buf: Vec::with_capacity(256),
@@ -34,15 +42,15 @@ impl<R: BufRead> LineSource<R> {
     }
 
     /// 1-based number of the line last returned.
-    pub(crate) fn line_no(&self) -> u64 {
+    fn line_no(&self) -> u64 {
         self.line_no
     }
 
-    pub(crate) fn line(&self) -> &[u8] {
+    fn line(&self) -> &[u8] {
         &self.buf
     }
 
-    pub(crate) fn next_line(&mut self) -> io::Result<Next> {
+    fn next_line(&mut self) -> io::Result<Next> {
         self.buf.clear();
         let mut any = false;
         let mut too_long = false;
@@ -88,6 +96,113 @@ impl<R: BufRead> LineSource<R> {
             self.buf.pop();
         }
         Ok(Next::Line)
+    }
+}
+
+/// What a trace format contributes to a [`LineReader`]: the meaning of one line.
+pub trait LineParser {
+    /// Parses one line (without its line ending). `Ok(None)`: the line holds
+    /// no record (blank, a header, an event not read).
+    fn parse_line(&mut self, line: &[u8]) -> Result<Option<TraceRecord>, LineProblem>;
+
+    /// A further record the last parsed line yielded; the reader returns it
+    /// before reading another line.
+    fn take_pending(&mut self) -> Option<TraceRecord> {
+        None
+    }
+
+    /// Whether, after the error `parse_line` just returned, nothing more
+    /// can be read (the reader then ends).
+    fn stops_after_error(&self) -> bool {
+        false
+    }
+
+    /// Asked once, at the first end of input: an error saying why the
+    /// trace cannot be used as asked, if so.
+    fn at_end(&mut self) -> Option<TraceError> {
+        None
+    }
+}
+
+/// A streaming trace reader: lines from `R`, meaning from `P`.
+///
+/// Yields one item per record or per bad line; a bad line is reported as
+/// [`TraceError::Line`] with its 1-based number and reading continues with
+/// the next line. A read error is reported once as [`TraceError::Io`] and
+/// ends the reading.
+pub struct LineReader<R, P> {
+    src: LineSource<R>,
+    parser: P,
+    failed: bool,
+    end_asked: bool,
+}
+
+impl<R: BufRead, P: LineParser> LineReader<R, P> {
+    pub(crate) fn with_parser(input: R, parser: P) -> Self {
+        LineReader {
+            src: LineSource::new(input),
+            parser,
+            failed: false,
+            end_asked: false,
+        }
+    }
+
+    /// The format's parser, for what it has learnt of the trace so far.
+    pub(crate) fn parser(&self) -> &P {
+        &self.parser
+    }
+
+    fn line_error(&self, problem: LineProblem) -> TraceError {
+        TraceError::Line {
+            line: self.src.line_no(),
+            problem,
+        }
+    }
+}
+
+impl<R: BufRead, P: LineParser> Iterator for LineReader<R, P> {
+    type Item = Result<TraceRecord, TraceError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Some(rec) = self.parser.take_pending() {
+            return Some(Ok(rec));
+        }
+        if self.failed {
+            return None;
+        }
+        loop {
+            match self.src.next_line() {
+                Ok(Next::Eof) => {
+                    if self.end_asked {
+                        return None;
+                    }
+                    self.end_asked = true;
+                    return self.parser.at_end().map(Err);
+                }
+                Ok(Next::TooLong) => {
+                    return Some(Err(self.line_error(LineProblem::TooLong {
+                        max: MAX_LINE_BYTES,
+                    })));
+                }
+                Err(source) => {
+                    self.failed = true;
+                    return Some(Err(TraceError::Io {
+                        line: self.src.line_no(),
+                        source,
+                    }));
+                }
+                Ok(Next::Line) => match self.parser.parse_line(self.src.line()) {
+                    Ok(Some(rec)) => return Some(Ok(rec)),
+                    Ok(None) => continue,
+                    Err(problem) => {
+                        if self.parser.stops_after_error() {
+                            self.failed = true;
+                        }
+                        return Some(Err(self.line_error(problem)));
+                    }
+                },
+            }
+        }
     }
 }
 

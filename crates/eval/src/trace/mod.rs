@@ -30,7 +30,7 @@ use std::io::{self, BufRead, BufReader, Cursor, Read, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-pub use line::MAX_LINE_BYTES;
+pub use line::{LineParser, LineReader, MAX_LINE_BYTES};
 
 /// Size of one content-addressed block: FIU digests and [`TraceRecord::content`]
 /// are per 4 KiB.
@@ -781,6 +781,7 @@ mod tests {
     #[test]
     fn garbage_never_panics() {
         use crate::workload::Rng;
+        use rand::{RngExt, SeedableRng};
         const TOKENS: &[&str] = &[
             "8,0",
             "0",
@@ -828,17 +829,17 @@ mod tests {
             "CPU0",
             "Total (x):",
         ];
-        let mut rng = Rng::new(99);
+        let mut rng = Rng::seed_from_u64(99);
         for round in 0..300 {
             let mut text = String::new();
             if round % 3 == 0 {
                 text.push_str("fio version 3 iolog\n0 /f add\n");
             }
             for _ in 0..20 {
-                let n = rng.below(12);
-                let sep = if rng.chance(0.3) { "," } else { " " };
+                let n = rng.random_range(0..12);
+                let sep = if rng.random_bool(0.3) { "," } else { " " };
                 let line: Vec<&str> = (0..n)
-                    .map(|_| TOKENS[rng.below(TOKENS.len() as u64) as usize])
+                    .map(|_| TOKENS[rng.random_range(0..TOKENS.len())])
                     .collect();
                 text.push_str(&line.join(sep));
                 text.push('\n');

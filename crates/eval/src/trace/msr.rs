@@ -30,10 +30,8 @@
 
 use std::io::{BufRead, Write};
 
-use super::line::{LineSource, MAX_LINE_BYTES, Next};
-use super::{
-    LineProblem, Op, TraceError, TraceRecord, TraceWrite, WriteError, bad, num_field, push_u64,
-};
+use super::line::{LineParser, LineReader};
+use super::{LineProblem, Op, TraceRecord, TraceWrite, WriteError, bad, num_field, push_u64};
 
 const FIELDS: [&str; 7] = [
     "Timestamp",
@@ -47,28 +45,32 @@ const FIELDS: [&str; 7] = [
 const MAX_HOSTS: usize = 1 << 16;
 
 /// Streaming MSR reader.
-pub struct MsrReader<R> {
-    src: LineSource<R>,
+pub type MsrReader<R> = LineReader<R, MsrLines>;
+
+/// What an MSR line means; the only state kept across lines is the
+/// host-name table.
+pub struct MsrLines {
     hosts: Vec<Vec<u8>>,
     last_host: usize,
     seen_data: bool,
-    failed: bool,
 }
 
 impl<R: BufRead> MsrReader<R> {
     pub fn new(input: R) -> Self {
-        MsrReader {
-            src: LineSource::new(input),
-            hosts: Vec::new(),
-            last_host: 0,
-            seen_data: false,
-            failed: false,
-        }
+        LineReader::with_parser(
+            input,
+            MsrLines {
+                hosts: Vec::new(),
+                last_host: 0,
+                seen_data: false,
+            },
+        )
     }
 
     /// Host names seen so far, by host index.
     pub fn hosts(&self) -> impl Iterator<Item = String> + '_ {
-        self.hosts
+        self.parser()
+            .hosts
             .iter()
             .map(|h| String::from_utf8_lossy(h).into_owned())
     }
@@ -97,9 +99,9 @@ fn host_index(hosts: &mut Vec<Vec<u8>>, last: &mut usize, name: &[u8]) -> Result
     Ok(i as u32)
 }
 
-impl<R: BufRead> MsrReader<R> {
-    fn parse(&mut self) -> Result<Option<TraceRecord>, LineProblem> {
-        let line = self.src.line().trim_ascii();
+impl LineParser for MsrLines {
+    fn parse_line(&mut self, line: &[u8]) -> Result<Option<TraceRecord>, LineProblem> {
+        let line = line.trim_ascii();
         if line.is_empty() {
             return Ok(None);
         }
@@ -154,46 +156,6 @@ impl<R: BufRead> MsrReader<R> {
             offset,
             len,
         )))
-    }
-}
-
-impl<R: BufRead> Iterator for MsrReader<R> {
-    type Item = Result<TraceRecord, TraceError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.failed {
-            return None;
-        }
-        loop {
-            match self.src.next_line() {
-                Ok(Next::Eof) => return None,
-                Ok(Next::TooLong) => {
-                    return Some(Err(TraceError::Line {
-                        line: self.src.line_no(),
-                        problem: LineProblem::TooLong {
-                            max: MAX_LINE_BYTES,
-                        },
-                    }));
-                }
-                Err(source) => {
-                    self.failed = true;
-                    return Some(Err(TraceError::Io {
-                        line: self.src.line_no(),
-                        source,
-                    }));
-                }
-                Ok(Next::Line) => match self.parse() {
-                    Ok(Some(rec)) => return Some(Ok(rec)),
-                    Ok(None) => continue,
-                    Err(problem) => {
-                        return Some(Err(TraceError::Line {
-                            line: self.src.line_no(),
-                            problem,
-                        }));
-                    }
-                },
-            }
-        }
     }
 }
 
@@ -267,6 +229,7 @@ impl<W: Write> TraceWrite for MsrWriter<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trace::TraceError;
 
     fn read_all(text: &str) -> Vec<Result<TraceRecord, TraceError>> {
         MsrReader::new(text.as_bytes()).collect()

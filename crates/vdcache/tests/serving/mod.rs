@@ -461,18 +461,13 @@ pub fn qemu_io_opts(s: &Scratch, opts: &[&str], target: &str, cmds: &[String]) -
     all
 }
 
-/// A deterministic byte pattern (not a qemu-io -P byte): the byte at `i`
-/// of a stream seeded with `seed`.
+/// A deterministic byte pattern (not a qemu-io -P byte): the first `len`
+/// bytes of a stream seeded with `seed`.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    use rand::{Rng as _, SeedableRng};
+    let mut v = vec![0u8; len];
+    rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed).fill_bytes(&mut v);
+    v
 }
 
 /// The incompatible-features dirty bit (bit 0) of a qcow2 v3 header.

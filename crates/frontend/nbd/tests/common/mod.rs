@@ -92,17 +92,11 @@ pub fn mem_server(size: u64) -> (TestServer, Arc<MemExport>) {
     (s, disk)
 }
 
-/// Deterministic pseudo-random bytes (xorshift), different per seed.
+/// Deterministic pseudo-random bytes, different per seed.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity(len);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
+    use rand::{Rng as _, SeedableRng};
+    let mut v = vec![0u8; len];
+    rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed).fill_bytes(&mut v);
     v
 }
 
