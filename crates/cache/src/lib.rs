@@ -17,6 +17,7 @@ pub mod index;
 pub mod journal;
 pub mod layout;
 pub mod region;
+mod routing;
 pub mod staging;
 pub mod stats;
 pub mod summary;

@@ -15,6 +15,7 @@ mod checkpoint;
 mod commit;
 mod copyback;
 mod fills;
+mod ledger;
 mod metastore;
 mod partial;
 mod ranges;
@@ -34,7 +35,7 @@ use crate::journal::{CheckpointMark, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
 use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -61,25 +62,8 @@ pub(crate) struct ImageRecord {
     /// at least this long even before write-back extends the file.
     pub end: u64,
     /// Syncs of the backend for write-through data, shared by the flushes
-    /// that need one at the same time (numbered by `State::unsynced` marks).
+    /// that need one at the same time (numbered by the ledger's marks).
     pub backend_syncs: Arc<GroupSync>,
-}
-
-/// Clean copies held out of the journal (see `State::unjournaled_clean`)
-/// beyond which their backends are synced at once, not within a second:
-/// 16 MiB of 4 KiB blocks.
-pub(crate) const UNJOURNALED_LIMIT: usize = 4096;
-
-/// A clean copy of write-through data waiting for its backend sync before
-/// it is journaled (see `State::unjournaled_clean`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct UnjournaledClean {
-    pub image: u16,
-    /// The write's mark: a sync through it covers the data.
-    pub mark: u64,
-    pub cbn: Cbn,
-    pub guest: u64,
-    pub crc: u32,
 }
 
 /// A recent write, so a read miss does not admit data it overtook.
@@ -121,27 +105,8 @@ pub(crate) struct State {
     /// for every writer alike, so a guest's stream is not one on the host).
     pub read_runs: HashMap<u32, SequentialRuns>,
     pub write_runs: HashMap<u32, SequentialRuns>,
-    /// Images with write-through data not yet synced on the backend, each
-    /// with the `write_seq` of the last such write (numbered across images
-    /// and never reused, so an unchanged number proves nothing was written
-    /// through since).
-    pub unsynced: BTreeMap<u16, u64>,
-    /// Of those, images that pending journal entries (or the next
-    /// checkpoint) describe data of: sectors made valid, clean copies
-    /// promoted or relocated while the image had unsynced data. The
-    /// entries must not reach flash before the backend has the data; a
-    /// journal batch syncs these backends only, a guest flush all of them.
-    /// Each with the mark of the last such write.
-    pub journal_deps: BTreeMap<u16, u64>,
-    /// Clean copies of write-through data, mapped in the index but held
-    /// out of the journal until a backend sync covers their data (then
-    /// journaled, if still mapped). Recorded at once they would make every
-    /// journal batch, and every commit an overwrite of a cached block waits
-    /// for, sync the backend first. A crash forgets them: reads go to the
-    /// backend, which holds the same bytes or older ones.
-    pub unjournaled_clean: HashMap<(u64, u8), UnjournaledClean>,
-    /// When the write-back thread last synced backends for them.
-    pub clean_copies_synced: std::time::Instant,
+    /// What is unsynced on backends and held out of the journal.
+    pub ledger: ledger::Ledger,
     /// Lines holding dirty blocks, in write-back order.
     pub dirty_lines: BTreeSet<u64>,
     recent: VecDeque<RecentWrite>,
@@ -197,23 +162,11 @@ impl State {
     /// its data. Returns the write's mark (see `unsynced`).
     fn note_write_through(&mut self, id: u16, start: u64, end: u64, described: bool) -> u64 {
         self.note_write(id, start, end);
-        self.unsynced.insert(id, self.write_seq);
-        if described {
-            self.journal_deps.insert(id, self.write_seq);
-        }
+        self.ledger.wrote_through(id, self.write_seq, described);
         if let Some(rec) = self.images.get(id as usize) {
             rec.backend_syncs.publish(self.write_seq);
         }
         self.write_seq
-    }
-
-    /// Before journaling a clean copy of image `id` read from its backend
-    /// (a promotion, a relocation): the backend may not have synced what
-    /// it returned, so the record waits for the sync as well.
-    pub(crate) fn clean_copy_needs_sync(&mut self, id: u16) {
-        if let Some(&mark) = self.unsynced.get(&id) {
-            self.journal_deps.insert(id, mark);
-        }
     }
 
     /// Whether image `id` is open (has a store to write back to).
@@ -440,10 +393,7 @@ impl FlashCache {
             hot: HotFilter::new(HOT_FILTER_ENTRIES),
             read_runs: HashMap::new(),
             write_runs: HashMap::new(),
-            unsynced: BTreeMap::new(),
-            journal_deps: BTreeMap::new(),
-            unjournaled_clean: HashMap::new(),
-            clean_copies_synced: std::time::Instant::now(),
+            ledger: ledger::Ledger::default(),
             dirty_lines: BTreeSet::new(),
             recent: VecDeque::new(),
             write_seq: 0,

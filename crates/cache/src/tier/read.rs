@@ -394,7 +394,7 @@ impl FlashCache {
                     let guest = tag.guest_cluster.unwrap_or(u64::MAX);
                     let crc = crcs[(block - first) as usize];
                     st.map_block(key, guest, slot, cbn, false, crc);
-                    st.clean_copy_needs_sync(id);
+                    st.ledger.clean_copy_needs_sync(id);
                     st.journal.push(&Entry::Map {
                         key,
                         slot: slot as u8,

@@ -331,7 +331,8 @@ impl FlashCache {
             {
                 st.regions.release_block(old);
             }
-            st.clean_copy_needs_sync(crate::index::key_image(key));
+            st.ledger
+                .clean_copy_needs_sync(crate::index::key_image(key));
             st.journal.push(&Entry::Map {
                 key,
                 slot: slot as u8,

@@ -6,14 +6,16 @@
 //! hold its current content, so a write over it also goes over it in flash.
 
 use super::commit::Unsynced;
-use super::metastore::{keeps_sectors, overlay};
-use super::{FlashCache, State, UNJOURNALED_LIMIT, UnjournaledClean};
-use crate::config::{CowMode, WriteMode};
+use super::ledger::UnjournaledClean;
+use super::metastore::{overlay, table_sectors};
+use super::{FlashCache, State};
+use crate::admission::Run;
 use crate::error::{CacheError, Result};
 use crate::index::{Cbn, line_key};
 use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::region::Stream;
+use crate::routing::{Keep, Route, WriteClass, route};
 use crate::stats::bump;
 use std::time::{Duration, Instant};
 use vdcache_image::hostio::WriteSegment;
@@ -52,61 +54,37 @@ impl<'a> Blocks<'a> {
     }
 }
 
-/// Which blocks of a write-through a cache keeps a clean copy of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Keep {
-    Nothing,
-    Everything,
-    /// Everything but copy-on-write filler, and metadata written as zeros
-    /// (a table just created: the COW layer knows it is empty without
-    /// reading it, so a flash copy would only cost flash writes).
-    NotFiller,
-}
-
-/// A sequential run of smaller writes than this (lately, on average) stays in
-/// flash: such writes are bound by latency (a log appended by small
-/// synchronous writes), which flash answers far sooner than the backend.
-/// Measured in host writes, which the COW layer cuts where clusters are
-/// not contiguous in the image (at 64 KiB by default), and an unaligned
-/// write at its first and last cluster.
-const BYPASS_MEAN_REQUEST: u64 = 32 << 10;
-
-/// Whether a write of guest data continues a sequential run of the guest's
-/// that reached `cutoff` bytes, in requests of at least
-/// [`BYPASS_MEAN_REQUEST`] on average lately. Metadata stays in flash
-/// however it is written.
-fn continues_long_run(
+/// The guest's sequential write run a write of guest data continues
+/// (none for a write without guest data).
+fn observe_write_run(
     st: &mut State,
     tag: IoTag,
     segments: &[WriteSegment<'_>],
     len: u64,
-    cutoff: u64,
-) -> bool {
+) -> Option<Run> {
     let mut clusters = segments
         .iter()
         .filter(|s| s.tag.class == IoClass::GuestData)
         .filter_map(|s| s.tag.guest_cluster);
-    let Some(first) = clusters.next() else {
-        return false;
-    };
+    let first = clusters.next()?;
     let (low, high) = clusters.fold((first, first), |(l, h), c| (l.min(c), h.max(c)));
     let runs = st.write_runs.entry(tag.disk.0).or_default();
-    let run = runs.observe_at(low, high - low + 1, len);
-    run.bytes >= cutoff && run.recent_request >= BYPASS_MEAN_REQUEST
+    Some(runs.observe_at(low, high - low + 1, len))
+}
+
+/// What a write is made of, for [`route`].
+fn write_class(off: u64, len: u64, segments: &[WriteSegment<'_>]) -> WriteClass {
+    WriteClass {
+        filler_only: segments.iter().all(|s| s.tag.class == IoClass::CowFill),
+        table_sectors: table_sectors(off, len, segments),
+    }
 }
 
 /// Drops the record of a clean copy held out of the journal, if the block
 /// is still mapped to it; true if it was.
 fn forget_unjournaled(st: &mut State, key: u64, slot: usize) -> bool {
-    let at = (key, slot as u8);
-    let current = st
-        .unjournaled_clean
-        .get(&at)
-        .is_some_and(|c| st.index.block(key, slot) == Some(c.cbn));
-    if current {
-        st.unjournaled_clean.remove(&at);
-    }
-    current
+    let current = st.index.block(key, slot);
+    st.ledger.forget_clean((key, slot as u8), current)
 }
 
 /// Ascending block numbers as runs `[first, end)` of consecutive ones.
@@ -229,20 +207,19 @@ impl FlashCache {
             self.count_write_hits(id, off, segments, &counters);
         }
         // One lock for the policy and the run detector: every write takes it.
-        let (policy, long_run) = {
+        let (policy, run) = {
             let mut st = self.lock();
             let policy = st.policy(tag.disk, self.config.default_policy);
-            let cutoff = policy.sequential_write_cutoff;
-            let long = cutoff > 0 && continues_long_run(&mut st, tag, segments, len, cutoff);
-            (policy, long)
+            let run = if policy.sequential_write_cutoff > 0 {
+                observe_write_run(&mut st, tag, segments, len)
+            } else {
+                None
+            };
+            (policy, run)
         };
-        let filler_only = segments.iter().all(|s| s.tag.class == IoClass::CowFill);
-        let bypass = (policy.cow == CowMode::CowAware && filler_only) || long_run;
-        match policy.mode {
-            WriteMode::WriteBack if !bypass => {
-                if keeps_sectors(policy, off, len, segments)
-                    && self.write_sectors(id, off, segments, tag)?
-                {
+        match route(policy, write_class(off, len, segments), run) {
+            Route::WriteBack { sectors } => {
+                if sectors && self.write_sectors(id, off, segments, tag)? {
                     return Ok(());
                 }
                 if self.write_back_chunked(image, id, off, segments, tag)? {
@@ -251,15 +228,10 @@ impl FlashCache {
                 // No room in flash: fall back to writing through.
                 self.write_through(image, id, off, len, segments, tag, Keep::Nothing)
             }
-            WriteMode::WriteBack | WriteMode::WriteAround => {
+            Route::Bypass | Route::WriteAround => {
                 self.write_through(image, id, off, len, segments, tag, Keep::Nothing)
             }
-            WriteMode::WriteThrough => {
-                // Copy-on-write filler is never admitted in cow-aware mode.
-                let keep = match policy.cow {
-                    CowMode::Stacked => Keep::Everything,
-                    CowMode::CowAware => Keep::NotFiller,
-                };
+            Route::WriteThrough(keep) => {
                 self.write_through(image, id, off, len, segments, tag, keep)
             }
         }
@@ -784,7 +756,7 @@ impl FlashCache {
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
                 st.dirty_lines.remove(&key);
             }
-            st.unjournaled_clean.insert(
+            st.ledger.hold_clean(
                 (key, slot as u8),
                 UnjournaledClean {
                     image: id,
@@ -796,7 +768,7 @@ impl FlashCache {
             );
         }
         self.keep_reserve(&mut st)?;
-        if st.unjournaled_clean.len() >= UNJOURNALED_LIMIT {
+        if st.ledger.clean_over_limit() {
             if self.config.inline_background {
                 drop(st);
                 self.clean_copies_check()?;
