@@ -17,6 +17,8 @@ pub mod index;
 pub mod journal;
 pub mod layout;
 pub mod region;
+mod reinsertion;
+mod replacement;
 mod routing;
 pub mod staging;
 pub mod stats;

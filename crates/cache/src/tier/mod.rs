@@ -26,7 +26,7 @@ mod space;
 mod write;
 mod writeback;
 
-use crate::admission::{HotFilter, SequentialRuns};
+use crate::admission::{Admissions, SequentialRuns};
 use crate::config::{CacheConfig, DiskPolicy};
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
@@ -99,11 +99,12 @@ pub(crate) struct State {
     pub images: Vec<ImageRecord>,
     pub by_name: HashMap<String, u16>,
     pub policies: HashMap<u32, DiskPolicy>,
-    pub hot: HotFilter,
-    /// Sequential streams per disk: of read misses (host offsets) and of
-    /// guest writes (guest clusters: a qcow2 image allocates host clusters
-    /// for every writer alike, so a guest's stream is not one on the host).
-    pub read_runs: HashMap<u32, SequentialRuns>,
+    /// The admission policies' filters (see `admission`).
+    pub admission: Admissions,
+    /// Sequential streams of guest writes per disk, in guest clusters (a
+    /// qcow2 image allocates host clusters for every writer alike, so a
+    /// guest's stream is not one on the host; read misses' streams, in host
+    /// offsets, are the admission policy's).
     pub write_runs: HashMap<u32, SequentialRuns>,
     /// What is unsynced on backends and held out of the journal.
     pub ledger: ledger::Ledger,
@@ -390,8 +391,7 @@ impl FlashCache {
             images: Vec::new(),
             by_name: HashMap::new(),
             policies: HashMap::new(),
-            hot: HotFilter::new(HOT_FILTER_ENTRIES),
-            read_runs: HashMap::new(),
+            admission: Admissions::new(HOT_FILTER_ENTRIES),
             write_runs: HashMap::new(),
             ledger: ledger::Ledger::default(),
             dirty_lines: BTreeSet::new(),

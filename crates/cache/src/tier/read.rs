@@ -5,7 +5,7 @@
 
 use super::metastore::overlay;
 use super::{FlashCache, State};
-use crate::config::{Admission, DiskPolicy};
+use crate::config::DiskPolicy;
 use crate::error::{CacheError, Result};
 use crate::index::{Cbn, line_key};
 use crate::journal::Entry;
@@ -314,18 +314,14 @@ impl FlashCache {
         first_block: u64,
         blocks: u64,
     ) -> bool {
-        match policy.admission {
-            Admission::All => true,
-            Admission::Hot => st.hot.missed((u64::from(tag.disk.0) << 56) ^ first_block),
-            Admission::SequentialBypass => {
-                let run = st
-                    .read_runs
-                    .entry(tag.disk.0)
-                    .or_default()
-                    .observe(first_block * BLOCK, blocks * BLOCK);
-                run < policy.sequential_threshold
-            }
-        }
+        st.admission
+            .policy(policy.admission)
+            .admits(&crate::admission::ReadMiss {
+                disk: tag.disk.0,
+                first_block,
+                blocks,
+                sequential_threshold: policy.sequential_threshold,
+            })
     }
 
     /// Admits blocks read from the backend, unless a write to them
