@@ -22,6 +22,8 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 
 #[derive(Debug, Default)]
 pub struct GroupSync {
+    /// A leaf lock, taken under the cache's state lock or alone, never held
+    /// across the sync it guards.
     round: Mutex<Round>,
     finished: Condvar,
     /// The highest number whose write completed.

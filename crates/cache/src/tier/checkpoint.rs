@@ -53,6 +53,8 @@ struct Slot {
 
 /// Hands checkpoints from the state lock to whoever writes them.
 pub(crate) struct Checkpointer {
+    /// A leaf lock, taken under the state lock or alone (see the lock
+    /// order in the tier's module doc).
     slot: Mutex<Slot>,
     changed: Condvar,
 }

@@ -2,10 +2,36 @@
 //! buffer, image registry), data I/O on flash and backends outside it,
 //! background write-back and checkpoint threads.
 //!
-//! Lock order: `state`, then the checkpointer's hand-off slot or the
-//! device's staging lock; neither of those is held while taking `state`.
-//! A guest flush's sync runs with no lock held but the group-commit round
-//! (`group_sync`), which is never held while taking `state`.
+//! State owners: `State` keeps one field per owner, each a module whose
+//! doc says what it owns: the index (`crate::index`), region space and the
+//! replacement policy (`crate::region`, `crate::replacement`), reclaim
+//! (`space`, with `crate::reinsertion`), the durability ledger (`ledger`),
+//! the journal buffer (`crate::journal`), the admission filters
+//! (`crate::admission`); write routing is a pure function
+//! (`crate::routing`).
+//!
+//! Lock order (every lock the cache takes; a lock is only ever taken while
+//! holding locks above it in this list):
+//! 1. `FlashCache::thread` / `checkpoint_thread` (join handles): taken
+//!    alone, never with `state` held (the threads take `state`).
+//! 2. A line fill's `base` (`fills::LineFill`): held while the COW layer
+//!    reads the backing chain, which may come back into the cache and take
+//!    the locks below.
+//! 3. Backend ranges (`ranges::BackendRanges`), all of a request's at once:
+//!    before `state`, never the other way round.
+//! 4. `FlashCache::state` (`State`, this module).
+//! 5. Under `state` or alone, leaves that take nothing else while held:
+//!    the checkpointer's hand-off slot (`checkpoint::Checkpointer`), the
+//!    device's staging chunks (`crate::staging`), a group-commit round
+//!    (`crate::group_sync`: the cache device's and each image's backend
+//!    syncs), `copy_depth` (`copyback::DepthLimit`), the write-back
+//!    wake-up flags (`writeback::Wakeup`), the per-disk counters
+//!    (`crate::stats`), a parallel copy's first error (`copyback`).
+//!
+//! A group-commit sync itself runs with no lock held (not even its round),
+//! and may be waited for with `state` held (a commit under the lock): so
+//! the sync must never take `state`. A guest flush's device sync and a
+//! write-back batch's backend writes run without `state`.
 //! Durability: a block's journal record carries its checksum, replay stops
 //! at the first record whose batch or data does not verify, and a region is
 //! reused only after the records that emptied it are durable; so recovery
@@ -287,6 +313,8 @@ pub struct FlashCache {
     sb: Superblock,
     layout: Layout,
     config: CacheConfig,
+    /// Lock 4 of the order in the module doc: after backend ranges and a
+    /// line fill's base, before every leaf lock.
     state: Mutex<State>,
     /// Wakes the write-back thread (shared with it, so the thread can wait
     /// without keeping the cache alive).
@@ -295,6 +323,7 @@ pub struct FlashCache {
     progress: Condvar,
     stats: Stats,
     stop: AtomicBool,
+    /// Never taken with `state` held (the thread takes it).
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     checkpointer: Arc<checkpoint::Checkpointer>,
     /// Guest flushes sync the device outside the state lock, together.
@@ -304,7 +333,8 @@ pub struct FlashCache {
     recovery: RecoveryReport,
     /// Image ranges with a backend write in progress outside the state lock.
     ranges: ranges::BackendRanges,
-    /// Write-back requests to keep in flight.
+    /// Write-back requests to keep in flight. A leaf lock: held only to
+    /// read or feed the limit.
     copy_depth: Mutex<copyback::DepthLimit>,
     /// Guest requests waiting on a backend now (write-back yields to them).
     foreground: std::sync::atomic::AtomicUsize,
