@@ -107,7 +107,7 @@ impl FlashCache {
     fn write_commit_through(&self, st: &mut State, through: u64) -> Result<bool> {
         // Summaries ride along with this commit's sync (they need none).
         self.write_summaries(st)?;
-        let started_before = st.checkpoint_running;
+        let started_before = st.epochs.running();
         self.append_journal_through(st, through)?;
         Ok(started_before)
     }

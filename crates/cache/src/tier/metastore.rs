@@ -373,7 +373,7 @@ impl FlashCache {
         }
         let counters = self.stats.disk(tag.disk);
         bump(&counters.meta_flash_bytes_written, journaled);
-        st.note_write(id, off, end);
+        st.history.note(id, off, end);
         if let Some(rec) = st.images.get_mut(id as usize) {
             rec.end = rec.end.max(end);
         }
@@ -551,7 +551,7 @@ impl FlashCache {
                 (block % LINE_BLOCKS) as usize,
             );
             // A read that fetched the old bytes must not admit them.
-            st.note_write(img, off, off + SECTOR);
+            st.history.note(img, off, off + SECTOR);
             st.journal.push(&Entry::MetaClean {
                 image: img,
                 offset: off,

@@ -40,7 +40,9 @@
 mod checkpoint;
 mod commit;
 mod copyback;
+mod epochs;
 mod fills;
+mod history;
 mod ledger;
 mod metastore;
 mod partial;
@@ -61,7 +63,7 @@ use crate::journal::{CheckpointMark, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock};
 use crate::region::{RegionCounts, Regions};
 use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -92,16 +94,6 @@ pub(crate) struct ImageRecord {
     pub backend_syncs: Arc<GroupSync>,
 }
 
-/// A recent write, so a read miss does not admit data it overtook.
-#[derive(Debug, Clone, Copy)]
-struct RecentWrite {
-    seq: u64,
-    image: u16,
-    start: u64,
-    end: u64,
-}
-
-const RECENT_WRITES: usize = 4096;
 const HOT_FILTER_ENTRIES: usize = 1 << 16;
 
 pub(crate) struct State {
@@ -114,14 +106,8 @@ pub(crate) struct State {
     pub unreadable: BTreeSet<(u64, u8)>,
     pub regions: Regions,
     pub journal: JournalWriter,
-    /// Generation and slot of the newest durable checkpoint.
-    pub generation: u64,
-    pub durable_slot: usize,
-    /// Generation of the newest checkpoint started: the epoch the journal
-    /// writes in (one past `generation` while a checkpoint is in flight or
-    /// after one failed; two past after recovery).
-    pub epoch: u64,
-    pub checkpoint_running: bool,
+    /// Checkpoint generations and the journal's epoch.
+    pub epochs: epochs::Epochs,
     pub images: Vec<ImageRecord>,
     pub by_name: HashMap<String, u16>,
     pub policies: HashMap<u32, DiskPolicy>,
@@ -136,8 +122,8 @@ pub(crate) struct State {
     pub ledger: ledger::Ledger,
     /// Lines holding dirty blocks, in write-back order.
     pub dirty_lines: BTreeSet<u64>,
-    recent: VecDeque<RecentWrite>,
-    write_seq: u64,
+    /// Recent writes, numbered (see `history`).
+    pub history: history::WriteHistory,
     /// Dirty blocks were recorded since the last commit: before anything
     /// bypasses the log to a backend, they must be durable (the log keeps
     /// the COW layer's write order only for what goes through it).
@@ -188,12 +174,12 @@ impl State {
     /// backend, not yet synced there; `described`: journal entries describe
     /// its data. Returns the write's mark (see `unsynced`).
     fn note_write_through(&mut self, id: u16, start: u64, end: u64, described: bool) -> u64 {
-        self.note_write(id, start, end);
-        self.ledger.wrote_through(id, self.write_seq, described);
+        let mark = self.history.note(id, start, end);
+        self.ledger.wrote_through(id, mark, described);
         if let Some(rec) = self.images.get(id as usize) {
-            rec.backend_syncs.publish(self.write_seq);
+            rec.backend_syncs.publish(mark);
         }
-        self.write_seq
+        mark
     }
 
     /// Whether image `id` is open (has a store to write back to).
@@ -226,33 +212,6 @@ impl State {
         self.unreadable.is_empty()
             || (0..crate::layout::LINE_BLOCKS as u8)
                 .any(|s| l.dirty & (1 << s) != 0 && !self.unreadable.contains(&(key, s)))
-    }
-
-    /// Records a write of `[start, end)` of an image.
-    fn note_write(&mut self, image: u16, start: u64, end: u64) {
-        self.write_seq += 1;
-        self.recent.push_back(RecentWrite {
-            seq: self.write_seq,
-            image,
-            start,
-            end,
-        });
-        if self.recent.len() > RECENT_WRITES {
-            self.recent.pop_front();
-        }
-    }
-
-    /// Whether a write overlapping the range happened after `since`.
-    fn written_since(&self, since: u64, image: u16, start: u64, end: u64) -> bool {
-        if self.recent.front().is_some_and(|w| w.seq > since + 1) && self.write_seq > since {
-            // History was trimmed past the read: assume the worst.
-            return true;
-        }
-        self.recent
-            .iter()
-            .rev()
-            .take_while(|w| w.seq > since)
-            .any(|w| w.image == image && w.start < end && start < w.end)
     }
 }
 
@@ -414,10 +373,7 @@ impl FlashCache {
                 config.replacement,
             ),
             journal,
-            generation: durable.generation,
-            durable_slot: durable.slot,
-            epoch,
-            checkpoint_running: false,
+            epochs: epochs::Epochs::new(durable, epoch),
             images: Vec::new(),
             by_name: HashMap::new(),
             policies: HashMap::new(),
@@ -425,8 +381,7 @@ impl FlashCache {
             write_runs: HashMap::new(),
             ledger: ledger::Ledger::default(),
             dirty_lines: BTreeSet::new(),
-            recent: VecDeque::new(),
-            write_seq: 0,
+            history: history::WriteHistory::default(),
             uncommitted_dirty: false,
             drain_requests: 0,
             writeback_busy: false,

@@ -128,7 +128,7 @@ impl FlashCache {
                 self.widen_to_table(&st, id, policy, tag, &mut misses);
             }
             (
-                st.write_seq,
+                st.history.seq(),
                 policy,
                 self.meta_snapshot(&st, id, off, buf.len() as u64),
             )
@@ -381,8 +381,10 @@ impl FlashCache {
                     let cbn = cbn0 + i as u32;
                     let key = line_key(id, block / LINE_BLOCKS);
                     let slot = (block % LINE_BLOCKS) as usize;
-                    let stale = st.written_since(read_seq, id, block * BLOCK, (block + 1) * BLOCK)
-                        || st.index.block(key, slot).is_some();
+                    let stale =
+                        st.history
+                            .written_since(read_seq, id, block * BLOCK, (block + 1) * BLOCK)
+                            || st.index.block(key, slot).is_some();
                     if stale {
                         st.regions.release_block(cbn);
                         continue;

@@ -465,7 +465,7 @@ impl FlashCache {
             self.validate_written(&mut st, id, off, len);
         }
         self.settle(&mut st, &runs);
-        st.note_write(id, off, off + len);
+        st.history.note(id, off, off + len);
         self.keep_reserve(&mut st)?;
         self.journal_buffer_check(&mut st)?;
         let dirty = st.index.dirty_blocks() as f64 / self.layout.cacheable_blocks() as f64;
@@ -803,7 +803,7 @@ impl FlashCache {
                     (b % LINE_BLOCKS) as usize,
                 );
             }
-            st.note_write(id, off, off + len);
+            st.history.note(id, off, off + len);
             // Sectors of discarded metadata must not come back over what
             // the space holds next.
             if self.drop_sectors(&mut st, id, off, len) {
