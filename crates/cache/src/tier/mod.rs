@@ -37,6 +37,8 @@
 //! reused only after the records that emptied it are durable; so recovery
 //! always yields a prefix of what was acknowledged, never garbage.
 
+mod catalog;
+pub(crate) use catalog::ImageRecord;
 mod checkpoint;
 mod commit;
 mod copyback;
@@ -50,6 +52,8 @@ mod ranges;
 mod read;
 mod recover;
 pub use recover::RecoveryReport;
+mod report;
+pub use report::{CacheReport, ImageReport};
 mod space;
 mod write;
 mod writeback;
@@ -60,39 +64,17 @@ use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
 use crate::index::{Cbn, Index};
 use crate::journal::{CheckpointMark, Entry, JournalWriter};
-use crate::layout::{BLOCK, Layout, Superblock};
-use crate::region::{RegionCounts, Regions};
-use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
+use crate::layout::{Layout, Superblock};
+use crate::region::Regions;
+use crate::stats::{CountedDevice, Stats};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use vdcache_backend::BackendRef;
 use vdcache_image::hostio::WriteSegment;
-use vdcache_image::{
-    DiskId, FlushKind, Holder, HostIo, ImageHandle, ImageIdentity, IoTag, Verdict,
-};
+use vdcache_image::{DiskId, FlushKind, Holder, HostIo, ImageHandle, ImageIdentity, IoTag};
 use vdcache_qcow2::HostOffset;
-
-/// An image the cache has seen.
-#[derive(Debug, Clone)]
-pub(crate) struct ImageRecord {
-    pub name: String,
-    pub identity: ImageIdentity,
-    /// Open store of the image (absent for images known only from the
-    /// journal until a disk opens them).
-    pub backend: Option<BackendRef>,
-    pub disk: DiskId,
-    /// More than one disk reads this image (a shared base): what one disk
-    /// masks, another may still read.
-    pub shared_by_disks: bool,
-    /// End of the highest block written through the cache: the image is
-    /// at least this long even before write-back extends the file.
-    pub end: u64,
-    /// Syncs of the backend for write-through data, shared by the flushes
-    /// that need one at the same time (numbered by the ledger's marks).
-    pub backend_syncs: Arc<GroupSync>,
-}
 
 const HOT_FILTER_ENTRIES: usize = 1 << 16;
 
@@ -215,54 +197,6 @@ impl State {
     }
 }
 
-/// What `vdcache stats` reports.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct CacheReport {
-    pub device_bytes: u64,
-    pub data_bytes: u64,
-    pub region_bytes: u64,
-    pub regions_free: u32,
-    pub regions_open: u32,
-    pub regions_full: u32,
-    pub cached_bytes: u64,
-    pub dirty_bytes: u64,
-    pub index_memory_bytes: u64,
-    /// The part of the index memory sized by the device (held even when
-    /// nothing is cached).
-    pub index_memory_fixed_bytes: u64,
-    /// Index memory beyond the fixed part, as a fraction of the cached
-    /// bytes.
-    pub index_memory_ratio: f64,
-    /// Memory of the checksums of cached blocks.
-    pub checksum_memory_bytes: u64,
-    /// Dirty blocks whose only copy the device damaged (reads fail).
-    pub unreadable_blocks: u64,
-    /// Dirty metadata sectors held (cow-aware write-back), and their memory.
-    pub meta_sectors: u64,
-    pub meta_sector_memory_bytes: u64,
-    /// Regions reclaimed whose blocks were found through the region's
-    /// summary, and through a scan of the index (no usable summary: small
-    /// regions, or regions filled before a crash).
-    pub regions_emptied_by_summary: u64,
-    pub regions_emptied_by_scan: u64,
-    /// What fast recovery found when the cache opened (zeros: formatted).
-    pub recovery: RecoveryReport,
-    pub replacement: &'static str,
-    /// What the tier wrote to and read from its device since it opened.
-    pub device: DeviceStats,
-    pub total: DiskStats,
-    pub disks: Vec<(u32, DiskStats)>,
-    pub images: Vec<ImageReport>,
-}
-
-/// One image the cache holds blocks of.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct ImageReport {
-    pub name: String,
-    pub cached_bytes: u64,
-    pub dirty_bytes: u64,
-}
-
 /// A flash cache on one device, shared by every disk of a server.
 pub struct FlashCache {
     /// The device, data-zone writes staged in chunks (see `staging`).
@@ -313,16 +247,6 @@ fn io_err(e: CacheError) -> io::Error {
         // Keeps the typed fault, so the layers above can tell it.
         CacheError::Unreachable { fault } => fault.into_io(),
         other => io::Error::other(other.to_string()),
-    }
-}
-
-/// What the store of an image that nobody attached says about itself
-/// (tests and tools that hand the cache image handles directly).
-fn store_identity_of(image: &ImageHandle) -> ImageIdentity {
-    ImageIdentity {
-        mark: None,
-        store: image.backend.identity().unwrap_or_default(),
-        writable: image.depth == 0,
     }
 }
 
@@ -458,155 +382,6 @@ impl FlashCache {
         }
     }
 
-    /// The id of an image, registering it on first sight. An image the
-    /// COW layer attached (see [`FlashCache::attach_image`]) was checked
-    /// then; any other is checked against what its store says.
-    pub(crate) fn image_id(&self, image: &ImageHandle, disk: DiskId) -> Result<u16> {
-        {
-            let mut st = self.lock();
-            if let Some(&id) = st.by_name.get(&*image.name) {
-                let rec = &mut st.images[id as usize];
-                if rec.backend.is_some() {
-                    if rec.disk != disk {
-                        rec.shared_by_disks = true;
-                    }
-                    rec.disk = disk;
-                    return Ok(id);
-                }
-            }
-        }
-        self.attach_image(image, disk, &store_identity_of(image))
-    }
-
-    /// Binds `image` to the identity the COW layer found in its store.
-    /// Blocks the cache holds of another file under the same name are
-    /// dropped; if some of them hold data that file lacked, the image is
-    /// refused instead, naming what happened.
-    pub(crate) fn attach_image(
-        &self,
-        image: &ImageHandle,
-        disk: DiskId,
-        found: &ImageIdentity,
-    ) -> Result<u16> {
-        let mut st = self.lock();
-        let Some(&id) = st.by_name.get(&*image.name) else {
-            return self.register_image(&mut st, image, disk, found);
-        };
-        let rec = &mut st.images[id as usize];
-        match found.compare(&rec.identity, &self.sb.uuid) {
-            Verdict::Same => {}
-            Verdict::Advanced => {
-                rec.identity = *found;
-                let name = rec.name.clone();
-                st.journal.push(&Entry::Image {
-                    id,
-                    name,
-                    identity: *found,
-                });
-            }
-            Verdict::Different(reason) => {
-                let name = rec.name.clone();
-                drop(st);
-                return self.replace_stale_image(id, name, reason, image, disk, found);
-            }
-        }
-        let rec = &mut st.images[id as usize];
-        if rec.backend.is_some() && rec.disk != disk {
-            rec.shared_by_disks = true;
-        }
-        rec.backend = Some(image.backend.clone());
-        rec.disk = disk;
-        Ok(id)
-    }
-
-    fn register_image(
-        &self,
-        st: &mut State,
-        image: &ImageHandle,
-        disk: DiskId,
-        identity: &ImageIdentity,
-    ) -> Result<u16> {
-        let id = u16::try_from(st.images.len())
-            .map_err(|_| CacheError::Config("more than 65535 images share one cache".into()))?;
-        st.images.push(ImageRecord {
-            name: image.name.to_string(),
-            identity: *identity,
-            backend: Some(image.backend.clone()),
-            disk,
-            shared_by_disks: false,
-            end: 0,
-            backend_syncs: Arc::default(),
-        });
-        st.by_name.insert(image.name.to_string(), id);
-        st.journal.push(&Entry::Image {
-            id,
-            name: image.name.to_string(),
-            identity: *identity,
-        });
-        Ok(id)
-    }
-
-    /// A file now under a recorded name is not the recorded file. Refuse
-    /// when the cache holds data the old file lacked; otherwise forget
-    /// what was cached for it.
-    fn replace_stale_image(
-        &self,
-        id: u16,
-        name: String,
-        reason: String,
-        image: &ImageHandle,
-        disk: DiskId,
-        found: &ImageIdentity,
-    ) -> Result<u16> {
-        let mut st = self.lock();
-        if self.holds_newer_of(&st, id) {
-            return Err(CacheError::WrongImage {
-                name,
-                reason,
-                cache: self.device.name().to_string(),
-            });
-        }
-        tracing::warn!(image = %name, %reason, "image changed since it was cached; dropping its cached blocks");
-        let lines: Vec<u64> = st
-            .index
-            .lines()
-            .filter(|l| crate::index::key_image(l.key) == id)
-            .map(|l| l.key)
-            .collect();
-        for key in lines {
-            for slot in 0..crate::layout::LINE_BLOCKS as usize {
-                self.unmap_block(&mut st, key, slot);
-            }
-        }
-        let rec = &mut st.images[id as usize];
-        rec.identity = *found;
-        rec.backend = Some(image.backend.clone());
-        rec.disk = disk;
-        st.journal.push(&Entry::Image {
-            id,
-            name,
-            identity: *found,
-        });
-        Ok(id)
-    }
-
-    /// Whether the cache holds data of image `id` that its file lacks:
-    /// dirty blocks, partially valid clusters, dirty metadata sectors.
-    pub(crate) fn holds_newer_of(&self, st: &State, id: u16) -> bool {
-        let keys = crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX);
-        st.dirty_lines.range(keys.clone()).next().is_some()
-            || st
-                .unreadable
-                .range((*keys.start(), 0)..=(*keys.end(), u8::MAX))
-                .next()
-                .is_some()
-            || st.meta.has_dirty_of(id)
-            || st
-                .index
-                .lines()
-                .any(|l| l.partial != 0 && crate::index::key_image(l.key) == id)
-    }
-
     /// Removes one slot from the index, journaling it and freeing its block.
     pub(crate) fn unmap_block(&self, st: &mut State, key: u64, slot: usize) -> bool {
         let Some((cbn, _dirty, r)) = st.index.unmap(key, slot) else {
@@ -623,89 +398,6 @@ impl FlashCache {
             st.dirty_lines.remove(&key);
         }
         true
-    }
-
-    /// What the tier did to its device, read without the state lock.
-    pub fn device_stats(&self) -> DeviceStats {
-        DeviceStats {
-            sync_waits: self.group_sync.waits(),
-            ..self.counted.snapshot()
-        }
-    }
-
-    /// Statistics.
-    pub fn report(&self) -> CacheReport {
-        let st = self.lock();
-        let counts: RegionCounts = st.regions.counts();
-        let cached = st.index.present_blocks() * BLOCK;
-        let memory = st.index.memory_bytes();
-        let fixed = st.index.fixed_memory_bytes();
-        let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.images.len()];
-        let mut dirty_by_disk: HashMap<u32, u64> = HashMap::new();
-        for l in st.index.lines() {
-            let img = crate::index::key_image(l.key) as usize;
-            if let Some(p) = per_image.get_mut(img) {
-                p.0 += u64::from(l.present.count_ones()) * BLOCK;
-                p.1 += u64::from(l.dirty.count_ones()) * BLOCK;
-            }
-            if let Some(rec) = st.images.get(img) {
-                *dirty_by_disk.entry(rec.disk.0).or_default() +=
-                    u64::from(l.dirty.count_ones()) * BLOCK;
-            }
-        }
-        let images = st
-            .images
-            .iter()
-            .zip(&per_image)
-            .map(|(r, &(c, d))| ImageReport {
-                name: r.name.clone(),
-                cached_bytes: c,
-                dirty_bytes: d,
-            })
-            .collect();
-        let dirty = st.index.dirty_blocks() * BLOCK;
-        let meta_sectors = st.meta.dirty_len() as u64;
-        let checksum_memory_bytes = st.crcs.memory_bytes();
-        let unreadable_blocks = st.unreadable.len() as u64;
-        let meta_sector_memory_bytes = st.meta.memory_bytes();
-        let emptied = (st.emptied_by_summary, st.emptied_by_scan);
-        drop(st);
-        let mut disks = self.stats.all();
-        let mut total = DiskStats::default();
-        for (d, s) in &mut disks {
-            s.dirty_bytes = dirty_by_disk.get(d).copied().unwrap_or(0);
-            total.add(s);
-        }
-        total.dirty_bytes = dirty;
-        CacheReport {
-            device_bytes: self.layout.device_bytes,
-            data_bytes: self.layout.cacheable_blocks() * BLOCK,
-            region_bytes: self.layout.region_bytes,
-            regions_free: counts.free,
-            regions_open: counts.open,
-            regions_full: counts.full,
-            cached_bytes: cached,
-            dirty_bytes: dirty,
-            index_memory_bytes: memory,
-            index_memory_fixed_bytes: fixed,
-            index_memory_ratio: if cached == 0 {
-                0.0
-            } else {
-                memory.saturating_sub(fixed) as f64 / cached as f64
-            },
-            checksum_memory_bytes,
-            unreadable_blocks,
-            meta_sectors,
-            meta_sector_memory_bytes,
-            regions_emptied_by_summary: emptied.0,
-            regions_emptied_by_scan: emptied.1,
-            recovery: self.recovery,
-            replacement: self.config.replacement.name(),
-            device: self.device_stats(),
-            total,
-            disks,
-            images,
-        }
     }
 
     /// Stops the write-back thread. With `keep_dirty` false every dirty
