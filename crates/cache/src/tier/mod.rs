@@ -55,6 +55,7 @@ pub use recover::RecoveryReport;
 mod report;
 pub use report::{CacheReport, ImageReport};
 mod space;
+mod through;
 mod write;
 mod writeback;
 
