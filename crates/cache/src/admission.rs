@@ -1,6 +1,15 @@
 //! Admission filters: lazy promotion of reads (a block enters the cache on
 //! its second miss within a window, like SVD's CLOCK-based promotion) and
-//! detection of sequential runs to bypass.
+//! detection of sequential runs to bypass. Each admission policy sits
+//! behind [`AdmissionPolicy`]; [`Admissions`] holds one of each (their
+//! state is shared by the disks that choose them) and hands out the one a
+//! disk's policy names.
+//!
+//! It owns the filters' memory only: it never reads the index or decides
+//! where a write goes (see `routing`).
+
+use crate::config::Admission;
+use std::collections::HashMap;
 
 /// Remembers recently missed blocks in a fixed direct-mapped table; a
 /// block found there on its next miss is hot.
@@ -115,6 +124,86 @@ impl SequentialRuns {
     }
 }
 
+/// A read miss, as an admission policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadMiss {
+    pub disk: u32,
+    /// First block missed (in cache blocks of the image) and how many.
+    pub first_block: u64,
+    pub blocks: u64,
+    /// Bytes of consecutive misses after which a sequential run is not
+    /// admitted (the disk's `sequential_threshold`).
+    pub sequential_threshold: u64,
+}
+
+/// Decides whether blocks read from a backend enter the cache.
+pub trait AdmissionPolicy: std::fmt::Debug + Send {
+    /// Called once per miss, in the order they reach the cache.
+    fn admits(&mut self, miss: &ReadMiss) -> bool;
+}
+
+/// Admits every miss.
+#[derive(Debug, Default)]
+pub struct AdmitAll;
+
+impl AdmissionPolicy for AdmitAll {
+    fn admits(&mut self, _miss: &ReadMiss) -> bool {
+        true
+    }
+}
+
+impl AdmissionPolicy for HotFilter {
+    fn admits(&mut self, miss: &ReadMiss) -> bool {
+        self.missed((u64::from(miss.disk) << 56) ^ miss.first_block)
+    }
+}
+
+/// Admits misses until they form a long sequential run on their disk.
+#[derive(Debug, Default)]
+pub struct SequentialBypass {
+    runs: HashMap<u32, SequentialRuns>,
+}
+
+impl AdmissionPolicy for SequentialBypass {
+    fn admits(&mut self, miss: &ReadMiss) -> bool {
+        const BLOCK: u64 = crate::layout::BLOCK;
+        let run = self
+            .runs
+            .entry(miss.disk)
+            .or_default()
+            .observe(miss.first_block * BLOCK, miss.blocks * BLOCK);
+        run < miss.sequential_threshold
+    }
+}
+
+/// One instance of each admission policy, chosen per disk by name.
+#[derive(Debug)]
+pub struct Admissions {
+    all: AdmitAll,
+    hot: HotFilter,
+    sequential: SequentialBypass,
+}
+
+impl Admissions {
+    /// With a hot filter of `hot_entries` slots.
+    pub fn new(hot_entries: usize) -> Admissions {
+        Admissions {
+            all: AdmitAll,
+            hot: HotFilter::new(hot_entries),
+            sequential: SequentialBypass::default(),
+        }
+    }
+
+    /// The policy `which` names.
+    pub fn policy(&mut self, which: Admission) -> &mut dyn AdmissionPolicy {
+        match which {
+            Admission::All => &mut self.all,
+            Admission::Hot => &mut self.hot,
+            Admission::SequentialBypass => &mut self.sequential,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,5 +277,36 @@ mod tests {
             longest = longest.max(s.observe(block * 4096, 4096));
         }
         assert!(longest < 64 << 10, "random writes ran to {longest} bytes");
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+
+    fn miss(disk: u32, first_block: u64) -> ReadMiss {
+        ReadMiss {
+            disk,
+            first_block,
+            blocks: 1,
+            sequential_threshold: 3 * crate::layout::BLOCK,
+        }
+    }
+
+    #[test]
+    fn each_name_selects_its_policy() {
+        let mut a = Admissions::new(1024);
+        assert!(a.policy(Admission::All).admits(&miss(0, 5)));
+        assert!(a.policy(Admission::All).admits(&miss(0, 5)));
+        // Hot: the second miss of a block within the window.
+        assert!(!a.policy(Admission::Hot).admits(&miss(0, 5)));
+        assert!(a.policy(Admission::Hot).admits(&miss(0, 5)));
+        assert!(!a.policy(Admission::Hot).admits(&miss(1, 5)), "per disk");
+        // Sequential bypass: a run stops being admitted at the threshold.
+        let seq: Vec<bool> = (0..4)
+            .map(|b| a.policy(Admission::SequentialBypass).admits(&miss(0, b)))
+            .collect();
+        assert_eq!(seq, vec![true, true, false, false]);
+        assert!(a.policy(Admission::SequentialBypass).admits(&miss(1, 2)));
     }
 }

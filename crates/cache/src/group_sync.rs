@@ -4,7 +4,7 @@
 //! For the cache device, a guest flush writes its journal batch under the
 //! state lock, publishes the batch's sequence number, drops the lock and
 //! asks for a sync covering that number. For an image's backend, each
-//! write-through write publishes its unsynced mark (see `State::unsynced`).
+//! write-through write publishes its unsynced mark (see the tier's ledger).
 //! One sync at a time runs; it covers every number published before it
 //! started (their writes completed before the publication). A caller that
 //! would write while a sync runs may wait for it first ([`GroupSync::wait_idle`]),
@@ -22,6 +22,8 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 
 #[derive(Debug, Default)]
 pub struct GroupSync {
+    /// A leaf lock, taken under the cache's state lock or alone, never held
+    /// across the sync it guards.
     round: Mutex<Round>,
     finished: Condvar,
     /// The highest number whose write completed.

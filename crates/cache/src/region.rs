@@ -3,12 +3,13 @@
 //! only ever appended; a region is reclaimed whole. The replacement policy
 //! (LRU, CLOCK or ARC over regions) chooses which full region to reclaim.
 //!
-//! This module tracks states, live counts, recency and pins; emptying a
-//! region (writing back, relocating, unmapping) is the cache's job.
+//! This module tracks states, live counts, recency and pins; the policy
+//! (see `replacement`) only reads recency; emptying a region (writing
+//! back, relocating, unmapping) is the cache's job.
 
 use crate::index::Cbn;
+use crate::replacement::{Recency, ReplacementPolicy};
 use std::collections::VecDeque;
-use std::str::FromStr;
 
 /// Which open region a block is appended to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,41 +20,7 @@ pub enum Stream {
     Promote = 1,
 }
 
-/// How the victim region is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Replacement {
-    /// Least recently accessed region.
-    Lru,
-    /// Second chance: a region accessed since the hand last passed is spared once.
-    Clock,
-    /// Adaptive replacement: regions hit once (recency) versus more often
-    /// (frequency), the split tuned by misses on recently evicted lines.
-    Arc,
-}
-
-impl FromStr for Replacement {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "lru" => Ok(Replacement::Lru),
-            "clock" => Ok(Replacement::Clock),
-            "arc" => Ok(Replacement::Arc),
-            _ => Err(format!(
-                "unknown replacement policy '{s}' (lru, clock, arc)"
-            )),
-        }
-    }
-}
-
-impl Replacement {
-    pub fn name(self) -> &'static str {
-        match self {
-            Replacement::Lru => "lru",
-            Replacement::Clock => "clock",
-            Replacement::Arc => "arc",
-        }
-    }
-}
+pub use crate::replacement::Replacement;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -86,14 +53,6 @@ pub struct RegionCounts {
     pub full: u32,
 }
 
-/// Ghost lists of ARC: keys of lines recently evicted from each side.
-#[derive(Debug, Default)]
-struct Ghosts {
-    recency: VecDeque<u64>,
-    frequency: VecDeque<u64>,
-    capacity: usize,
-}
-
 /// All regions and the replacement policy's state.
 #[derive(Debug)]
 pub struct Regions {
@@ -105,11 +64,8 @@ pub struct Regions {
     free: VecDeque<u32>,
     open: [Option<u32>; 2],
     tick: u64,
-    hand: u32,
-    policy: Replacement,
-    /// ARC's target share of recency regions (0..=regions).
-    arc_target: f64,
-    ghosts: Ghosts,
+    kind: Replacement,
+    policy: Box<dyn ReplacementPolicy>,
 }
 
 impl Regions {
@@ -139,18 +95,13 @@ impl Regions {
             free: (0..regions).collect(),
             open: [None, None],
             tick: 0,
-            hand: 0,
-            policy,
-            arc_target: f64::from(regions) / 2.0,
-            ghosts: Ghosts {
-                capacity: (regions as usize * blocks_per_region as usize / 4).clamp(1024, 1 << 20),
-                ..Ghosts::default()
-            },
+            kind: policy,
+            policy: policy.build(regions, blocks_per_region),
         }
     }
 
     pub fn policy(&self) -> Replacement {
-        self.policy
+        self.kind
     }
 
     pub fn region_of(&self, cbn: Cbn) -> u32 {
@@ -295,23 +246,22 @@ impl Regions {
         {
             return Some(i as u32);
         }
-        match self.policy {
-            Replacement::Lru => self.oldest(|_| true),
-            Replacement::Clock => self.clock(),
-            Replacement::Arc => {
-                let recency = (0..self.regions.len())
-                    .filter(|&i| self.evictable(i) && self.regions[i].accesses < 2)
-                    .count();
-                let from_recency =
-                    recency as f64 > self.arc_target || recency == self.regions.len();
-                let pick = if from_recency {
-                    self.oldest(|r| r.accesses < 2)
-                } else {
-                    self.oldest(|r| r.accesses >= 2)
-                };
-                pick.or_else(|| self.oldest(|_| true))
-            }
+        let mut view: Vec<Recency> = (0..self.regions.len())
+            .map(|i| {
+                let r = &self.regions[i];
+                Recency {
+                    evictable: self.evictable(i),
+                    last_access: r.last_access,
+                    referenced: r.referenced,
+                    accesses: r.accesses,
+                }
+            })
+            .collect();
+        let victim = self.policy.choose(&mut view);
+        for (r, v) in self.regions.iter_mut().zip(&view) {
+            r.referenced = v.referenced;
         }
+        victim
     }
 
     /// Up to `n` full regions holding live blocks, least recently used
@@ -336,31 +286,6 @@ impl Regions {
         full
     }
 
-    fn oldest(&self, filter: impl Fn(&Region) -> bool) -> Option<u32> {
-        (0..self.regions.len())
-            .filter(|&i| self.evictable(i) && filter(&self.regions[i]))
-            .min_by_key(|&i| self.regions[i].last_access)
-            .map(|i| i as u32)
-    }
-
-    fn clock(&mut self) -> Option<u32> {
-        let n = self.regions.len() as u32;
-        for _ in 0..2 * n {
-            let i = self.hand;
-            self.hand = (self.hand + 1) % n;
-            if !self.evictable(i as usize) {
-                continue;
-            }
-            let r = &mut self.regions[i as usize];
-            if r.referenced {
-                r.referenced = false;
-            } else {
-                return Some(i);
-            }
-        }
-        self.oldest(|_| true)
-    }
-
     /// Whether a region's blocks count as hot (accessed since they were
     /// written), so eviction may re-insert them.
     pub fn is_hot(&self, region: u32) -> bool {
@@ -369,37 +294,15 @@ impl Regions {
     }
 
     /// Remembers the lines a reclaimed region held (ARC ghosts).
-    pub fn remember_evicted(&mut self, region: u32, keys: impl Iterator<Item = u64>) {
-        if self.policy != Replacement::Arc {
-            return;
-        }
+    pub fn remember_evicted(&mut self, region: u32, mut keys: impl Iterator<Item = u64>) {
         let frequent = self.regions[region as usize].accesses >= 2;
-        let cap = self.ghosts.capacity;
-        let list = if frequent {
-            &mut self.ghosts.frequency
-        } else {
-            &mut self.ghosts.recency
-        };
-        for k in keys {
-            list.push_back(k);
-            if list.len() > cap {
-                list.pop_front();
-            }
-        }
+        self.policy.evicted(frequent, &mut keys);
     }
 
     /// A read missed line `key`: if ARC evicted it recently, move the
     /// recency/frequency split toward the side that would have kept it.
     pub fn note_miss(&mut self, key: u64) {
-        if self.policy != Replacement::Arc {
-            return;
-        }
-        let n = self.regions.len() as f64;
-        if self.ghosts.recency.contains(&key) {
-            self.arc_target = (self.arc_target + 1.0).min(n);
-        } else if self.ghosts.frequency.contains(&key) {
-            self.arc_target = (self.arc_target - 1.0).max(0.0);
-        }
+        self.policy.missed(key, self.regions.len());
     }
 
     /// Returns a reclaimed region to the free list.

@@ -68,6 +68,8 @@ struct Shared {
     /// Chunks in `chunks.map`, readable without its lock: reads skip the
     /// lock while nothing is staged (a read-mostly cache, most of the time).
     staged_chunks: AtomicUsize,
+    /// A leaf lock: device I/O runs under the cache's state lock, so this
+    /// is taken after it and takes nothing else.
     chunks: Mutex<Chunks>,
     written_out: Condvar,
     queued: Condvar,

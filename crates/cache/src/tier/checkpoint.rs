@@ -53,6 +53,8 @@ struct Slot {
 
 /// Hands checkpoints from the state lock to whoever writes them.
 pub(crate) struct Checkpointer {
+    /// A leaf lock, taken under the state lock or alone (see the lock
+    /// order in the tier's module doc).
     slot: Mutex<Slot>,
     changed: Condvar,
 }
@@ -192,20 +194,23 @@ impl FlashCache {
             return Ok(());
         }
         st.journal.note_durable(self.group_sync.durable());
-        if self.config.inline_background && st.checkpoint_running && st.epoch.is_multiple_of(2) {
+        if self.config.inline_background
+            && st.epochs.running()
+            && st.epochs.epoch().is_multiple_of(2)
+        {
             self.finish_checkpoint(st)?;
         }
-        if st.checkpoint_running && !st.journal.has_room() {
+        if st.epochs.running() && !st.journal.has_room() {
             self.counted.note_checkpoint_wait();
             self.finish_checkpoint(st)?;
         }
         let room = st.journal.has_room();
         let due = !room || st.journal.needs_checkpoint(self.checkpoint_interval());
-        if st.checkpoint_running || !due {
+        if st.epochs.running() || !due {
             st.journal.write_pending_through(&*self.device, through)?;
-        } else if room && st.epoch == st.generation {
+        } else if room && st.epochs.settled() {
             let job = self.begin_checkpoint(st)?;
-            st.checkpoint_running = true;
+            st.epochs.started();
             self.checkpointer.queue(job);
         } else {
             // No room, or the last checkpoint failed: write one now.
@@ -238,7 +243,7 @@ impl FlashCache {
 
     /// Waits for (or writes) the checkpoint in flight, if any.
     pub(crate) fn finish_checkpoint(&self, st: &mut State) -> Result<()> {
-        if !st.checkpoint_running {
+        if !st.epochs.running() {
             return Ok(());
         }
         let result = self.checkpointer.outcome(|job| self.write_job(job));
@@ -260,19 +265,14 @@ impl FlashCache {
             // before then loses only entries that were never written.
             st.journal.drop_pending();
         }
-        let generation = if st.epoch > st.generation {
-            st.epoch
-        } else {
-            st.generation + 1
-        };
+        let (generation, slot) = st.epochs.begin();
         let mark = CheckpointMark {
             generation,
-            slot: 1 - st.durable_slot,
+            slot,
             journal_seq: st.journal.next_seq,
             journal_pos: st.journal.pos,
         };
         st.journal.start_epoch(generation);
-        st.epoch = generation;
         Ok(Job {
             mark,
             payload: encode_checkpoint(st),
@@ -300,10 +300,8 @@ impl FlashCache {
 
     /// Records the outcome of a checkpoint.
     fn checkpoint_landed(&self, st: &mut State, result: Result<CheckpointMark>) -> Result<()> {
-        st.checkpoint_running = false;
+        st.epochs.landed(result.as_ref().ok().copied());
         let mark = result?;
-        st.generation = mark.generation;
-        st.durable_slot = mark.slot;
         st.journal.checkpoint_durable(mark.generation);
         self.counted.note_checkpoint();
         Ok(())

@@ -3,12 +3,12 @@
 //! the flushes of other disks arriving meanwhile and run outside the state
 //! lock, plus a backend sync only for images that took write-through data).
 
-use super::{FlashCache, State, UnjournaledClean};
+pub(crate) use super::ledger::Unsynced;
+use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
 use crate::journal::Entry;
 use crate::stats::bump;
-use std::collections::BTreeSet;
 use std::sync::{Arc, MutexGuard};
 use vdcache_backend::BackendRef;
 use vdcache_contract::{DiskId, FlushKind, ImageHandle};
@@ -25,9 +25,7 @@ impl FlashCache {
         }
         if which == Unsynced::All {
             // What is left has no open store to sync.
-            st.unsynced.clear();
-            st.journal_deps.clear();
-            st.unjournaled_clean.clear();
+            st.ledger.forget_all();
         }
         Ok(())
     }
@@ -109,7 +107,7 @@ impl FlashCache {
     fn write_commit_through(&self, st: &mut State, through: u64) -> Result<bool> {
         // Summaries ride along with this commit's sync (they need none).
         self.write_summaries(st)?;
-        let started_before = st.checkpoint_running;
+        let started_before = st.epochs.running();
         self.append_journal_through(st, through)?;
         Ok(started_before)
     }
@@ -146,7 +144,7 @@ impl FlashCache {
         // The backend sync journaled the clean copies it covered. Unless
         // what was recorded meanwhile depends on a backend, the batch takes
         // every pending entry.
-        let through = if st.journal_deps.is_empty() {
+        let through = if !st.ledger.has_journal_deps() {
             st.journal.pushed()
         } else {
             through
@@ -212,7 +210,7 @@ struct Marked {
 
 /// Image `id`, if marked unsynced and with an open store.
 fn marked(st: &State, id: u16) -> Option<Marked> {
-    let mark = *st.unsynced.get(&id)?;
+    let mark = st.ledger.unsynced_mark(id)?;
     let rec = st.images.get(id as usize)?;
     Some(Marked {
         id,
@@ -227,32 +225,7 @@ impl Marked {
     /// After its backend synced: unmarked unless written through since;
     /// the clean copies of data the sync covered are journaled.
     fn synced(&self, st: &mut State) {
-        if st.unsynced.get(&self.id) == Some(&self.mark) {
-            st.unsynced.remove(&self.id);
-        }
-        if st
-            .journal_deps
-            .get(&self.id)
-            .is_some_and(|&d| d <= self.mark)
-        {
-            st.journal_deps.remove(&self.id);
-        }
-        self.journal_clean_copies(st);
-    }
-
-    fn journal_clean_copies(&self, st: &mut State) {
-        let mut ready: Vec<((u64, u8), UnjournaledClean)> = Vec::new();
-        st.unjournaled_clean.retain(|&at, c| {
-            if c.image == self.id && c.mark <= self.mark {
-                ready.push((at, *c));
-                false
-            } else {
-                true
-            }
-        });
-        // In the order written, so the journal reads like the index grew.
-        ready.sort_unstable_by_key(|(_, c)| c.mark);
-        for ((key, slot), c) in ready {
+        for ((key, slot), c) in st.ledger.synced(self.id, self.mark) {
             // Overwritten, evicted or moved since: the index's own record
             // (an unmap, a relocation) already says what holds.
             if st.index.block(key, slot as usize) != Some(c.cbn) {
@@ -270,29 +243,8 @@ impl Marked {
     }
 }
 
-/// Which images with unsynced write-through data to sync.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Unsynced {
-    /// All: a guest flush makes everything durable.
-    All,
-    /// Those the journal describes: before a batch.
-    Described,
-    /// Those the index describes (the journal's, and those of clean copies
-    /// not journaled yet): before a checkpoint, which records the index.
-    Indexed,
-}
-
 /// The images marked unsynced that have an open store.
 fn marked_backends(st: &State, which: Unsynced) -> Vec<Marked> {
-    let ids: BTreeSet<u16> = match which {
-        Unsynced::All => st.unsynced.keys().copied().collect(),
-        Unsynced::Described => st.journal_deps.keys().copied().collect(),
-        Unsynced::Indexed => st
-            .journal_deps
-            .keys()
-            .copied()
-            .chain(st.unjournaled_clean.values().map(|c| c.image))
-            .collect(),
-    };
+    let ids = st.ledger.to_sync(which);
     ids.into_iter().filter_map(|id| marked(st, id)).collect()
 }

@@ -36,6 +36,9 @@ pub(crate) struct LineFill {
     cbns: [Cbn; LINE_BLOCKS as usize],
     guest: u32,
     filler: Weak<dyn BackingFill>,
+    /// Held across the COW layer's read of the backing chain, which may
+    /// take the state lock: never taken with the state lock held (see the
+    /// lock order in the tier's module doc).
     base: Mutex<BaseRead>,
 }
 

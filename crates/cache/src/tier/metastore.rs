@@ -18,8 +18,7 @@
 
 use super::commit::Unsynced;
 use super::read::copy_overlap;
-use super::{FlashCache, State, UNJOURNALED_LIMIT};
-use crate::config::{CowMode, DiskPolicy, WriteMode};
+use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
 use crate::index::line_key;
 use crate::journal::{Entry, META_SECTOR};
@@ -279,17 +278,10 @@ pub(crate) fn overlay(snapshot: &[(u64, Box<[u8]>)], off: u64, buf: &mut [u8]) {
     }
 }
 
-/// Whether a write is kept by the sector: cow-aware write-back of whole
-/// sectors of L2 tables or refcount blocks.
-pub(crate) fn keeps_sectors(
-    policy: DiskPolicy,
-    off: u64,
-    len: u64,
-    segments: &[WriteSegment<'_>],
-) -> bool {
-    policy.cow == CowMode::CowAware
-        && policy.mode == WriteMode::WriteBack
-        && off.is_multiple_of(SECTOR)
+/// Whether a write is of whole sectors of L2 tables or refcount blocks:
+/// what cow-aware write-back keeps by the sector (see `routing`).
+pub(crate) fn table_sectors(off: u64, len: u64, segments: &[WriteSegment<'_>]) -> bool {
+    off.is_multiple_of(SECTOR)
         && len.is_multiple_of(SECTOR)
         && segments.iter().all(|s| {
             matches!(
@@ -381,7 +373,7 @@ impl FlashCache {
         }
         let counters = self.stats.disk(tag.disk);
         bump(&counters.meta_flash_bytes_written, journaled);
-        st.note_write(id, off, end);
+        st.history.note(id, off, end);
         if let Some(rec) = st.images.get_mut(id as usize) {
             rec.end = rec.end.max(end);
         }
@@ -559,7 +551,7 @@ impl FlashCache {
                 (block % LINE_BLOCKS) as usize,
             );
             // A read that fetched the old bytes must not admit them.
-            st.note_write(img, off, off + SECTOR);
+            st.history.note(img, off, off + SECTOR);
             st.journal.push(&Entry::MetaClean {
                 image: img,
                 offset: off,
@@ -601,12 +593,9 @@ impl FlashCache {
     /// first (without the lock: a sync may cross the network).
     pub(crate) fn clean_copies_check(&self) -> Result<()> {
         let mut st = self.lock();
-        let held = st.unjournaled_clean.len();
-        if held == 0 || (held < UNJOURNALED_LIMIT && st.clean_copies_synced.elapsed() < JOURNAL_AGE)
-        {
+        if !st.ledger.take_clean_due(JOURNAL_AGE) {
             return Ok(());
         }
-        st.clean_copies_synced = Instant::now();
         let mut st = self.sync_backends_unlocked(st, Unsynced::Indexed)?;
         self.journal_buffer_check(&mut st)
     }

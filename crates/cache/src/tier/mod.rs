@@ -2,96 +2,83 @@
 //! buffer, image registry), data I/O on flash and backends outside it,
 //! background write-back and checkpoint threads.
 //!
-//! Lock order: `state`, then the checkpointer's hand-off slot or the
-//! device's staging lock; neither of those is held while taking `state`.
-//! A guest flush's sync runs with no lock held but the group-commit round
-//! (`group_sync`), which is never held while taking `state`.
+//! State owners: `State` keeps one field per owner, each a module whose
+//! doc says what it owns: the index (`crate::index`), region space and the
+//! replacement policy (`crate::region`, `crate::replacement`), reclaim
+//! (`space`, with `crate::reinsertion`), the durability ledger (`ledger`),
+//! the journal buffer (`crate::journal`), the admission filters
+//! (`crate::admission`); write routing is a pure function
+//! (`crate::routing`).
+//!
+//! Lock order (every lock the cache takes; a lock is only ever taken while
+//! holding locks above it in this list):
+//! 1. `FlashCache::thread` / `checkpoint_thread` (join handles): taken
+//!    alone, never with `state` held (the threads take `state`).
+//! 2. A line fill's `base` (`fills::LineFill`): held while the COW layer
+//!    reads the backing chain, which may come back into the cache and take
+//!    the locks below.
+//! 3. Backend ranges (`ranges::BackendRanges`), all of a request's at once:
+//!    before `state`, never the other way round.
+//! 4. `FlashCache::state` (`State`, this module).
+//! 5. Under `state` or alone, leaves that take nothing else while held:
+//!    the checkpointer's hand-off slot (`checkpoint::Checkpointer`), the
+//!    device's staging chunks (`crate::staging`), a group-commit round
+//!    (`crate::group_sync`: the cache device's and each image's backend
+//!    syncs), `copy_depth` (`copyback::DepthLimit`), the write-back
+//!    wake-up flags (`writeback::Wakeup`), the per-disk counters
+//!    (`crate::stats`), a parallel copy's first error (`copyback`).
+//!
+//! A group-commit sync itself runs with no lock held (not even its round),
+//! and may be waited for with `state` held (a commit under the lock): so
+//! the sync must never take `state`. A guest flush's device sync and a
+//! write-back batch's backend writes run without `state`.
 //! Durability: a block's journal record carries its checksum, replay stops
 //! at the first record whose batch or data does not verify, and a region is
 //! reused only after the records that emptied it are durable; so recovery
 //! always yields a prefix of what was acknowledged, never garbage.
 
+mod catalog;
+pub(crate) use catalog::ImageRecord;
 mod checkpoint;
 mod commit;
 mod copyback;
+mod epochs;
 mod fills;
+mod history;
+mod ledger;
 mod metastore;
 mod partial;
 mod ranges;
 mod read;
 mod recover;
 pub use recover::RecoveryReport;
+mod report;
+pub use report::{CacheReport, ImageReport};
 mod space;
+mod through;
 mod write;
 mod writeback;
 
-use crate::admission::{HotFilter, SequentialRuns};
+use crate::admission::{Admissions, SequentialRuns};
 use crate::config::{CacheConfig, DiskPolicy};
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
 use crate::index::{Cbn, Index};
 use crate::journal::{CheckpointMark, Entry, JournalWriter};
-use crate::layout::{BLOCK, Layout, Superblock};
-use crate::region::{RegionCounts, Regions};
-use crate::stats::{CountedDevice, DeviceStats, DiskStats, Stats};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use crate::layout::{Layout, Superblock};
+use crate::region::Regions;
+use crate::stats::{CountedDevice, Stats};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use vdcache_backend::BackendRef;
 use vdcache_contract::{
     BackingFill, CopyHolder, CowHints, DiskId, FlushKind, HostError, HostIo, ImageHandle,
-    ImageIdentity, IoTag, PartialRange, PartialValidity, Verdict, WriteSegment,
+    ImageIdentity, IoTag, PartialRange, PartialValidity, WriteSegment,
 };
 use vdcache_contract::{Holder, Result as HostResult};
 use vdcache_qcow2::HostOffset;
 
-/// An image the cache has seen.
-#[derive(Debug, Clone)]
-pub(crate) struct ImageRecord {
-    pub name: String,
-    pub identity: ImageIdentity,
-    /// Open store of the image (absent for images known only from the
-    /// journal until a disk opens them).
-    pub backend: Option<BackendRef>,
-    pub disk: DiskId,
-    /// More than one disk reads this image (a shared base): what one disk
-    /// masks, another may still read.
-    pub shared_by_disks: bool,
-    /// End of the highest block written through the cache: the image is
-    /// at least this long even before write-back extends the file.
-    pub end: u64,
-    /// Syncs of the backend for write-through data, shared by the flushes
-    /// that need one at the same time (numbered by `State::unsynced` marks).
-    pub backend_syncs: Arc<GroupSync>,
-}
-
-/// Clean copies held out of the journal (see `State::unjournaled_clean`)
-/// beyond which their backends are synced at once, not within a second:
-/// 16 MiB of 4 KiB blocks.
-pub(crate) const UNJOURNALED_LIMIT: usize = 4096;
-
-/// A clean copy of write-through data waiting for its backend sync before
-/// it is journaled (see `State::unjournaled_clean`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct UnjournaledClean {
-    pub image: u16,
-    /// The write's mark: a sync through it covers the data.
-    pub mark: u64,
-    pub cbn: Cbn,
-    pub guest: u64,
-    pub crc: u32,
-}
-
-/// A recent write, so a read miss does not admit data it overtook.
-#[derive(Debug, Clone, Copy)]
-struct RecentWrite {
-    seq: u64,
-    image: u16,
-    start: u64,
-    end: u64,
-}
-
-const RECENT_WRITES: usize = 4096;
 const HOT_FILTER_ENTRIES: usize = 1 << 16;
 
 pub(crate) struct State {
@@ -104,48 +91,24 @@ pub(crate) struct State {
     pub unreadable: BTreeSet<(u64, u8)>,
     pub regions: Regions,
     pub journal: JournalWriter,
-    /// Generation and slot of the newest durable checkpoint.
-    pub generation: u64,
-    pub durable_slot: usize,
-    /// Generation of the newest checkpoint started: the epoch the journal
-    /// writes in (one past `generation` while a checkpoint is in flight or
-    /// after one failed; two past after recovery).
-    pub epoch: u64,
-    pub checkpoint_running: bool,
+    /// Checkpoint generations and the journal's epoch.
+    pub epochs: epochs::Epochs,
     pub images: Vec<ImageRecord>,
     pub by_name: HashMap<String, u16>,
     pub policies: HashMap<u32, DiskPolicy>,
-    pub hot: HotFilter,
-    /// Sequential streams per disk: of read misses (host offsets) and of
-    /// guest writes (guest clusters: a qcow2 image allocates host clusters
-    /// for every writer alike, so a guest's stream is not one on the host).
-    pub read_runs: HashMap<u32, SequentialRuns>,
+    /// The admission policies' filters (see `admission`).
+    pub admission: Admissions,
+    /// Sequential streams of guest writes per disk, in guest clusters (a
+    /// qcow2 image allocates host clusters for every writer alike, so a
+    /// guest's stream is not one on the host; read misses' streams, in host
+    /// offsets, are the admission policy's).
     pub write_runs: HashMap<u32, SequentialRuns>,
-    /// Images with write-through data not yet synced on the backend, each
-    /// with the `write_seq` of the last such write (numbered across images
-    /// and never reused, so an unchanged number proves nothing was written
-    /// through since).
-    pub unsynced: BTreeMap<u16, u64>,
-    /// Of those, images that pending journal entries (or the next
-    /// checkpoint) describe data of: sectors made valid, clean copies
-    /// promoted or relocated while the image had unsynced data. The
-    /// entries must not reach flash before the backend has the data; a
-    /// journal batch syncs these backends only, a guest flush all of them.
-    /// Each with the mark of the last such write.
-    pub journal_deps: BTreeMap<u16, u64>,
-    /// Clean copies of write-through data, mapped in the index but held
-    /// out of the journal until a backend sync covers their data (then
-    /// journaled, if still mapped). Recorded at once they would make every
-    /// journal batch, and every commit an overwrite of a cached block waits
-    /// for, sync the backend first. A crash forgets them: reads go to the
-    /// backend, which holds the same bytes or older ones.
-    pub unjournaled_clean: HashMap<(u64, u8), UnjournaledClean>,
-    /// When the write-back thread last synced backends for them.
-    pub clean_copies_synced: std::time::Instant,
+    /// What is unsynced on backends and held out of the journal.
+    pub ledger: ledger::Ledger,
     /// Lines holding dirty blocks, in write-back order.
     pub dirty_lines: BTreeSet<u64>,
-    recent: VecDeque<RecentWrite>,
-    write_seq: u64,
+    /// Recent writes, numbered (see `history`).
+    pub history: history::WriteHistory,
     /// Dirty blocks were recorded since the last commit: before anything
     /// bypasses the log to a backend, they must be durable (the log keeps
     /// the COW layer's write order only for what goes through it).
@@ -196,24 +159,12 @@ impl State {
     /// backend, not yet synced there; `described`: journal entries describe
     /// its data. Returns the write's mark (see `unsynced`).
     fn note_write_through(&mut self, id: u16, start: u64, end: u64, described: bool) -> u64 {
-        self.note_write(id, start, end);
-        self.unsynced.insert(id, self.write_seq);
-        if described {
-            self.journal_deps.insert(id, self.write_seq);
-        }
+        let mark = self.history.note(id, start, end);
+        self.ledger.wrote_through(id, mark, described);
         if let Some(rec) = self.images.get(id as usize) {
-            rec.backend_syncs.publish(self.write_seq);
+            rec.backend_syncs.publish(mark);
         }
-        self.write_seq
-    }
-
-    /// Before journaling a clean copy of image `id` read from its backend
-    /// (a promotion, a relocation): the backend may not have synced what
-    /// it returned, so the record waits for the sync as well.
-    pub(crate) fn clean_copy_needs_sync(&mut self, id: u16) {
-        if let Some(&mark) = self.unsynced.get(&id) {
-            self.journal_deps.insert(id, mark);
-        }
+        mark
     }
 
     /// Whether image `id` is open (has a store to write back to).
@@ -247,81 +198,6 @@ impl State {
             || (0..crate::layout::LINE_BLOCKS as u8)
                 .any(|s| l.dirty & (1 << s) != 0 && !self.unreadable.contains(&(key, s)))
     }
-
-    /// Records a write of `[start, end)` of an image.
-    fn note_write(&mut self, image: u16, start: u64, end: u64) {
-        self.write_seq += 1;
-        self.recent.push_back(RecentWrite {
-            seq: self.write_seq,
-            image,
-            start,
-            end,
-        });
-        if self.recent.len() > RECENT_WRITES {
-            self.recent.pop_front();
-        }
-    }
-
-    /// Whether a write overlapping the range happened after `since`.
-    fn written_since(&self, since: u64, image: u16, start: u64, end: u64) -> bool {
-        if self.recent.front().is_some_and(|w| w.seq > since + 1) && self.write_seq > since {
-            // History was trimmed past the read: assume the worst.
-            return true;
-        }
-        self.recent
-            .iter()
-            .rev()
-            .take_while(|w| w.seq > since)
-            .any(|w| w.image == image && w.start < end && start < w.end)
-    }
-}
-
-/// What `vdcache stats` reports.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct CacheReport {
-    pub device_bytes: u64,
-    pub data_bytes: u64,
-    pub region_bytes: u64,
-    pub regions_free: u32,
-    pub regions_open: u32,
-    pub regions_full: u32,
-    pub cached_bytes: u64,
-    pub dirty_bytes: u64,
-    pub index_memory_bytes: u64,
-    /// The part of the index memory sized by the device (held even when
-    /// nothing is cached).
-    pub index_memory_fixed_bytes: u64,
-    /// Index memory beyond the fixed part, as a fraction of the cached
-    /// bytes.
-    pub index_memory_ratio: f64,
-    /// Memory of the checksums of cached blocks.
-    pub checksum_memory_bytes: u64,
-    /// Dirty blocks whose only copy the device damaged (reads fail).
-    pub unreadable_blocks: u64,
-    /// Dirty metadata sectors held (cow-aware write-back), and their memory.
-    pub meta_sectors: u64,
-    pub meta_sector_memory_bytes: u64,
-    /// Regions reclaimed whose blocks were found through the region's
-    /// summary, and through a scan of the index (no usable summary: small
-    /// regions, or regions filled before a crash).
-    pub regions_emptied_by_summary: u64,
-    pub regions_emptied_by_scan: u64,
-    /// What fast recovery found when the cache opened (zeros: formatted).
-    pub recovery: RecoveryReport,
-    pub replacement: &'static str,
-    /// What the tier wrote to and read from its device since it opened.
-    pub device: DeviceStats,
-    pub total: DiskStats,
-    pub disks: Vec<(u32, DiskStats)>,
-    pub images: Vec<ImageReport>,
-}
-
-/// One image the cache holds blocks of.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct ImageReport {
-    pub name: String,
-    pub cached_bytes: u64,
-    pub dirty_bytes: u64,
 }
 
 /// A flash cache on one device, shared by every disk of a server.
@@ -333,6 +209,8 @@ pub struct FlashCache {
     sb: Superblock,
     layout: Layout,
     config: CacheConfig,
+    /// Lock 4 of the order in the module doc: after backend ranges and a
+    /// line fill's base, before every leaf lock.
     state: Mutex<State>,
     /// Wakes the write-back thread (shared with it, so the thread can wait
     /// without keeping the cache alive).
@@ -341,6 +219,7 @@ pub struct FlashCache {
     progress: Condvar,
     stats: Stats,
     stop: AtomicBool,
+    /// Never taken with `state` held (the thread takes it).
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     checkpointer: Arc<checkpoint::Checkpointer>,
     /// Guest flushes sync the device outside the state lock, together.
@@ -350,7 +229,8 @@ pub struct FlashCache {
     recovery: RecoveryReport,
     /// Image ranges with a backend write in progress outside the state lock.
     ranges: ranges::BackendRanges,
-    /// Write-back requests to keep in flight.
+    /// Write-back requests to keep in flight. A leaf lock: held only to
+    /// read or feed the limit.
     copy_depth: Mutex<copyback::DepthLimit>,
     /// Guest requests waiting on a backend now (write-back yields to them).
     foreground: std::sync::atomic::AtomicUsize,
@@ -378,16 +258,6 @@ fn host_err(e: CacheError) -> HostError {
         | CacheError::Damaged { .. }
         | CacheError::Unreadable { .. }) => HostError::Corrupt(e.to_string()),
         other => HostError::Refused(other.to_string()),
-    }
-}
-
-/// What the store of an image that nobody attached says about itself
-/// (tests and tools that hand the cache image handles directly).
-fn store_identity_of(image: &ImageHandle) -> ImageIdentity {
-    ImageIdentity {
-        mark: None,
-        store: image.backend.identity().unwrap_or_default(),
-        writable: image.depth == 0,
     }
 }
 
@@ -438,23 +308,15 @@ impl FlashCache {
                 config.replacement,
             ),
             journal,
-            generation: durable.generation,
-            durable_slot: durable.slot,
-            epoch,
-            checkpoint_running: false,
+            epochs: epochs::Epochs::new(durable, epoch),
             images: Vec::new(),
             by_name: HashMap::new(),
             policies: HashMap::new(),
-            hot: HotFilter::new(HOT_FILTER_ENTRIES),
-            read_runs: HashMap::new(),
+            admission: Admissions::new(HOT_FILTER_ENTRIES),
             write_runs: HashMap::new(),
-            unsynced: BTreeMap::new(),
-            journal_deps: BTreeMap::new(),
-            unjournaled_clean: HashMap::new(),
-            clean_copies_synced: std::time::Instant::now(),
+            ledger: ledger::Ledger::default(),
             dirty_lines: BTreeSet::new(),
-            recent: VecDeque::new(),
-            write_seq: 0,
+            history: history::WriteHistory::default(),
             uncommitted_dirty: false,
             drain_requests: 0,
             writeback_busy: false,
@@ -531,155 +393,6 @@ impl FlashCache {
         }
     }
 
-    /// The id of an image, registering it on first sight. An image the
-    /// COW layer attached (see [`FlashCache::attach_image`]) was checked
-    /// then; any other is checked against what its store says.
-    pub(crate) fn image_id(&self, image: &ImageHandle, disk: DiskId) -> Result<u16> {
-        {
-            let mut st = self.lock();
-            if let Some(&id) = st.by_name.get(&*image.name) {
-                let rec = &mut st.images[id as usize];
-                if rec.backend.is_some() {
-                    if rec.disk != disk {
-                        rec.shared_by_disks = true;
-                    }
-                    rec.disk = disk;
-                    return Ok(id);
-                }
-            }
-        }
-        self.attach_image(image, disk, &store_identity_of(image))
-    }
-
-    /// Binds `image` to the identity the COW layer found in its store.
-    /// Blocks the cache holds of another file under the same name are
-    /// dropped; if some of them hold data that file lacked, the image is
-    /// refused instead, naming what happened.
-    pub(crate) fn attach_image(
-        &self,
-        image: &ImageHandle,
-        disk: DiskId,
-        found: &ImageIdentity,
-    ) -> Result<u16> {
-        let mut st = self.lock();
-        let Some(&id) = st.by_name.get(&*image.name) else {
-            return self.register_image(&mut st, image, disk, found);
-        };
-        let rec = &mut st.images[id as usize];
-        match found.compare(&rec.identity, &self.sb.uuid) {
-            Verdict::Same => {}
-            Verdict::Advanced => {
-                rec.identity = *found;
-                let name = rec.name.clone();
-                st.journal.push(&Entry::Image {
-                    id,
-                    name,
-                    identity: *found,
-                });
-            }
-            Verdict::Different(reason) => {
-                let name = rec.name.clone();
-                drop(st);
-                return self.replace_stale_image(id, name, reason, image, disk, found);
-            }
-        }
-        let rec = &mut st.images[id as usize];
-        if rec.backend.is_some() && rec.disk != disk {
-            rec.shared_by_disks = true;
-        }
-        rec.backend = Some(image.backend.clone());
-        rec.disk = disk;
-        Ok(id)
-    }
-
-    fn register_image(
-        &self,
-        st: &mut State,
-        image: &ImageHandle,
-        disk: DiskId,
-        identity: &ImageIdentity,
-    ) -> Result<u16> {
-        let id = u16::try_from(st.images.len())
-            .map_err(|_| CacheError::Config("more than 65535 images share one cache".into()))?;
-        st.images.push(ImageRecord {
-            name: image.name.to_string(),
-            identity: *identity,
-            backend: Some(image.backend.clone()),
-            disk,
-            shared_by_disks: false,
-            end: 0,
-            backend_syncs: Arc::default(),
-        });
-        st.by_name.insert(image.name.to_string(), id);
-        st.journal.push(&Entry::Image {
-            id,
-            name: image.name.to_string(),
-            identity: *identity,
-        });
-        Ok(id)
-    }
-
-    /// A file now under a recorded name is not the recorded file. Refuse
-    /// when the cache holds data the old file lacked; otherwise forget
-    /// what was cached for it.
-    fn replace_stale_image(
-        &self,
-        id: u16,
-        name: String,
-        reason: String,
-        image: &ImageHandle,
-        disk: DiskId,
-        found: &ImageIdentity,
-    ) -> Result<u16> {
-        let mut st = self.lock();
-        if self.holds_newer_of(&st, id) {
-            return Err(CacheError::WrongImage {
-                name,
-                reason,
-                cache: self.device.name().to_string(),
-            });
-        }
-        tracing::warn!(image = %name, %reason, "image changed since it was cached; dropping its cached blocks");
-        let lines: Vec<u64> = st
-            .index
-            .lines()
-            .filter(|l| crate::index::key_image(l.key) == id)
-            .map(|l| l.key)
-            .collect();
-        for key in lines {
-            for slot in 0..crate::layout::LINE_BLOCKS as usize {
-                self.unmap_block(&mut st, key, slot);
-            }
-        }
-        let rec = &mut st.images[id as usize];
-        rec.identity = *found;
-        rec.backend = Some(image.backend.clone());
-        rec.disk = disk;
-        st.journal.push(&Entry::Image {
-            id,
-            name,
-            identity: *found,
-        });
-        Ok(id)
-    }
-
-    /// Whether the cache holds data of image `id` that its file lacks:
-    /// dirty blocks, partially valid clusters, dirty metadata sectors.
-    pub(crate) fn holds_newer_of(&self, st: &State, id: u16) -> bool {
-        let keys = crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX);
-        st.dirty_lines.range(keys.clone()).next().is_some()
-            || st
-                .unreadable
-                .range((*keys.start(), 0)..=(*keys.end(), u8::MAX))
-                .next()
-                .is_some()
-            || st.meta.has_dirty_of(id)
-            || st
-                .index
-                .lines()
-                .any(|l| l.partial != 0 && crate::index::key_image(l.key) == id)
-    }
-
     /// Removes one slot from the index, journaling it and freeing its block.
     pub(crate) fn unmap_block(&self, st: &mut State, key: u64, slot: usize) -> bool {
         let Some((cbn, _dirty, r)) = st.index.unmap(key, slot) else {
@@ -696,89 +409,6 @@ impl FlashCache {
             st.dirty_lines.remove(&key);
         }
         true
-    }
-
-    /// What the tier did to its device, read without the state lock.
-    pub fn device_stats(&self) -> DeviceStats {
-        DeviceStats {
-            sync_waits: self.group_sync.waits(),
-            ..self.counted.snapshot()
-        }
-    }
-
-    /// Statistics.
-    pub fn report(&self) -> CacheReport {
-        let st = self.lock();
-        let counts: RegionCounts = st.regions.counts();
-        let cached = st.index.present_blocks() * BLOCK;
-        let memory = st.index.memory_bytes();
-        let fixed = st.index.fixed_memory_bytes();
-        let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.images.len()];
-        let mut dirty_by_disk: HashMap<u32, u64> = HashMap::new();
-        for l in st.index.lines() {
-            let img = crate::index::key_image(l.key) as usize;
-            if let Some(p) = per_image.get_mut(img) {
-                p.0 += u64::from(l.present.count_ones()) * BLOCK;
-                p.1 += u64::from(l.dirty.count_ones()) * BLOCK;
-            }
-            if let Some(rec) = st.images.get(img) {
-                *dirty_by_disk.entry(rec.disk.0).or_default() +=
-                    u64::from(l.dirty.count_ones()) * BLOCK;
-            }
-        }
-        let images = st
-            .images
-            .iter()
-            .zip(&per_image)
-            .map(|(r, &(c, d))| ImageReport {
-                name: r.name.clone(),
-                cached_bytes: c,
-                dirty_bytes: d,
-            })
-            .collect();
-        let dirty = st.index.dirty_blocks() * BLOCK;
-        let meta_sectors = st.meta.dirty_len() as u64;
-        let checksum_memory_bytes = st.crcs.memory_bytes();
-        let unreadable_blocks = st.unreadable.len() as u64;
-        let meta_sector_memory_bytes = st.meta.memory_bytes();
-        let emptied = (st.emptied_by_summary, st.emptied_by_scan);
-        drop(st);
-        let mut disks = self.stats.all();
-        let mut total = DiskStats::default();
-        for (d, s) in &mut disks {
-            s.dirty_bytes = dirty_by_disk.get(d).copied().unwrap_or(0);
-            total.add(s);
-        }
-        total.dirty_bytes = dirty;
-        CacheReport {
-            device_bytes: self.layout.device_bytes,
-            data_bytes: self.layout.cacheable_blocks() * BLOCK,
-            region_bytes: self.layout.region_bytes,
-            regions_free: counts.free,
-            regions_open: counts.open,
-            regions_full: counts.full,
-            cached_bytes: cached,
-            dirty_bytes: dirty,
-            index_memory_bytes: memory,
-            index_memory_fixed_bytes: fixed,
-            index_memory_ratio: if cached == 0 {
-                0.0
-            } else {
-                memory.saturating_sub(fixed) as f64 / cached as f64
-            },
-            checksum_memory_bytes,
-            unreadable_blocks,
-            meta_sectors,
-            meta_sector_memory_bytes,
-            regions_emptied_by_summary: emptied.0,
-            regions_emptied_by_scan: emptied.1,
-            recovery: self.recovery,
-            replacement: self.config.replacement.name(),
-            device: self.device_stats(),
-            total,
-            disks,
-            images,
-        }
     }
 
     /// Stops the write-back thread. With `keep_dirty` false every dirty

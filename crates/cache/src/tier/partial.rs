@@ -305,8 +305,7 @@ impl FlashCache {
 
     /// Whether the disk's blocks may be left partially valid.
     pub(crate) fn decoupled_for(&self, disk: vdcache_contract::DiskId) -> bool {
-        let p = self.lock().policy(disk, self.config.default_policy);
-        p.cow == crate::config::CowMode::CowAware && p.mode == crate::config::WriteMode::WriteBack
+        crate::routing::decouples(self.lock().policy(disk, self.config.default_policy))
     }
 }
 

@@ -5,7 +5,7 @@
 
 use super::metastore::overlay;
 use super::{FlashCache, State};
-use crate::config::{Admission, DiskPolicy};
+use crate::config::DiskPolicy;
 use crate::error::{CacheError, Result};
 use crate::index::{Cbn, line_key};
 use crate::journal::Entry;
@@ -128,7 +128,7 @@ impl FlashCache {
                 self.widen_to_table(&st, id, policy, tag, &mut misses);
             }
             (
-                st.write_seq,
+                st.history.seq(),
                 policy,
                 self.meta_snapshot(&st, id, off, buf.len() as u64),
             )
@@ -314,18 +314,14 @@ impl FlashCache {
         first_block: u64,
         blocks: u64,
     ) -> bool {
-        match policy.admission {
-            Admission::All => true,
-            Admission::Hot => st.hot.missed((u64::from(tag.disk.0) << 56) ^ first_block),
-            Admission::SequentialBypass => {
-                let run = st
-                    .read_runs
-                    .entry(tag.disk.0)
-                    .or_default()
-                    .observe(first_block * BLOCK, blocks * BLOCK);
-                run < policy.sequential_threshold
-            }
-        }
+        st.admission
+            .policy(policy.admission)
+            .admits(&crate::admission::ReadMiss {
+                disk: tag.disk.0,
+                first_block,
+                blocks,
+                sequential_threshold: policy.sequential_threshold,
+            })
     }
 
     /// Admits blocks read from the backend, unless a write to them
@@ -385,8 +381,10 @@ impl FlashCache {
                     let cbn = cbn0 + i as u32;
                     let key = line_key(id, block / LINE_BLOCKS);
                     let slot = (block % LINE_BLOCKS) as usize;
-                    let stale = st.written_since(read_seq, id, block * BLOCK, (block + 1) * BLOCK)
-                        || st.index.block(key, slot).is_some();
+                    let stale =
+                        st.history
+                            .written_since(read_seq, id, block * BLOCK, (block + 1) * BLOCK)
+                            || st.index.block(key, slot).is_some();
                     if stale {
                         st.regions.release_block(cbn);
                         continue;
@@ -394,7 +392,7 @@ impl FlashCache {
                     let guest = tag.guest_cluster.map_or(u64::MAX, u64::from);
                     let crc = crcs[(block - first) as usize];
                     st.map_block(key, guest, slot, cbn, false, crc);
-                    st.clean_copy_needs_sync(id);
+                    st.ledger.clean_copy_needs_sync(id);
                     st.journal.push(&Entry::Map {
                         key,
                         slot: slot as u8,

@@ -31,9 +31,6 @@ pub(crate) enum RefsFrom {
     Scan,
 }
 
-/// At most this share of a victim region is re-inserted as hot.
-const RELOCATE_LIMIT: u32 = 4;
-
 impl FlashCache {
     /// Allocates up to `n` blocks in `stream`, reclaiming regions only when
     /// none is free (the reserve is refilled by [`Self::keep_reserve`]). Returns the runs obtained (fewer blocks than asked when no
@@ -255,8 +252,8 @@ impl FlashCache {
     }
 
     fn empty_region(&self, st: &mut State, victim: u32, refs: Vec<DirtyBlock>) -> Result<()> {
-        let hot = self.config.relocate_hot && st.regions.is_hot(victim);
-        let budget = st.regions.blocks_per_region() / RELOCATE_LIMIT;
+        let budget =
+            crate::reinsertion::policy(self.config.relocate_hot).budget(&st.regions, victim);
         let mut dirty: Vec<DirtyBlock> = Vec::new();
         let mut relocate: Vec<DirtyBlock> = Vec::new();
         let mut keys = Vec::new();
@@ -268,7 +265,7 @@ impl FlashCache {
                 .is_some_and(|l| l.dirty & (1 << slot) != 0);
             if is_dirty {
                 dirty.push((key, slot, cbn));
-            } else if hot && (relocate.len() as u32) < budget {
+            } else if (relocate.len() as u32) < budget {
                 relocate.push((key, slot, cbn));
             } else {
                 self.unmap_block(st, key, slot);
@@ -331,7 +328,8 @@ impl FlashCache {
             {
                 st.regions.release_block(old);
             }
-            st.clean_copy_needs_sync(crate::index::key_image(key));
+            st.ledger
+                .clean_copy_needs_sync(crate::index::key_image(key));
             st.journal.push(&Entry::Map {
                 key,
                 slot: slot as u8,

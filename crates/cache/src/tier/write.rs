@@ -4,34 +4,29 @@
 //! clean copy; write-around writes the backend and drops cached copies.
 //! A block that is dirty in flash is never bypassed: the backend does not
 //! hold its current content, so a write over it also goes over it in flash.
+//! Where a write goes is `routing`'s decision; writes to the backend are
+//! `through`'s.
 
-use super::commit::Unsynced;
-use super::metastore::{keeps_sectors, overlay};
-use super::{FlashCache, State, UNJOURNALED_LIMIT, UnjournaledClean};
-use crate::config::{CowMode, WriteMode};
+use super::metastore::{overlay, table_sectors};
+use super::{FlashCache, State};
+use crate::admission::Run;
 use crate::error::{CacheError, Result};
 use crate::index::{Cbn, line_key};
 use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::region::Stream;
+use crate::routing::{Keep, Route, WriteClass, route};
 use crate::stats::bump;
-use std::time::{Duration, Instant};
-use vdcache_contract::WriteSegment;
-use vdcache_contract::{ImageHandle, IoClass, IoTag};
-use vdcache_qcow2::HostOffset;
-
-/// How long a write over a dirty block waits for flash room before it
-/// fails (room short only while the write-back thread copies a batch).
-const ROOM_WAIT: Duration = Duration::from_secs(60);
+use vdcache_contract::{ImageHandle, IoClass, IoTag, WriteSegment};
 
 /// The bytes of a block range: old content around the written segments.
-struct Blocks<'a> {
-    pieces: Vec<&'a [u8]>,
+pub(super) struct Blocks<'a> {
+    pub(super) pieces: Vec<&'a [u8]>,
 }
 
 impl<'a> Blocks<'a> {
     /// Slices covering bytes `[start, end)` of the range.
-    fn slices(&self, start: usize, end: usize) -> Vec<&'a [u8]> {
+    pub(super) fn slices(&self, start: usize, end: usize) -> Vec<&'a [u8]> {
         let mut out = Vec::new();
         let mut at = 0;
         for p in &self.pieces {
@@ -45,111 +40,47 @@ impl<'a> Blocks<'a> {
         out
     }
 
-    fn crc(&self, start: usize, end: usize) -> u32 {
+    pub(super) fn crc(&self, start: usize, end: usize) -> u32 {
         self.slices(start, end)
             .iter()
             .fold(0, |c, s| crc32c::crc32c_append(c, s))
     }
 }
 
-/// Which blocks of a write-through a cache keeps a clean copy of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Keep {
-    Nothing,
-    Everything,
-    /// Everything but copy-on-write filler, and metadata written as zeros
-    /// (a table just created: the COW layer knows it is empty without
-    /// reading it, so a flash copy would only cost flash writes).
-    NotFiller,
-}
-
-/// A sequential run of smaller writes than this (lately, on average) stays in
-/// flash: such writes are bound by latency (a log appended by small
-/// synchronous writes), which flash answers far sooner than the backend.
-/// Measured in host writes, which the COW layer cuts where clusters are
-/// not contiguous in the image (at 64 KiB by default), and an unaligned
-/// write at its first and last cluster.
-const BYPASS_MEAN_REQUEST: u64 = 32 << 10;
-
-/// Whether a write of guest data continues a sequential run of the guest's
-/// that reached `cutoff` bytes, in requests of at least
-/// [`BYPASS_MEAN_REQUEST`] on average lately. Metadata stays in flash
-/// however it is written.
-fn continues_long_run(
+/// The guest's sequential write run a write of guest data continues
+/// (none for a write without guest data).
+fn observe_write_run(
     st: &mut State,
     tag: IoTag,
     segments: &[WriteSegment<'_>],
     len: u64,
-    cutoff: u64,
-) -> bool {
+) -> Option<Run> {
     let mut clusters = segments
         .iter()
         .filter(|s| s.tag.class == IoClass::GuestData)
         .filter_map(|s| s.tag.guest_cluster.map(u64::from));
-    let Some(first) = clusters.next() else {
-        return false;
-    };
+    let first = clusters.next()?;
     let (low, high) = clusters.fold((first, first), |(l, h), c| (l.min(c), h.max(c)));
     let runs = st.write_runs.entry(tag.disk.0).or_default();
-    let run = runs.observe_at(low, high - low + 1, len);
-    run.bytes >= cutoff && run.recent_request >= BYPASS_MEAN_REQUEST
+    Some(runs.observe_at(low, high - low + 1, len))
 }
 
-/// Drops the record of a clean copy held out of the journal, if the block
-/// is still mapped to it; true if it was.
-fn forget_unjournaled(st: &mut State, key: u64, slot: usize) -> bool {
-    let at = (key, slot as u8);
-    let current = st
-        .unjournaled_clean
-        .get(&at)
-        .is_some_and(|c| st.index.block(key, slot) == Some(c.cbn));
-    if current {
-        st.unjournaled_clean.remove(&at);
+/// What a write is made of, for [`route`].
+fn write_class(off: u64, len: u64, segments: &[WriteSegment<'_>]) -> WriteClass {
+    WriteClass {
+        filler_only: segments.iter().all(|s| s.tag.class == IoClass::CowFill),
+        table_sectors: table_sectors(off, len, segments),
     }
-    current
-}
-
-/// Ascending block numbers as runs `[first, end)` of consecutive ones.
-fn consecutive_runs(blocks: &[u64]) -> Vec<(u64, u64)> {
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for &b in blocks {
-        match runs.last_mut() {
-            Some(run) if run.1 == b => run.1 = b + 1,
-            _ => runs.push((b, b + 1)),
-        }
-    }
-    runs
-}
-
-/// Byte ranges of a write whose blocks may be kept in flash.
-fn cacheable_ranges(off: u64, segments: &[WriteSegment<'_>], keep: Keep) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = Vec::new();
-    let mut at = off;
-    for s in segments {
-        let end = at + s.data.len() as u64;
-        let wanted = match keep {
-            Keep::Nothing => false,
-            Keep::Everything => true,
-            Keep::NotFiller => {
-                s.tag.class != IoClass::CowFill
-                    && !(matches!(s.tag.class, IoClass::Metadata(_))
-                        && s.data.iter().all(|&b| b == 0))
-            }
-        };
-        if wanted {
-            match out.last_mut() {
-                Some((_, e)) if *e == at => *e = end,
-                _ => out.push((at, end)),
-            }
-        }
-        at = end;
-    }
-    out
 }
 
 /// The guest cluster each block of `[first_block, first_block + n)` serves:
 /// that of the segment holding the block's middle byte (or the nearest).
-fn block_guests(off: u64, segments: &[WriteSegment<'_>], first_block: u64, n: u64) -> Vec<u64> {
+pub(super) fn block_guests(
+    off: u64,
+    segments: &[WriteSegment<'_>],
+    first_block: u64,
+    n: u64,
+) -> Vec<u64> {
     let mut spans: Vec<(u64, u64, u64)> = Vec::with_capacity(segments.len());
     let mut at = off;
     for s in segments {
@@ -175,7 +106,7 @@ fn block_guests(off: u64, segments: &[WriteSegment<'_>], first_block: u64, n: u6
 }
 
 /// The parts of `segments` (starting at byte `off`) inside `[start, end)`.
-fn sub_segments<'a>(
+pub(super) fn sub_segments<'a>(
     off: u64,
     segments: &[WriteSegment<'a>],
     start: u64,
@@ -229,20 +160,19 @@ impl FlashCache {
             self.count_write_hits(id, off, segments, &counters);
         }
         // One lock for the policy and the run detector: every write takes it.
-        let (policy, long_run) = {
+        let (policy, run) = {
             let mut st = self.lock();
             let policy = st.policy(tag.disk, self.config.default_policy);
-            let cutoff = policy.sequential_write_cutoff;
-            let long = cutoff > 0 && continues_long_run(&mut st, tag, segments, len, cutoff);
-            (policy, long)
+            let run = if policy.sequential_write_cutoff > 0 {
+                observe_write_run(&mut st, tag, segments, len)
+            } else {
+                None
+            };
+            (policy, run)
         };
-        let filler_only = segments.iter().all(|s| s.tag.class == IoClass::CowFill);
-        let bypass = (policy.cow == CowMode::CowAware && filler_only) || long_run;
-        match policy.mode {
-            WriteMode::WriteBack if !bypass => {
-                if keeps_sectors(policy, off, len, segments)
-                    && self.write_sectors(id, off, segments, tag)?
-                {
+        match route(policy, write_class(off, len, segments), run) {
+            Route::WriteBack { sectors } => {
+                if sectors && self.write_sectors(id, off, segments, tag)? {
                     return Ok(());
                 }
                 if self.write_back_chunked(image, id, off, segments, tag)? {
@@ -251,15 +181,10 @@ impl FlashCache {
                 // No room in flash: fall back to writing through.
                 self.write_through(image, id, off, len, segments, tag, Keep::Nothing)
             }
-            WriteMode::WriteBack | WriteMode::WriteAround => {
+            Route::Bypass | Route::WriteAround => {
                 self.write_through(image, id, off, len, segments, tag, Keep::Nothing)
             }
-            WriteMode::WriteThrough => {
-                // Copy-on-write filler is never admitted in cow-aware mode.
-                let keep = match policy.cow {
-                    CowMode::Stacked => Keep::Everything,
-                    CowMode::CowAware => Keep::NotFiller,
-                };
+            Route::WriteThrough(keep) => {
                 self.write_through(image, id, off, len, segments, tag, keep)
             }
         }
@@ -428,7 +353,7 @@ impl FlashCache {
 
     /// Write-back: whole blocks appended to the write stream, recorded
     /// dirty. Returns false (nothing done) when flash has no room.
-    fn write_back(
+    pub(super) fn write_back(
         &self,
         image: &ImageHandle,
         id: u16,
@@ -493,7 +418,7 @@ impl FlashCache {
             self.validate_written(&mut st, id, off, len);
         }
         self.settle(&mut st, &runs);
-        st.note_write(id, off, off + len);
+        st.history.note(id, off, off + len);
         self.keep_reserve(&mut st)?;
         self.journal_buffer_check(&mut st)?;
         let dirty = st.index.dirty_blocks() as f64 / self.layout.cacheable_blocks() as f64;
@@ -560,253 +485,6 @@ impl FlashCache {
         }
     }
 
-    /// Write-through and write-around: the backend takes the write; flash
-    /// keeps a clean copy of whole blocks (write-through) or drops them.
-    #[allow(clippy::too_many_arguments)]
-    fn write_through(
-        &self,
-        image: &ImageHandle,
-        id: u16,
-        off: u64,
-        len: u64,
-        segments: &[WriteSegment<'_>],
-        tag: IoTag,
-        keep_copy: Keep,
-    ) -> Result<()> {
-        let first = off / BLOCK;
-        let last = (off + len - 1) / BLOCK;
-        let _range = self.ranges.lock(&[(id, first * BLOCK, (last + 1) * BLOCK)]);
-        // Blocks dirty in flash are the only current copies: the write
-        // goes over them in flash too, and they stay mapped. (Dropping one
-        // before the backend write is durable would let a crash bring back
-        // what the backend held before it was flushed.)
-        let dirty: Vec<u64> = {
-            let st = self.lock();
-            (first..=last)
-                .filter(|&b| {
-                    st.index
-                        .get(line_key(id, b / LINE_BLOCKS))
-                        .is_some_and(|l| l.dirty & (1 << (b % LINE_BLOCKS)) != 0)
-                })
-                .collect()
-        };
-        // Clean flash copies the backend write supersedes are forgotten
-        // durably first: after a crash the backend may hold the new bytes,
-        // and a stale clean copy must never be served instead.
-        {
-            let mut st = self.lock();
-            self.absorb_bypassing_write(&mut st, id, off, segments);
-            // Only metadata points at other data: guest data and filler
-            // may reach the backend before dirty blocks are durable.
-            if segments
-                .iter()
-                .any(|s| matches!(s.tag.class, IoClass::Metadata(_)))
-            {
-                self.commit_before_bypass(&mut st)?;
-            }
-            let mut dropped = false;
-            for b in first..=last {
-                if dirty.binary_search(&b).is_err() {
-                    let (key, slot) = (line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize);
-                    // A clean copy never journaled is unknown to recovery:
-                    // dropping it needs nothing made durable first.
-                    let journaled = !forget_unjournaled(&mut st, key, slot);
-                    dropped |= self.unmap_block(&mut st, key, slot) && journaled;
-                }
-            }
-            if dropped {
-                // The unmaps must be durable before the backend write; the
-                // syncs that take need no lock, and no backend sync but for
-                // what the journal describes.
-                self.commit_unlocked(st, Unsynced::Described)?;
-            }
-        }
-        let bufs: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
-        let foreground = self.foreground_io();
-        image
-            .backend
-            .write_vectored_at(&bufs, off)
-            .map_err(CacheError::device("write backend"))?;
-        drop(foreground);
-        if !self.lock().unreadable.is_empty() {
-            let mut st = self.lock();
-            for b in off.div_ceil(BLOCK)..(off + len) / BLOCK {
-                let (key, slot) = (line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as u8);
-                if st.unreadable.remove(&(key, slot)) {
-                    st.journal.push(&Entry::Lost {
-                        key,
-                        slot,
-                        lost: false,
-                    });
-                }
-            }
-        }
-        bump(&self.stats.disk(tag.disk).backend_bytes_written, len);
-        let cached = cacheable_ranges(off, segments, keep_copy);
-        let whole: Vec<u64> = (first..=last)
-            .filter(|&b| {
-                dirty.binary_search(&b).is_err()
-                    && cached
-                        .iter()
-                        .any(|&(s, e)| b * BLOCK >= s && (b + 1) * BLOCK <= e)
-            })
-            .collect();
-        let mark = {
-            let mut st = self.lock();
-            let entries = st.journal.pushed();
-            self.validate_written(&mut st, id, off, len);
-            let described = st.journal.pushed() != entries;
-            st.note_write_through(id, off, off + len, described)
-        };
-        for (b0, b1) in consecutive_runs(&dirty) {
-            let (s, e) = ((b0 * BLOCK).max(off), (b1 * BLOCK).min(off + len));
-            let part = sub_segments(off, segments, s, e);
-            self.update_dirty(image, id, s, e - s, &part, tag)?;
-        }
-        if !whole.is_empty() {
-            self.keep_clean_copies(id, off, segments, &whole, tag, mark)?;
-        }
-        Ok(())
-    }
-
-    /// Writes bytes to the image's store and syncs it, keeping flash
-    /// copies equal to them (a dirty block stays dirty with the new bytes,
-    /// clean copies are dropped): header bits for readers without the
-    /// cache.
-    pub(crate) fn write_to_store(
-        &self,
-        image: &ImageHandle,
-        writes: &[(HostOffset, &[u8])],
-        tag: IoTag,
-    ) -> Result<()> {
-        let id = self.image_id(image, tag.disk)?;
-        for &(off, data) in writes.iter().filter(|w| !w.1.is_empty()) {
-            let segment = [WriteSegment { data, tag }];
-            let len = data.len() as u64;
-            self.write_through(image, id, off.0, len, &segment, tag, Keep::Nothing)?;
-        }
-        self.sync_image(id)
-    }
-
-    /// Writes over blocks dirty in flash, in flash (their only current
-    /// copies). Flash may have no room for a moment: every full region
-    /// pinned by the write-back thread's batch or holding a newer copy of a
-    /// block it copies (`State::copying`). Both end without waiting for
-    /// this write's range, so the write waits for them (bounded) instead
-    /// of failing the guest's request.
-    fn update_dirty(
-        &self,
-        image: &ImageHandle,
-        id: u16,
-        off: u64,
-        len: u64,
-        segments: &[WriteSegment<'_>],
-        tag: IoTag,
-    ) -> Result<()> {
-        let deadline = Instant::now() + ROOM_WAIT;
-        while !self.write_back(image, id, off, len, segments, tag)? {
-            if Instant::now() >= deadline {
-                return Err(CacheError::Config(format!(
-                    "no flash space to update a dirty block within {ROOM_WAIT:?}"
-                )));
-            }
-            let st = self.lock();
-            drop(self.progress.wait_timeout(st, Duration::from_millis(10)));
-        }
-        Ok(())
-    }
-
-    /// Stores clean copies of whole written blocks (write-through), to be
-    /// journaled once the backend sync through `mark` ran.
-    fn keep_clean_copies(
-        &self,
-        id: u16,
-        off: u64,
-        segments: &[WriteSegment<'_>],
-        whole: &[u64],
-        tag: IoTag,
-        mark: u64,
-    ) -> Result<()> {
-        let blocks = Blocks {
-            pieces: segments.iter().map(|s| s.data).collect(),
-        };
-        let runs = {
-            let mut st = self.lock();
-            self.allocate(&mut st, Stream::Write, whole.len() as u32)?
-        };
-        let mut placed: Vec<(u64, Cbn)> = Vec::new();
-        let mut it = whole.iter();
-        for &(cbn0, k) in &runs {
-            for j in 0..k {
-                if let Some(&b) = it.next() {
-                    placed.push((b, cbn0 + j));
-                }
-            }
-        }
-        let mut written = Vec::new();
-        for &(b, cbn) in &placed {
-            let start = (b * BLOCK - off) as usize;
-            let slices = blocks.slices(start, start + BLOCK as usize);
-            match self
-                .device
-                .write_vectored_at(&slices, self.layout.block_offset(cbn))
-            {
-                Ok(()) => written.push((b, cbn, blocks.crc(start, start + BLOCK as usize))),
-                Err(_) => break,
-            }
-        }
-        let counters = self.stats.disk(tag.disk);
-        bump(&counters.flash_bytes_written, written.len() as u64 * BLOCK);
-        if matches!(tag.class, IoClass::Metadata(_)) {
-            bump(
-                &counters.meta_flash_bytes_written,
-                written.len() as u64 * BLOCK,
-            );
-        }
-        let mut st = self.lock();
-        self.settle(&mut st, &runs);
-        let first_block = whole.first().copied().unwrap_or(0);
-        let span = whole.last().map_or(0, |l| l - first_block + 1);
-        let guests = block_guests(off, segments, first_block, span);
-        for &(b, cbn) in &placed {
-            let Some(&(_, _, crc)) = written.iter().find(|w| w.1 == cbn) else {
-                st.regions.release_block(cbn);
-                continue;
-            };
-            let key = line_key(id, b / LINE_BLOCKS);
-            let slot = (b % LINE_BLOCKS) as usize;
-            let guest = guests[(b - first_block) as usize];
-            if let Some((old, r)) = st.map_block(key, guest, slot, cbn, false, crc)
-                && st.index.release(old, r)
-            {
-                st.regions.release_block(old);
-            }
-            if st.index.get(key).is_none_or(|l| l.dirty == 0) {
-                st.dirty_lines.remove(&key);
-            }
-            st.unjournaled_clean.insert(
-                (key, slot as u8),
-                UnjournaledClean {
-                    image: id,
-                    mark,
-                    cbn,
-                    guest,
-                    crc,
-                },
-            );
-        }
-        self.keep_reserve(&mut st)?;
-        if st.unjournaled_clean.len() >= UNJOURNALED_LIMIT {
-            if self.config.inline_background {
-                drop(st);
-                self.clean_copies_check()?;
-            } else {
-                self.wake.notify();
-            }
-        }
-        Ok(())
-    }
-
     /// Drops cached blocks wholly inside the range and passes the discard on.
     pub(crate) fn discard_blocks(
         &self,
@@ -831,7 +509,7 @@ impl FlashCache {
                     (b % LINE_BLOCKS) as usize,
                 );
             }
-            st.note_write(id, off, off + len);
+            st.history.note(id, off, off + len);
             // Sectors of discarded metadata must not come back over what
             // the space holds next.
             if self.drop_sectors(&mut st, id, off, len) {
@@ -841,19 +519,5 @@ impl FlashCache {
         // Advisory: a store that cannot discard keeps its bytes.
         let _ = image.backend.discard(off, len);
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::consecutive_runs;
-
-    #[test]
-    fn runs_of_consecutive_blocks() {
-        assert_eq!(consecutive_runs(&[]), vec![]);
-        assert_eq!(
-            consecutive_runs(&[3, 4, 5, 7, 9, 10]),
-            vec![(3, 6), (7, 8), (9, 11)]
-        );
     }
 }

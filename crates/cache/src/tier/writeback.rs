@@ -48,6 +48,7 @@ pub(crate) fn throttle(dirty: f64, high: f64, blocks: u64) -> Option<Duration> {
 /// tell a drain.
 #[derive(Debug, Default)]
 pub(crate) struct Wakeup {
+    /// Leaf locks (see the lock order in the tier's module doc).
     pending: Mutex<bool>,
     cv: Condvar,
     failures: Mutex<Failures>,

@@ -1,0 +1,197 @@
+//! The image catalog: registering the images the cache serves, binding
+//! each to the identity of the file under its name, and refusing a file
+//! that is not the one cached (when the cache holds newer data of it).
+//!
+//! It owns the image records (`State::images`, `State::by_name`) and the
+//! journal records that name images; it drops a replaced file's cached
+//! blocks through the index's own unmapping, and never touches regions,
+//! the ledger or the journal's other records itself.
+
+use super::{FlashCache, State};
+use crate::error::{CacheError, Result};
+use crate::group_sync::GroupSync;
+use crate::journal::Entry;
+use std::sync::Arc;
+use vdcache_backend::BackendRef;
+use vdcache_contract::{DiskId, ImageHandle, ImageIdentity, Verdict};
+
+/// An image the cache has seen.
+#[derive(Debug, Clone)]
+pub(crate) struct ImageRecord {
+    pub name: String,
+    pub identity: ImageIdentity,
+    /// Open store of the image (absent for images known only from the
+    /// journal until a disk opens them).
+    pub backend: Option<BackendRef>,
+    pub disk: DiskId,
+    /// More than one disk reads this image (a shared base): what one disk
+    /// masks, another may still read.
+    pub shared_by_disks: bool,
+    /// End of the highest block written through the cache: the image is
+    /// at least this long even before write-back extends the file.
+    pub end: u64,
+    /// Syncs of the backend for write-through data, shared by the flushes
+    /// that need one at the same time (numbered by the ledger's marks).
+    pub backend_syncs: Arc<GroupSync>,
+}
+
+/// What the store of an image that nobody attached says about itself
+/// (tests and tools that hand the cache image handles directly).
+fn store_identity_of(image: &ImageHandle) -> ImageIdentity {
+    ImageIdentity {
+        mark: None,
+        store: image.backend.identity().unwrap_or_default(),
+        writable: image.depth == 0,
+    }
+}
+
+impl FlashCache {
+    /// The id of an image, registering it on first sight. An image the
+    /// COW layer attached (see [`FlashCache::attach_image`]) was checked
+    /// then; any other is checked against what its store says.
+    pub(crate) fn image_id(&self, image: &ImageHandle, disk: DiskId) -> Result<u16> {
+        {
+            let mut st = self.lock();
+            if let Some(&id) = st.by_name.get(&*image.name) {
+                let rec = &mut st.images[id as usize];
+                if rec.backend.is_some() {
+                    if rec.disk != disk {
+                        rec.shared_by_disks = true;
+                    }
+                    rec.disk = disk;
+                    return Ok(id);
+                }
+            }
+        }
+        self.attach_image(image, disk, &store_identity_of(image))
+    }
+
+    /// Binds `image` to the identity the COW layer found in its store.
+    /// Blocks the cache holds of another file under the same name are
+    /// dropped; if some of them hold data that file lacked, the image is
+    /// refused instead, naming what happened.
+    pub(crate) fn attach_image(
+        &self,
+        image: &ImageHandle,
+        disk: DiskId,
+        found: &ImageIdentity,
+    ) -> Result<u16> {
+        let mut st = self.lock();
+        let Some(&id) = st.by_name.get(&*image.name) else {
+            return self.register_image(&mut st, image, disk, found);
+        };
+        let rec = &mut st.images[id as usize];
+        match found.compare(&rec.identity, &self.sb.uuid) {
+            Verdict::Same => {}
+            Verdict::Advanced => {
+                rec.identity = *found;
+                let name = rec.name.clone();
+                st.journal.push(&Entry::Image {
+                    id,
+                    name,
+                    identity: *found,
+                });
+            }
+            Verdict::Different(reason) => {
+                let name = rec.name.clone();
+                drop(st);
+                return self.replace_stale_image(id, name, reason, image, disk, found);
+            }
+        }
+        let rec = &mut st.images[id as usize];
+        if rec.backend.is_some() && rec.disk != disk {
+            rec.shared_by_disks = true;
+        }
+        rec.backend = Some(image.backend.clone());
+        rec.disk = disk;
+        Ok(id)
+    }
+
+    fn register_image(
+        &self,
+        st: &mut State,
+        image: &ImageHandle,
+        disk: DiskId,
+        identity: &ImageIdentity,
+    ) -> Result<u16> {
+        let id = u16::try_from(st.images.len())
+            .map_err(|_| CacheError::Config("more than 65535 images share one cache".into()))?;
+        st.images.push(ImageRecord {
+            name: image.name.to_string(),
+            identity: *identity,
+            backend: Some(image.backend.clone()),
+            disk,
+            shared_by_disks: false,
+            end: 0,
+            backend_syncs: Arc::default(),
+        });
+        st.by_name.insert(image.name.to_string(), id);
+        st.journal.push(&Entry::Image {
+            id,
+            name: image.name.to_string(),
+            identity: *identity,
+        });
+        Ok(id)
+    }
+
+    /// A file now under a recorded name is not the recorded file. Refuse
+    /// when the cache holds data the old file lacked; otherwise forget
+    /// what was cached for it.
+    fn replace_stale_image(
+        &self,
+        id: u16,
+        name: String,
+        reason: String,
+        image: &ImageHandle,
+        disk: DiskId,
+        found: &ImageIdentity,
+    ) -> Result<u16> {
+        let mut st = self.lock();
+        if self.holds_newer_of(&st, id) {
+            return Err(CacheError::WrongImage {
+                name,
+                reason,
+                cache: self.device.name().to_string(),
+            });
+        }
+        tracing::warn!(image = %name, %reason, "image changed since it was cached; dropping its cached blocks");
+        let lines: Vec<u64> = st
+            .index
+            .lines()
+            .filter(|l| crate::index::key_image(l.key) == id)
+            .map(|l| l.key)
+            .collect();
+        for key in lines {
+            for slot in 0..crate::layout::LINE_BLOCKS as usize {
+                self.unmap_block(&mut st, key, slot);
+            }
+        }
+        let rec = &mut st.images[id as usize];
+        rec.identity = *found;
+        rec.backend = Some(image.backend.clone());
+        rec.disk = disk;
+        st.journal.push(&Entry::Image {
+            id,
+            name,
+            identity: *found,
+        });
+        Ok(id)
+    }
+
+    /// Whether the cache holds data of image `id` that its file lacks:
+    /// dirty blocks, partially valid clusters, dirty metadata sectors.
+    pub(crate) fn holds_newer_of(&self, st: &State, id: u16) -> bool {
+        let keys = crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX);
+        st.dirty_lines.range(keys.clone()).next().is_some()
+            || st
+                .unreadable
+                .range((*keys.start(), 0)..=(*keys.end(), u8::MAX))
+                .next()
+                .is_some()
+            || st.meta.has_dirty_of(id)
+            || st
+                .index
+                .lines()
+                .any(|l| l.partial != 0 && crate::index::key_image(l.key) == id)
+    }
+}

@@ -1,0 +1,143 @@
+//! What `vdcache stats` reports: a snapshot of the cache's state taken
+//! under the state lock, and the device's counters read without it.
+//!
+//! It only reads: it never changes the state it reports.
+
+use super::{FlashCache, RecoveryReport};
+use crate::layout::BLOCK;
+use crate::region::RegionCounts;
+use crate::stats::{DeviceStats, DiskStats};
+use std::collections::HashMap;
+
+/// What `vdcache stats` reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CacheReport {
+    pub device_bytes: u64,
+    pub data_bytes: u64,
+    pub region_bytes: u64,
+    pub regions_free: u32,
+    pub regions_open: u32,
+    pub regions_full: u32,
+    pub cached_bytes: u64,
+    pub dirty_bytes: u64,
+    pub index_memory_bytes: u64,
+    /// The part of the index memory sized by the device (held even when
+    /// nothing is cached).
+    pub index_memory_fixed_bytes: u64,
+    /// Index memory beyond the fixed part, as a fraction of the cached
+    /// bytes.
+    pub index_memory_ratio: f64,
+    /// Memory of the checksums of cached blocks.
+    pub checksum_memory_bytes: u64,
+    /// Dirty blocks whose only copy the device damaged (reads fail).
+    pub unreadable_blocks: u64,
+    /// Dirty metadata sectors held (cow-aware write-back), and their memory.
+    pub meta_sectors: u64,
+    pub meta_sector_memory_bytes: u64,
+    /// Regions reclaimed whose blocks were found through the region's
+    /// summary, and through a scan of the index (no usable summary: small
+    /// regions, or regions filled before a crash).
+    pub regions_emptied_by_summary: u64,
+    pub regions_emptied_by_scan: u64,
+    /// What fast recovery found when the cache opened (zeros: formatted).
+    pub recovery: RecoveryReport,
+    pub replacement: &'static str,
+    /// What the tier wrote to and read from its device since it opened.
+    pub device: DeviceStats,
+    pub total: DiskStats,
+    pub disks: Vec<(u32, DiskStats)>,
+    pub images: Vec<ImageReport>,
+}
+
+/// One image the cache holds blocks of.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ImageReport {
+    pub name: String,
+    pub cached_bytes: u64,
+    pub dirty_bytes: u64,
+}
+
+impl FlashCache {
+    /// What the tier did to its device, read without the state lock.
+    pub fn device_stats(&self) -> DeviceStats {
+        DeviceStats {
+            sync_waits: self.group_sync.waits(),
+            ..self.counted.snapshot()
+        }
+    }
+
+    /// Statistics.
+    pub fn report(&self) -> CacheReport {
+        let st = self.lock();
+        let counts: RegionCounts = st.regions.counts();
+        let cached = st.index.present_blocks() * BLOCK;
+        let memory = st.index.memory_bytes();
+        let fixed = st.index.fixed_memory_bytes();
+        let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.images.len()];
+        let mut dirty_by_disk: HashMap<u32, u64> = HashMap::new();
+        for l in st.index.lines() {
+            let img = crate::index::key_image(l.key) as usize;
+            if let Some(p) = per_image.get_mut(img) {
+                p.0 += u64::from(l.present.count_ones()) * BLOCK;
+                p.1 += u64::from(l.dirty.count_ones()) * BLOCK;
+            }
+            if let Some(rec) = st.images.get(img) {
+                *dirty_by_disk.entry(rec.disk.0).or_default() +=
+                    u64::from(l.dirty.count_ones()) * BLOCK;
+            }
+        }
+        let images = st
+            .images
+            .iter()
+            .zip(&per_image)
+            .map(|(r, &(c, d))| ImageReport {
+                name: r.name.clone(),
+                cached_bytes: c,
+                dirty_bytes: d,
+            })
+            .collect();
+        let dirty = st.index.dirty_blocks() * BLOCK;
+        let meta_sectors = st.meta.dirty_len() as u64;
+        let checksum_memory_bytes = st.crcs.memory_bytes();
+        let unreadable_blocks = st.unreadable.len() as u64;
+        let meta_sector_memory_bytes = st.meta.memory_bytes();
+        let emptied = (st.emptied_by_summary, st.emptied_by_scan);
+        drop(st);
+        let mut disks = self.stats.all();
+        let mut total = DiskStats::default();
+        for (d, s) in &mut disks {
+            s.dirty_bytes = dirty_by_disk.get(d).copied().unwrap_or(0);
+            total.add(s);
+        }
+        total.dirty_bytes = dirty;
+        CacheReport {
+            device_bytes: self.layout.device_bytes,
+            data_bytes: self.layout.cacheable_blocks() * BLOCK,
+            region_bytes: self.layout.region_bytes,
+            regions_free: counts.free,
+            regions_open: counts.open,
+            regions_full: counts.full,
+            cached_bytes: cached,
+            dirty_bytes: dirty,
+            index_memory_bytes: memory,
+            index_memory_fixed_bytes: fixed,
+            index_memory_ratio: if cached == 0 {
+                0.0
+            } else {
+                memory.saturating_sub(fixed) as f64 / cached as f64
+            },
+            checksum_memory_bytes,
+            unreadable_blocks,
+            meta_sectors,
+            meta_sector_memory_bytes,
+            regions_emptied_by_summary: emptied.0,
+            regions_emptied_by_scan: emptied.1,
+            recovery: self.recovery,
+            replacement: self.config.replacement.name(),
+            device: self.device_stats(),
+            total,
+            disks,
+            images,
+        }
+    }
+}
