@@ -940,6 +940,10 @@ fn zero_plain(all: u32) -> L2Mapping {
     })
 }
 
+/// How often a write-back fill tries the top image's metadata lock (100 µs
+/// apart) before leaving the line to the ordinary fill.
+const FILL_LOCK_TRIES: usize = 50;
+
 impl BackingFill for VirtualDisk {
     fn backing_bytes(
         &self,
@@ -961,9 +965,22 @@ impl BackingFill for VirtualDisk {
         else {
             return Ok(false);
         };
-        let mapped = img
-            .map(guest, len)?
-            .first()
+        // Write-back asks while it holds the cache's ranges of this
+        // cluster, and a thread holding the image's metadata lock may wait
+        // for those (freeing a cluster discards it through the cache):
+        // waiting for the lock here could deadlock. So try for a moment,
+        // then leave the line to the ordinary fill.
+        let mut extents = None;
+        for _ in 0..FILL_LOCK_TRIES {
+            extents = img.map_if_unlocked(guest, len)?;
+            if extents.is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        let mapped = extents
+            .as_deref()
+            .and_then(<[_]>::first)
             .is_some_and(|e| e.kind == ExtentKind::Data(host) && e.len >= len);
         if !mapped {
             return Ok(false);

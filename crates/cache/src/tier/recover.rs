@@ -11,8 +11,6 @@ use crate::journal::{self, CheckpointMark, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock, host_identity, random_uuid};
 use std::sync::Arc;
 use vdcache_backend::BackendRef;
-use vdcache_contract::identity::read_identity;
-use vdcache_contract::{DiskId, ImageHandle};
 
 /// What fast recovery found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -173,41 +171,6 @@ impl FlashCache {
         ids.into_iter()
             .filter_map(|id| st.images.get(id as usize).map(|r| r.name.clone()))
             .collect()
-    }
-
-    /// Full recovery of what needs no backing chain: opens each image the
-    /// cache holds dirty data of through `open` (by the name the cache
-    /// recorded), checks it is the recorded file, writes every dirty block
-    /// back and syncs. Returns the images written.
-    pub fn recover_full(&self, open: &dyn Fn(&str) -> Result<BackendRef>) -> Result<Vec<String>> {
-        let names: Vec<String> = self
-            .images()
-            .into_iter()
-            .filter(|(_, d)| *d > 0)
-            .map(|(n, _)| n)
-            .collect();
-        for name in &names {
-            let known = {
-                let st = self.lock();
-                st.by_name
-                    .get(name)
-                    .and_then(|&id| st.images.get(id as usize))
-                    .is_some_and(|r| r.backend.is_some())
-            };
-            if known {
-                // Opened already (and checked) by whoever filled it.
-                continue;
-            }
-            let handle = ImageHandle {
-                name: Arc::from(name.as_str()),
-                depth: 0,
-                backend: open(name)?,
-            };
-            let found = read_identity(&handle, true).map_err(CacheError::device("read image"))?;
-            self.attach_image(&handle, DiskId::default(), &found)?;
-        }
-        self.drain()?;
-        Ok(names)
     }
 }
 

@@ -346,6 +346,16 @@ impl Qcow2Image {
         }
     }
 
+    /// [`Qcow2Image::lock`], or None while another thread holds it.
+    fn try_lock(&self) -> Option<Locked<'_>> {
+        let m = match self.meta.try_lock() {
+            Ok(m) => m,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(Locked { img: self, m })
+    }
+
     pub fn name(&self) -> &str {
         &self.handle.name
     }
@@ -409,10 +419,27 @@ impl Qcow2Image {
     /// [`Qcow2Image::map`], or None when that needs a table read and
     /// `reads` forbids it.
     pub fn map_if(&self, offset: u64, len: u64, reads: TableReads) -> Result<Option<Vec<Extent>>> {
-        let mut l = self.lock();
+        Self::map_locked(&mut self.lock(), offset, len, reads)
+    }
+
+    /// [`Qcow2Image::map`], or None when another thread holds the
+    /// metadata lock (for callers that must not wait for it).
+    pub fn map_if_unlocked(&self, offset: u64, len: u64) -> Result<Option<Vec<Extent>>> {
+        match self.try_lock() {
+            Some(mut l) => Self::map_locked(&mut l, offset, len, TableReads::Allowed),
+            None => Ok(None),
+        }
+    }
+
+    fn map_locked(
+        l: &mut Locked<'_>,
+        offset: u64,
+        len: u64,
+        reads: TableReads,
+    ) -> Result<Option<Vec<Extent>>> {
         let mut out: Vec<Extent> = Vec::new();
-        let cs = self.geometry.cluster_size();
-        let sc = self.geometry.subcluster_size();
+        let cs = l.img.geometry.cluster_size();
+        let sc = l.img.geometry.subcluster_size();
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
