@@ -267,13 +267,11 @@ mod tests {
     #[test]
     fn scattered_small_requests_do_not_make_a_run() {
         let mut s = SequentialRuns::default();
-        let mut x = 0x2545_f491_u64;
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0x2545_f491);
         let mut longest = 0;
         for _ in 0..10_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let block = x % (64 << 8); // a 64 MiB working set of 4 KiB blocks
+            let block = rng.random_range(0..64u64 << 8); // a 64 MiB working set of 4 KiB blocks
             longest = longest.max(s.observe(block * 4096, 4096));
         }
         assert!(longest < 64 << 10, "random writes ran to {longest} bytes");

@@ -1079,12 +1079,10 @@ mod tests {
         }
         write_full_summaries(&mut ix, blocks);
         let mut order: Vec<u64> = (0..blocks).collect();
-        let mut x = 11u64;
-        for i in (1..order.len()).rev() {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            order.swap(i, (x >> 33) as usize % (i + 1));
+        {
+            use rand::SeedableRng;
+            use rand::seq::SliceRandom;
+            order.shuffle(&mut rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(11));
         }
         for (n, &b) in order.iter().enumerate().take(blocks as usize * 3 / 4) {
             let (cbn, _, r) = ix.unmap(line_key(2, b * 31), (b % 16) as usize).unwrap();

@@ -617,15 +617,11 @@ mod tests {
     fn mixing_is_a_bijection_on_the_key_space() {
         assert_eq!(MIX_A.wrapping_mul(UNMIX_A), 1);
         assert_eq!(MIX_B.wrapping_mul(UNMIX_B), 1);
-        let mut x = 0x0123_4567_89ab_cdefu64;
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0x0123_4567_89ab_cdef);
         for k in [0, 1, 2, KEY_MASK - 1, KEY_MASK]
             .into_iter()
-            .chain((0..10_000).map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                x & KEY_MASK
-            }))
+            .chain((0..10_000).map(|_| rng.next_u64() & KEY_MASK))
         {
             assert!(mix(k) <= KEY_MASK);
             assert_eq!(unmix(mix(k)), k);
@@ -681,13 +677,9 @@ mod tests {
     fn matches_a_map_through_growth_and_shrinking() {
         let mut t = SparseTable::new(1 << 16);
         let mut model = Model::new();
-        let mut x = 7u64;
-        let mut rnd = move |n: u64| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (x >> 33) % n
-        };
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(7);
+        let mut rnd = move |n: u64| rng.random_range(0..n);
         let mut next_cbn = 0;
         let rebuild = |t: &mut SparseTable, model: &mut Model| {
             if let Some(h) = t.wanted_homes() {
