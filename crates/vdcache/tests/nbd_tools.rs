@@ -11,8 +11,8 @@ mod common;
 mod serving;
 
 use common::{Scratch, assert_same_bytes, exec, ok};
-use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use serving::{
     pattern, qcow2, qcow2_dirty_bit, qemu_io, qemu_io_opts, serve, serve_config, serve_refused, uri,
 };
@@ -645,10 +645,10 @@ fn tls_with_a_pre_shared_key() {
 /// file's punch-hole is not guaranteed by every file system). Reads are
 /// verified with -P against a model wherever the range is uniform.
 fn workload(seed: u64, size: u64, n: usize) -> (Vec<String>, Vec<String>) {
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut model = vec![0u8; size as usize];
     let (mut srv, mut refc) = (Vec::new(), Vec::new());
-    let range = |rng: &mut StdRng| -> (u64, u64) {
+    let range = |rng: &mut Xoshiro256PlusPlus| -> (u64, u64) {
         let (off, len) = if rng.random_bool(0.5) {
             let len =
                 [512, 4096, CLUSTER, 2 * CLUSTER, 3 * CLUSTER / 2 + 512][rng.random_range(0..5)];

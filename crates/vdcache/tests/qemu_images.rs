@@ -15,8 +15,8 @@
 mod common;
 
 use common::{Scratch, assert_no_panic, assert_same_bytes, exec, ok};
-use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -110,7 +110,7 @@ fn workload(seed: u64, size: u64, cluster: u64, sub: u64, random_ops: usize) -> 
     for (k, (kind, off, len)) in fixed.into_iter().enumerate() {
         push(kind, off, len, k as u64);
     }
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     for k in 0..random_ops {
         let (off, len) = if rng.random_bool(0.4) {
             let off = rng.random_range(0..size / s) * s;
@@ -433,7 +433,7 @@ fn c2m_compat11_refcount64() {
 
 /// Compressible, incompressible, zero and single-byte stretches.
 fn mixed_content(size: u64, seed: u64) -> Vec<u8> {
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut v = Vec::with_capacity(size as usize);
     let mut n = 0u64;
     while (v.len() as u64) < size {

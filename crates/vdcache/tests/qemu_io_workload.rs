@@ -5,8 +5,8 @@
 //! `qemu-img check` must find vdcache's image clean; and vdcache must read
 //! what QEMU wrote exactly as QEMU does.
 
-use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -37,7 +37,7 @@ fn vdcache() -> Command {
 }
 
 fn workload(seed: u64, ops: usize, cluster: u64) -> Vec<String> {
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let lens = [512, 4096, cluster, 2 * cluster, 3 * cluster / 2 + 512];
     let mut out = Vec::with_capacity(ops);
     while out.len() < ops {

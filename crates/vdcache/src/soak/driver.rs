@@ -19,8 +19,8 @@ use super::server::{Server, ServerSpec, log_tail};
 use super::stamp::{SECTOR, fill};
 use super::writer::{Counts, Geometry, Shared, writer};
 use anyhow::{Context, Result, bail};
-use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::Serialize;
 use std::ffi::OsString;
 use std::fs::File;
@@ -142,8 +142,10 @@ enum Kill {
     Not(Duration),
 }
 
-fn pick_kill(rng: &mut StdRng, secs: f64) -> Kill {
-    let d = |rng: &mut StdRng, max: f64| Duration::from_secs_f64(rng.random_range(0.0..max));
+fn pick_kill(rng: &mut Xoshiro256PlusPlus, secs: f64) -> Kill {
+    let d = |rng: &mut Xoshiro256PlusPlus, max: f64| {
+        Duration::from_secs_f64(rng.random_range(0.0..max))
+    };
     let busy = d(rng, secs);
     match rng.random_range(0..100u32) {
         0..45 => Kill::Busy(busy),
@@ -211,7 +213,12 @@ struct Files {
 
 /// Writes the base (stamped data in about half of its 256 KiB chunks)
 /// and the delta over it; returns which chunks have base data.
-fn make_images(cfg: &Config, dir: &Path, key: u64, rng: &mut StdRng) -> Result<(Files, Vec<bool>)> {
+fn make_images(
+    cfg: &Config,
+    dir: &Path,
+    key: u64,
+    rng: &mut Xoshiro256PlusPlus,
+) -> Result<(Files, Vec<bool>)> {
     let files = Files {
         base: dir.join("base.qcow2"),
         delta: dir.join("delta.qcow2"),
@@ -521,7 +528,7 @@ pub fn run_mode(cfg: &Config, mode: &str, index: u64) -> Result<ModeReport> {
     let started = Instant::now();
     let dir = cfg.dir.join(mode);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let mut rng = StdRng::seed_from_u64(mix(cfg.seed ^ mix(index)));
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(mix(cfg.seed ^ mix(index)));
     let key = rng.random::<u64>();
     let (files, has_base) = make_images(cfg, &dir, key, &mut rng)?;
     let base_digest = digest(&files.base)?;

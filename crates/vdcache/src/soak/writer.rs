@@ -13,8 +13,8 @@
 
 use super::record::{self, Record};
 use super::stamp::{SECTOR, fill};
-use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -158,7 +158,7 @@ struct Stream {
 }
 
 struct Picker {
-    rng: StdRng,
+    rng: Xoshiro256PlusPlus,
     g: Geometry,
     stream: Option<Stream>,
 }
@@ -260,7 +260,7 @@ impl Picker {
 /// Runs one writer until `stop` or a failure.
 pub fn writer(shared: &Shared, client: &NbdClient, g: Geometry, seed: u64) {
     let mut p = Picker {
-        rng: StdRng::seed_from_u64(seed),
+        rng: Xoshiro256PlusPlus::seed_from_u64(seed),
         g,
         stream: None,
     };
@@ -398,7 +398,7 @@ mod tests {
             flush_every: 16,
         };
         let mut p = Picker {
-            rng: StdRng::seed_from_u64(5),
+            rng: Xoshiro256PlusPlus::seed_from_u64(5),
             g,
             stream: None,
         };

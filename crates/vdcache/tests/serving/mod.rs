@@ -504,9 +504,9 @@ impl CrashWorkload {
     /// `groups` groups of `per_group` writes each followed by a flush, then
     /// `per_group` more writes that are never flushed.
     pub fn generate(seed: u64, size: u64, groups: usize, per_group: usize) -> CrashWorkload {
-        use rand::rngs::StdRng;
         use rand::{RngExt, SeedableRng};
-        let mut rng = StdRng::seed_from_u64(seed);
+        use rand_xoshiro::Xoshiro256PlusPlus;
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
         let mut ops = Vec::new();
         for g in 0..=groups {
             for _ in 0..per_group {
