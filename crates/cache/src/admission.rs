@@ -177,6 +177,27 @@ impl AdmissionPolicy for SequentialBypass {
 }
 
 /// One instance of each admission policy, chosen per disk by name.
+/// Per disk, the sequential streams of its guest writes (in guest
+/// clusters: a qcow2 image allocates host clusters for every writer
+/// alike, so a guest's stream is not one on the host), which write routing
+/// reads; read misses' streams, in host offsets, are the admission
+/// policy's own.
+#[derive(Debug, Default)]
+pub struct WriteStreams {
+    runs: HashMap<u32, SequentialRuns>,
+}
+
+impl WriteStreams {
+    /// Feeds disk `disk`'s write of `clusters` guest clusters from
+    /// `first`, `bytes` long; returns the run it continues.
+    pub fn observe(&mut self, disk: u32, first: u64, clusters: u64, bytes: u64) -> Run {
+        self.runs
+            .entry(disk)
+            .or_default()
+            .observe_at(first, clusters, bytes)
+    }
+}
+
 #[derive(Debug)]
 pub struct Admissions {
     all: AdmitAll,
@@ -207,6 +228,23 @@ impl Admissions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn write_streams_are_per_disk() {
+        let mut w = WriteStreams::default();
+        assert_eq!(w.observe(1, 0, 1, 4096).bytes, 4096);
+        assert_eq!(
+            w.observe(1, 1, 1, 4096).bytes,
+            8192,
+            "continues disk 1's run"
+        );
+        assert_eq!(
+            w.observe(2, 2, 1, 4096).bytes,
+            4096,
+            "disk 2 starts its own run at the same place"
+        );
+        assert_eq!(w.observe(1, 2, 1, 4096).requests, 3);
+    }
 
     #[test]
     fn second_miss_promotes() {

@@ -5,10 +5,44 @@
 //! region that ever held one) and saved in checkpoints; journal records
 //! carry the same checksums.
 //!
-//! Owns: the checksums. Must not: decide what a block that does not
-//! verify means (the tier drops a clean copy and refuses a dirty one).
+//! Owns: the checksums, and the set of dirty blocks found not to verify
+//! ([`Integrity`]). Must not: decide what a block that does not verify
+//! means (the tier drops a clean copy and refuses a dirty one).
 
 use crate::index::Cbn;
+use std::collections::BTreeSet;
+
+/// What the cache knows about the integrity of the blocks it holds.
+#[derive(Debug)]
+pub(crate) struct Integrity {
+    pub crcs: BlockCrcs,
+    /// Dirty blocks (line key, slot) whose flash copy no longer verifies:
+    /// the only copy is lost, so they are never served nor written back
+    /// until the guest writes them again.
+    pub unreadable: BTreeSet<(u64, u8)>,
+}
+
+impl Integrity {
+    pub(crate) fn new(regions: u32, blocks_per_region: u32) -> Integrity {
+        Integrity {
+            crcs: BlockCrcs::new(regions, blocks_per_region),
+            unreadable: BTreeSet::new(),
+        }
+    }
+
+    /// Block `slot` of line `key` now holds bytes with checksum `crc` in
+    /// `cbn`: a fresh copy, so whatever was lost of it before is not.
+    pub(crate) fn wrote(&mut self, cbn: Cbn, key: u64, slot: usize, crc: u32) {
+        self.crcs.set(cbn, crc);
+        self.unreadable.remove(&(key, slot as u8));
+    }
+
+    /// Whether any dirty block of `dirty` (a line's dirty mask) is still
+    /// readable.
+    pub(crate) fn any_readable(&self, key: u64, dirty: u16) -> bool {
+        (0..u16::BITS as u8).any(|s| dirty & (1 << s) != 0 && !self.unreadable.contains(&(key, s)))
+    }
+}
 
 /// Checksums of the blocks of the data zone, by cache block number.
 #[derive(Debug)]
@@ -74,5 +108,16 @@ mod tests {
         assert_eq!(c.memory_bytes(), empty + 512 * 4);
         c.set(4 * 512, 1);
         assert_eq!(c.get(4 * 512), None, "past the zone: ignored");
+    }
+
+    #[test]
+    fn a_fresh_copy_makes_a_lost_block_readable_again() {
+        let mut i = Integrity::new(2, 512);
+        i.unreadable.insert((7, 3));
+        assert!(!i.any_readable(7, 1 << 3));
+        assert!(i.any_readable(7, (1 << 3) | (1 << 4)));
+        i.wrote(10, 7, 3, 0xabcd);
+        assert!(i.any_readable(7, 1 << 3));
+        assert_eq!(i.crcs.get(10), Some(0xabcd));
     }
 }

@@ -2,18 +2,47 @@
 //! each to the identity of the file under its name, and refusing a file
 //! that is not the one cached (when the cache holds newer data of it).
 //!
-//! It owns the image records (`State::images`, `State::by_name`) and the
-//! journal records that name images; it drops a replaced file's cached
-//! blocks through the index's own unmapping, and never touches regions,
-//! the ledger or the journal's other records itself.
+//! It owns the image records, their names, the disks' policies and the
+//! COW layer's backing-chain readers ([`Catalog`]), and the journal records
+//! that name images; it drops a replaced file's cached blocks through the
+//! index's own unmapping, and never touches regions, the ledger or the
+//! journal's other records itself.
 
 use super::{FlashCache, State};
+use crate::config::DiskPolicy;
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
 use crate::journal::Entry;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
 use vdcache_backend::BackendRef;
-use vdcache_contract::{DiskId, ImageHandle, ImageIdentity, Verdict};
+use vdcache_contract::{BackingFill, DiskId, ImageHandle, ImageIdentity, Verdict};
+
+/// Everything the cache knows about the images and disks it serves; image
+/// ids are indices into `images` and are never reused while the cache
+/// lives (journal records and line keys name them).
+#[derive(Default)]
+pub(crate) struct Catalog {
+    pub images: Vec<ImageRecord>,
+    pub by_name: HashMap<String, u16>,
+    /// Per disk, the policy it was opened with (others use the default).
+    pub policies: HashMap<u32, DiskPolicy>,
+    /// Per image, the COW layer's reader of its backing chain, with which
+    /// write-back fills partially valid clusters (see `fills`).
+    pub fillers: HashMap<u16, Weak<dyn BackingFill>>,
+}
+
+impl Catalog {
+    /// The id of the image named `name`, if the cache has seen it.
+    pub(crate) fn id_of(&self, name: &str) -> Option<u16> {
+        self.by_name.get(name).copied()
+    }
+
+    /// The policy of `disk`, or `default` if it was opened without one.
+    pub(crate) fn policy(&self, disk: DiskId, default: DiskPolicy) -> DiskPolicy {
+        self.policies.get(&disk.0).copied().unwrap_or(default)
+    }
+}
 
 /// An image the cache has seen.
 #[derive(Debug, Clone)]
@@ -52,8 +81,8 @@ impl FlashCache {
     pub(crate) fn image_id(&self, image: &ImageHandle, disk: DiskId) -> Result<u16> {
         {
             let mut st = self.lock();
-            if let Some(&id) = st.by_name.get(&*image.name) {
-                let rec = &mut st.images[id as usize];
+            if let Some(id) = st.catalog.id_of(&image.name) {
+                let rec = &mut st.catalog.images[id as usize];
                 if rec.backend.is_some() {
                     if rec.disk != disk {
                         rec.shared_by_disks = true;
@@ -77,10 +106,10 @@ impl FlashCache {
         found: &ImageIdentity,
     ) -> Result<u16> {
         let mut st = self.lock();
-        let Some(&id) = st.by_name.get(&*image.name) else {
+        let Some(id) = st.catalog.id_of(&image.name) else {
             return self.register_image(&mut st, image, disk, found);
         };
-        let rec = &mut st.images[id as usize];
+        let rec = &mut st.catalog.images[id as usize];
         match found.compare(&rec.identity, &self.sb.uuid) {
             Verdict::Same => {}
             Verdict::Advanced => {
@@ -98,7 +127,7 @@ impl FlashCache {
                 return self.replace_stale_image(id, name, reason, image, disk, found);
             }
         }
-        let rec = &mut st.images[id as usize];
+        let rec = &mut st.catalog.images[id as usize];
         if rec.backend.is_some() && rec.disk != disk {
             rec.shared_by_disks = true;
         }
@@ -114,9 +143,9 @@ impl FlashCache {
         disk: DiskId,
         identity: &ImageIdentity,
     ) -> Result<u16> {
-        let id = u16::try_from(st.images.len())
+        let id = u16::try_from(st.catalog.images.len())
             .map_err(|_| CacheError::Config("more than 65535 images share one cache".into()))?;
-        st.images.push(ImageRecord {
+        st.catalog.images.push(ImageRecord {
             name: image.name.to_string(),
             identity: *identity,
             backend: Some(image.backend.clone()),
@@ -125,7 +154,7 @@ impl FlashCache {
             end: 0,
             backend_syncs: Arc::default(),
         });
-        st.by_name.insert(image.name.to_string(), id);
+        st.catalog.by_name.insert(image.name.to_string(), id);
         st.journal.push(&Entry::Image {
             id,
             name: image.name.to_string(),
@@ -166,7 +195,7 @@ impl FlashCache {
                 self.unmap_block(&mut st, key, slot);
             }
         }
-        let rec = &mut st.images[id as usize];
+        let rec = &mut st.catalog.images[id as usize];
         rec.identity = *found;
         rec.backend = Some(image.backend.clone());
         rec.disk = disk;
@@ -182,8 +211,9 @@ impl FlashCache {
     /// dirty blocks, partially valid clusters, dirty metadata sectors.
     pub(crate) fn holds_newer_of(&self, st: &State, id: u16) -> bool {
         let keys = crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX);
-        st.dirty_lines.range(keys.clone()).next().is_some()
+        st.dirty.lines.range(keys.clone()).next().is_some()
             || st
+                .integrity
                 .unreadable
                 .range((*keys.start(), 0)..=(*keys.end(), u8::MAX))
                 .next()

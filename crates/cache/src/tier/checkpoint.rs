@@ -236,7 +236,7 @@ impl FlashCache {
         if result.is_ok() {
             // Every record and block before the mark is durable, and
             // nothing was written after it.
-            st.uncommitted_dirty = false;
+            st.ledger.uncommitted_dirty = false;
         }
         self.checkpoint_landed(st, result)
     }
@@ -330,8 +330,8 @@ fn put(out: &mut Vec<u8>, bytes: &[u8]) {
 /// of its blocks have valid sectors and their bitmaps).
 fn encode_checkpoint(st: &State) -> Vec<u8> {
     let mut out = Vec::new();
-    put(&mut out, &(st.images.len() as u32).to_le_bytes());
-    for (id, r) in st.images.iter().enumerate() {
+    put(&mut out, &(st.catalog.images.len() as u32).to_le_bytes());
+    for (id, r) in st.catalog.images.iter().enumerate() {
         crate::journal::Entry::Image {
             id: id as u16,
             name: r.name.clone(),
@@ -348,7 +348,10 @@ fn encode_checkpoint(st: &State) -> Vec<u8> {
         put(&mut out, &l.partial.to_le_bytes());
         for (_, cbn) in l.blocks() {
             put(&mut out, &cbn.to_le_bytes());
-            put(&mut out, &st.crcs.get(cbn).unwrap_or(0).to_le_bytes());
+            put(
+                &mut out,
+                &st.integrity.crcs.get(cbn).unwrap_or(0).to_le_bytes(),
+            );
         }
         if l.partial != 0 {
             let sectors: Vec<(usize, u8)> = (0..LINE_BLOCKS as usize)
@@ -376,8 +379,11 @@ fn encode_checkpoint(st: &State) -> Vec<u8> {
         }
         .encode(&mut out);
     }
-    put(&mut out, &(st.unreadable.len() as u64).to_le_bytes());
-    for &(key, slot) in &st.unreadable {
+    put(
+        &mut out,
+        &(st.integrity.unreadable.len() as u64).to_le_bytes(),
+    );
+    for &(key, slot) in &st.integrity.unreadable {
         crate::journal::Entry::Lost {
             key,
             slot,

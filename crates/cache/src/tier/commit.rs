@@ -81,7 +81,7 @@ impl FlashCache {
     /// lock: for commits something else must wait for (a write that
     /// bypasses the log, reclaiming space, stopping).
     pub(crate) fn commit(&self, st: &mut State) -> Result<()> {
-        st.uncommitted_dirty = false;
+        st.ledger.uncommitted_dirty = false;
         let started_before = self.write_commit(st)?;
         self.device
             .flush()
@@ -166,7 +166,7 @@ impl FlashCache {
     /// log reaches a backend: the bypassing write may depend on them (an L2
     /// entry written back must not outlive the data it points to).
     pub(crate) fn commit_before_bypass(&self, st: &mut State) -> Result<()> {
-        if st.uncommitted_dirty {
+        if st.ledger.uncommitted_dirty {
             self.commit(st)?;
         }
         Ok(())
@@ -175,7 +175,7 @@ impl FlashCache {
     /// A flush from the COW layer.
     pub(crate) fn flush_image(&self, image: &ImageHandle, kind: FlushKind) -> Result<()> {
         let mut st = self.lock();
-        let id = st.by_name.get(&*image.name).copied();
+        let id = st.catalog.id_of(&image.name);
         match kind {
             FlushKind::Barrier => {
                 // The journal keeps order by itself; only data that went to
@@ -189,7 +189,10 @@ impl FlashCache {
             FlushKind::Durable => {
                 if let Some(id) = id {
                     bump(
-                        &self.stats.disk(st.images[id as usize].disk).guest_flushes,
+                        &self
+                            .stats
+                            .disk(st.catalog.images[id as usize].disk)
+                            .guest_flushes,
                         1,
                     );
                 }
@@ -211,7 +214,7 @@ struct Marked {
 /// Image `id`, if marked unsynced and with an open store.
 fn marked(st: &State, id: u16) -> Option<Marked> {
     let mark = st.ledger.unsynced_mark(id)?;
-    let rec = st.images.get(id as usize)?;
+    let rec = st.catalog.images.get(id as usize)?;
     Some(Marked {
         id,
         mark,

@@ -191,7 +191,7 @@ pub(crate) fn partial_lines(st: &State, batch: &[DirtyBlock]) -> Vec<Arc<LineFil
         let Some(l) = st.index.get(key).filter(|l| l.partial != 0) else {
             continue;
         };
-        let Some(filler) = st.fillers.get(&key_image(key)) else {
+        let Some(filler) = st.catalog.fillers.get(&key_image(key)) else {
             continue;
         };
         let mut valid = [0u8; LINE_BLOCKS as usize];

@@ -68,6 +68,13 @@ pub(crate) struct Ledger {
     unjournaled_clean: HashMap<At, UnjournaledClean>,
     /// When the write-back thread last synced backends for them.
     clean_copies_synced: Instant,
+    /// Dirty blocks were recorded since the last commit: before anything
+    /// bypasses the log to a backend, they must be durable (the log keeps
+    /// the COW layer's write order only for what goes through it).
+    pub uncommitted_dirty: bool,
+    /// When the journal buffer was last written out (metadata write-back
+    /// writes it out when it has waited too long).
+    pub journal_written: Instant,
 }
 
 impl Default for Ledger {
@@ -77,6 +84,8 @@ impl Default for Ledger {
             journal_deps: BTreeMap::new(),
             unjournaled_clean: HashMap::new(),
             clean_copies_synced: Instant::now(),
+            uncommitted_dirty: false,
+            journal_written: Instant::now(),
         }
     }
 }

@@ -374,10 +374,10 @@ impl FlashCache {
         let counters = self.stats.disk(tag.disk);
         bump(&counters.meta_flash_bytes_written, journaled);
         st.history.note(id, off, end);
-        if let Some(rec) = st.images.get_mut(id as usize) {
+        if let Some(rec) = st.catalog.images.get_mut(id as usize) {
             rec.end = rec.end.max(end);
         }
-        st.uncommitted_dirty = true;
+        st.ledger.uncommitted_dirty = true;
         self.journal_buffer_check(&mut st)?;
         let held = st.meta.dirty_weight();
         let limit = self.layout.meta_store_sectors();
@@ -412,7 +412,7 @@ impl FlashCache {
                     image: id,
                     offset: at,
                 });
-                st.uncommitted_dirty = true;
+                st.ledger.uncommitted_dirty = true;
             }
         }
         dropped_dirty
@@ -456,15 +456,15 @@ impl FlashCache {
                 st.journal.push(&e);
             }
             st.meta.insert(id, at, &sector);
-            st.uncommitted_dirty = true;
+            st.ledger.uncommitted_dirty = true;
         }
     }
 
     /// Whether the store needs write-back now.
     fn meta_needs_writeback(&self, st: &State, force: bool) -> bool {
-        (0..st.images.len() as u16).any(|id| st.is_open(id) && st.meta.has_dirty_of(id))
+        (0..st.catalog.images.len() as u16).any(|id| st.is_open(id) && st.meta.has_dirty_of(id))
             && (force
-                || st.drain_requests > 0
+                || st.dirty.draining()
                 || st.meta.dirty_weight() > self.layout.meta_store_sectors() / 2)
     }
 
@@ -503,6 +503,7 @@ impl FlashCache {
                 .filter(|(k, _, _)| keys.binary_search(k).is_ok())
                 .collect();
             let targets: Vec<Option<(vdcache_backend::BackendRef, vdcache_contract::DiskId)>> = st
+                .catalog
                 .images
                 .iter()
                 .map(|r| r.backend.clone().map(|b| (b, r.disk)))
@@ -579,12 +580,12 @@ impl FlashCache {
     /// lock, and entries recorded meanwhile wait for the next write).
     pub(crate) fn journal_age_check(&self) -> Result<()> {
         let st = self.lock();
-        if st.journal.pending_bytes() == 0 || st.journal_written.elapsed() < JOURNAL_AGE {
+        if st.journal.pending_bytes() == 0 || st.ledger.journal_written.elapsed() < JOURNAL_AGE {
             return Ok(());
         }
         let through = st.journal.pushed();
         let mut st = self.sync_backends_unlocked(st, Unsynced::Described)?;
-        st.journal_written = Instant::now();
+        st.ledger.journal_written = Instant::now();
         self.append_journal_through(&mut st, through)
     }
 
@@ -605,7 +606,7 @@ impl FlashCache {
     /// records describe are synced first.
     fn write_journal_buffer(&self, st: &mut State) -> Result<()> {
         self.sync_backends(st, Unsynced::Described)?;
-        st.journal_written = Instant::now();
+        st.ledger.journal_written = Instant::now();
         self.append_journal(st)
     }
 }

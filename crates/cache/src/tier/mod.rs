@@ -3,12 +3,15 @@
 //! background write-back and checkpoint threads.
 //!
 //! State owners: `State` keeps one field per owner, each a module whose
-//! doc says what it owns: the index (`crate::index`), region space and the
-//! replacement policy (`crate::region`, `crate::replacement`), reclaim
-//! (`space`, with `crate::reinsertion`), the durability ledger (`ledger`),
-//! the journal buffer (`crate::journal`), the admission filters
-//! (`crate::admission`); write routing is a pure function
-//! (`crate::routing`).
+//! doc says what it owns and must not touch: the index (`crate::index`),
+//! block checksums and lost blocks (`crate::checksums`), region space and
+//! the replacement policy (`crate::region`, `crate::replacement`), reclaim
+//! (`space`, with `crate::reinsertion`), the journal buffer
+//! (`crate::journal`) and checkpoint epochs (`epochs`), the image catalog
+//! (`catalog`), the admission filters and write streams
+//! (`crate::admission`), the durability ledger (`ledger`), the write-back
+//! queue (`dirty`), the write history (`history`) and dirty metadata
+//! (`metastore`); write routing is a pure function (`crate::routing`).
 //!
 //! Lock order (every lock the cache takes; a lock is only ever taken while
 //! holding locks above it in this list):
@@ -42,6 +45,7 @@ pub(crate) use catalog::ImageRecord;
 mod checkpoint;
 mod commit;
 mod copyback;
+mod dirty;
 mod epochs;
 mod fills;
 mod history;
@@ -59,7 +63,7 @@ mod through;
 mod write;
 mod writeback;
 
-use crate::admission::{Admissions, SequentialRuns};
+use crate::admission::{Admissions, WriteStreams};
 use crate::config::{CacheConfig, DiskPolicy};
 use crate::error::{CacheError, Result};
 use crate::group_sync::GroupSync;
@@ -68,7 +72,6 @@ use crate::journal::{CheckpointMark, Entry, JournalWriter};
 use crate::layout::{Layout, Superblock};
 use crate::region::Regions;
 use crate::stats::{CountedDevice, Stats};
-use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use vdcache_backend::BackendRef;
@@ -83,55 +86,29 @@ const HOT_FILTER_ENTRIES: usize = 1 << 16;
 
 pub(crate) struct State {
     pub index: Index,
-    /// Checksums of what each cache block holds (see `checksums`).
-    pub crcs: crate::checksums::BlockCrcs,
-    /// Dirty blocks whose flash copy no longer verifies: the only copy is
-    /// lost, so they are never served nor written back until the guest
-    /// writes them again.
-    pub unreadable: BTreeSet<(u64, u8)>,
+    /// Checksums of cached blocks, and dirty blocks lost to corruption.
+    pub integrity: crate::checksums::Integrity,
     pub regions: Regions,
+    /// Regions reclaimed, by how their blocks were found (see `space`).
+    pub reclaimed: space::ReclaimCounts,
     pub journal: JournalWriter,
     /// Checkpoint generations and the journal's epoch.
     pub epochs: epochs::Epochs,
-    pub images: Vec<ImageRecord>,
-    pub by_name: HashMap<String, u16>,
-    pub policies: HashMap<u32, DiskPolicy>,
+    /// Images, disks' policies and backing-chain readers.
+    pub catalog: catalog::Catalog,
     /// The admission policies' filters (see `admission`).
     pub admission: Admissions,
-    /// Sequential streams of guest writes per disk, in guest clusters (a
-    /// qcow2 image allocates host clusters for every writer alike, so a
-    /// guest's stream is not one on the host; read misses' streams, in host
-    /// offsets, are the admission policy's).
-    pub write_runs: HashMap<u32, SequentialRuns>,
-    /// What is unsynced on backends and held out of the journal.
+    /// Sequential streams of guest writes per disk, for write routing.
+    pub write_streams: WriteStreams,
+    /// What is unsynced on backends, held out of the journal, or
+    /// recorded but not committed.
     pub ledger: ledger::Ledger,
-    /// Lines holding dirty blocks, in write-back order.
-    pub dirty_lines: BTreeSet<u64>,
+    /// Lines holding dirty blocks and the write-back thread's progress.
+    pub dirty: dirty::DirtySet,
     /// Recent writes, numbered (see `history`).
     pub history: history::WriteHistory,
-    /// Dirty blocks were recorded since the last commit: before anything
-    /// bypasses the log to a backend, they must be durable (the log keeps
-    /// the COW layer's write order only for what goes through it).
-    pub uncommitted_dirty: bool,
-    /// Someone waits for every dirty block to be written back.
-    pub drain_requests: u64,
-    /// Write-back thread is between collecting and completing a batch.
-    pub writeback_busy: bool,
-    /// Dirty blocks (line key, slot) whose copies the write-back thread is
-    /// writing to their backends without the lock. A newer copy of one of
-    /// them must not be written back meanwhile (eviction would): the
-    /// older bytes could land after it, and nothing would correct them.
-    pub copying: HashSet<(u64, u8)>,
     /// Dirty metadata sectors (cow-aware write-back).
     pub meta: metastore::MetaStore,
-    /// Per image, the COW layer's reader of its backing chain, with which
-    /// write-back fills partially valid clusters (see `fills`).
-    pub fillers: HashMap<u16, std::sync::Weak<dyn BackingFill>>,
-    /// When the journal buffer was last written out.
-    pub journal_written: std::time::Instant,
-    /// Regions emptied with their summary / by scanning the index.
-    pub emptied_by_summary: u64,
-    pub emptied_by_scan: u64,
 }
 
 impl State {
@@ -146,13 +123,8 @@ impl State {
         dirty: bool,
         crc: u32,
     ) -> Option<(Cbn, crate::index::BlockRef)> {
-        self.crcs.set(cbn, crc);
-        self.unreadable.remove(&(key, slot as u8));
+        self.integrity.wrote(cbn, key, slot, crc);
         self.index.map(key, guest, slot, cbn, dirty)
-    }
-
-    fn policy(&self, disk: DiskId, default: DiskPolicy) -> DiskPolicy {
-        self.policies.get(&disk.0).copied().unwrap_or(default)
     }
 
     /// Records a write of `[start, end)` of image `id` that went to its
@@ -161,7 +133,7 @@ impl State {
     fn note_write_through(&mut self, id: u16, start: u64, end: u64, described: bool) -> u64 {
         let mark = self.history.note(id, start, end);
         self.ledger.wrote_through(id, mark, described);
-        if let Some(rec) = self.images.get(id as usize) {
+        if let Some(rec) = self.catalog.images.get(id as usize) {
             rec.backend_syncs.publish(mark);
         }
         mark
@@ -169,7 +141,8 @@ impl State {
 
     /// Whether image `id` is open (has a store to write back to).
     pub(crate) fn is_open(&self, id: u16) -> bool {
-        self.images
+        self.catalog
+            .images
             .get(id as usize)
             .is_some_and(|r| r.backend.is_some())
     }
@@ -178,10 +151,11 @@ impl State {
     /// drain waits for. Dirty data of an image nobody opened stays in
     /// flash until one does (or `recover --full`).
     pub(crate) fn open_dirty(&self) -> bool {
-        (0..self.images.len() as u16).any(|id| {
+        (0..self.catalog.images.len() as u16).any(|id| {
             self.is_open(id)
                 && (self
-                    .dirty_lines
+                    .dirty
+                    .lines
                     .range(crate::index::line_key(id, 0)..=crate::index::line_key(id, u64::MAX))
                     .any(|&key| self.has_writable_dirty(key))
                     || self.meta.has_dirty_of(id))
@@ -194,9 +168,7 @@ impl State {
         let Some(l) = self.index.get(key) else {
             return false;
         };
-        self.unreadable.is_empty()
-            || (0..crate::layout::LINE_BLOCKS as u8)
-                .any(|s| l.dirty & (1 << s) != 0 && !self.unreadable.contains(&(key, s)))
+        self.integrity.any_readable(key, l.dirty)
     }
 }
 
@@ -285,7 +257,7 @@ impl FlashCache {
 
     /// Sets the policy of one disk.
     pub fn set_policy(&self, disk: DiskId, policy: DiskPolicy) {
-        self.lock().policies.insert(disk.0, policy);
+        self.lock().catalog.policies.insert(disk.0, policy);
     }
 
     /// State after checkpoint `durable`, with the journal writing in
@@ -299,33 +271,23 @@ impl FlashCache {
     ) -> State {
         State {
             index: Index::new(layout.regions, layout.blocks_per_region()),
-            crcs: crate::checksums::BlockCrcs::new(layout.regions, layout.blocks_per_region()),
-            unreadable: BTreeSet::new(),
+            integrity: crate::checksums::Integrity::new(layout.regions, layout.blocks_per_region()),
             regions: Regions::new(
                 layout.regions,
                 layout.blocks_per_region(),
                 layout.blocks_per_region() - layout.data_blocks_per_region(),
                 config.replacement,
             ),
+            reclaimed: space::ReclaimCounts::default(),
             journal,
             epochs: epochs::Epochs::new(durable, epoch),
-            images: Vec::new(),
-            by_name: HashMap::new(),
-            policies: HashMap::new(),
+            catalog: catalog::Catalog::default(),
             admission: Admissions::new(HOT_FILTER_ENTRIES),
-            write_runs: HashMap::new(),
+            write_streams: WriteStreams::default(),
             ledger: ledger::Ledger::default(),
-            dirty_lines: BTreeSet::new(),
+            dirty: dirty::DirtySet::default(),
             history: history::WriteHistory::default(),
-            uncommitted_dirty: false,
-            drain_requests: 0,
-            writeback_busy: false,
-            copying: HashSet::new(),
             meta: metastore::MetaStore::default(),
-            fillers: HashMap::new(),
-            journal_written: std::time::Instant::now(),
-            emptied_by_summary: 0,
-            emptied_by_scan: 0,
         }
     }
 
@@ -406,7 +368,7 @@ impl FlashCache {
             slot: slot as u8,
         });
         if st.index.get(key).is_none_or(|l| l.dirty == 0) {
-            st.dirty_lines.remove(&key);
+            st.dirty.lines.remove(&key);
         }
         true
     }
@@ -483,9 +445,9 @@ impl HostIo for FlashCache {
         let stored = image.backend.len()?;
         let st = self.lock();
         let cached = st
-            .by_name
-            .get(&*image.name)
-            .and_then(|&id| st.images.get(id as usize))
+            .catalog
+            .id_of(&image.name)
+            .and_then(|id| st.catalog.images.get(id as usize))
             .map_or(0, |r| r.end);
         Ok(stored.max(cached))
     }
@@ -519,8 +481,8 @@ impl PartialValidity for FlashCache {
 
     fn set_backing_fill(&self, image: &ImageHandle, fill: std::sync::Weak<dyn BackingFill>) {
         let mut st = self.lock();
-        if let Some(&id) = st.by_name.get(&*image.name) {
-            st.fillers.insert(id, fill);
+        if let Some(id) = st.catalog.id_of(&image.name) {
+            st.catalog.fillers.insert(id, fill);
         }
     }
 
@@ -552,7 +514,11 @@ impl PartialValidity for FlashCache {
 
 impl CowHints for FlashCache {
     fn wants_masked_hints(&self, disk: DiskId) -> bool {
-        self.lock().policy(disk, self.config.default_policy).cow == crate::config::CowMode::CowAware
+        self.lock()
+            .catalog
+            .policy(disk, self.config.default_policy)
+            .cow
+            == crate::config::CowMode::CowAware
     }
 
     fn forget(
@@ -587,16 +553,19 @@ impl CopyHolder for FlashCache {
     }
 
     fn keeps_newer(&self, disk: DiskId) -> bool {
-        self.lock().policy(disk, self.config.default_policy).mode
+        self.lock()
+            .catalog
+            .policy(disk, self.config.default_policy)
+            .mode
             == crate::config::WriteMode::WriteBack
     }
 
     fn holds_newer(&self, image: &ImageHandle) -> HostResult<bool> {
         let st = self.lock();
         Ok(st
-            .by_name
-            .get(&*image.name)
-            .is_some_and(|&id| self.holds_newer_of(&st, id)))
+            .catalog
+            .id_of(&image.name)
+            .is_some_and(|id| self.holds_newer_of(&st, id)))
     }
 
     fn write_back_image(&self, _image: &ImageHandle) -> HostResult<()> {

@@ -101,7 +101,7 @@ fn set_valid_sectors(st: &mut State, key: u64, slot: usize, sectors: u8) {
         slot: slot as u8,
         sectors,
     });
-    st.uncommitted_dirty = true;
+    st.ledger.uncommitted_dirty = true;
 }
 
 impl FlashCache {
@@ -148,7 +148,7 @@ impl FlashCache {
                     mask: new,
                     guest: guest.unwrap_or(u64::MAX),
                 });
-                st.uncommitted_dirty = true;
+                st.ledger.uncommitted_dirty = true;
             }
         }
         Ok(())
@@ -216,7 +216,7 @@ impl FlashCache {
         len: u64,
     ) -> Vec<(u64, u64)> {
         let st = self.lock();
-        let Some(&id) = st.by_name.get(&*image.name) else {
+        let Some(id) = st.catalog.id_of(&image.name) else {
             return Vec::new();
         };
         let mut out: Vec<(u64, u64)> = Vec::new();
@@ -244,7 +244,7 @@ impl FlashCache {
     /// Every not yet valid range of an image.
     pub(crate) fn partial_ranges_of(&self, image: &ImageHandle) -> Vec<PartialRange> {
         let st = self.lock();
-        let Some(&id) = st.by_name.get(&*image.name) else {
+        let Some(id) = st.catalog.id_of(&image.name) else {
             return Vec::new();
         };
         let mut out: Vec<PartialRange> = Vec::new();
@@ -278,13 +278,20 @@ impl FlashCache {
     /// image more than one disk reads.
     pub(crate) fn drop_masked(&self, image: &ImageHandle, off: u64, len: u64, tag: IoTag) {
         let mut st = self.lock();
-        if st.policy(tag.disk, self.config.default_policy).cow != crate::config::CowMode::CowAware {
+        if st.catalog.policy(tag.disk, self.config.default_policy).cow
+            != crate::config::CowMode::CowAware
+        {
             return;
         }
-        let Some(&id) = st.by_name.get(&*image.name) else {
+        let Some(id) = st.catalog.id_of(&image.name) else {
             return;
         };
-        if st.images.get(id as usize).is_none_or(|r| r.shared_by_disks) {
+        if st
+            .catalog
+            .images
+            .get(id as usize)
+            .is_none_or(|r| r.shared_by_disks)
+        {
             return;
         }
         let mut dropped = 0;
@@ -305,7 +312,7 @@ impl FlashCache {
 
     /// Whether the disk's blocks may be left partially valid.
     pub(crate) fn decoupled_for(&self, disk: vdcache_contract::DiskId) -> bool {
-        crate::routing::decouples(self.lock().policy(disk, self.config.default_policy))
+        crate::routing::decouples(self.lock().catalog.policy(disk, self.config.default_policy))
     }
 }
 

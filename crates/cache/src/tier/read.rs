@@ -56,8 +56,8 @@ fn unverified(run: &[(u64, Cbn)], crcs: &[u32], bytes: &[u8]) -> Vec<(u64, Cbn)>
 /// Whether block `block` of image `id` lost its only copy (see
 /// `State::unreadable`).
 pub(crate) fn is_unreadable(st: &State, id: u16, block: u64) -> bool {
-    !st.unreadable.is_empty()
-        && st.unreadable.contains(&(
+    !st.integrity.unreadable.is_empty()
+        && st.integrity.unreadable.contains(&(
             line_key(id, block / LINE_BLOCKS),
             (block % LINE_BLOCKS) as u8,
         ))
@@ -66,7 +66,11 @@ pub(crate) fn is_unreadable(st: &State, id: u16, block: u64) -> bool {
 /// The error of a read of a dirty block whose flash copy the device
 /// damaged: its newest content is lost.
 pub(crate) fn unreadable_block(st: &State, id: u16, block: u64) -> CacheError {
-    let name = st.images.get(id as usize).map_or("?", |r| r.name.as_str());
+    let name = st
+        .catalog
+        .images
+        .get(id as usize)
+        .map_or("?", |r| r.name.as_str());
     let e = CacheError::Unreadable {
         image: name.to_string(),
         offset: block * BLOCK,
@@ -115,7 +119,7 @@ impl FlashCache {
                         st.regions.pin(r);
                         st.regions.touch(r);
                         hits.push((b, cbn));
-                        expected.push(st.crcs.get(cbn).unwrap_or(0));
+                        expected.push(st.integrity.crcs.get(cbn).unwrap_or(0));
                     }
                     None => {
                         st.regions.note_miss(key);
@@ -123,7 +127,7 @@ impl FlashCache {
                     }
                 }
             }
-            let policy = st.policy(tag.disk, self.config.default_policy);
+            let policy = st.catalog.policy(tag.disk, self.config.default_policy);
             if !misses.is_empty() {
                 self.widen_to_table(&st, id, policy, tag, &mut misses);
             }
@@ -261,7 +265,11 @@ impl FlashCache {
                 continue;
             }
             tracing::warn!(
-                image = st.images.get(id as usize).map_or("?", |r| r.name.as_str()),
+                image = st
+                    .catalog
+                    .images
+                    .get(id as usize)
+                    .map_or("?", |r| r.name.as_str()),
                 offset = b * BLOCK,
                 "a clean cache block does not verify (the device damaged it): dropped, read from the image"
             );

@@ -138,7 +138,7 @@ impl FlashCache {
     /// Images the cache knows, with dirty bytes each.
     pub fn images(&self) -> Vec<(String, u64)> {
         let st = self.lock();
-        let mut dirty = vec![0u64; st.images.len()];
+        let mut dirty = vec![0u64; st.catalog.images.len()];
         for l in st.index.lines() {
             if let Some(d) = dirty.get_mut(crate::index::key_image(l.key) as usize) {
                 *d += u64::from(l.dirty.count_ones()) * BLOCK;
@@ -149,7 +149,8 @@ impl FlashCache {
                 *d += super::metastore::SECTOR;
             }
         }
-        st.images
+        st.catalog
+            .images
             .iter()
             .map(|r| r.name.clone())
             .zip(dirty)
@@ -169,7 +170,7 @@ impl FlashCache {
         ids.sort_unstable();
         ids.dedup();
         ids.into_iter()
-            .filter_map(|id| st.images.get(id as usize).map(|r| r.name.clone()))
+            .filter_map(|id| st.catalog.images.get(id as usize).map(|r| r.name.clone()))
             .collect()
     }
 }
@@ -258,7 +259,7 @@ fn recover_state(
             st.map_block(l.key, l.guest, slot, cbn, dirty, crc);
             st.regions.restore_block(cbn);
             if dirty {
-                st.dirty_lines.insert(l.key);
+                st.dirty.lines.insert(l.key);
             }
         }
         if l.partial != 0 {
@@ -292,7 +293,7 @@ fn recover_state(
         .collect();
     let meta_ends: Vec<(u16, u64)> = st.meta.image_ends().into_iter().collect();
     for (id, end) in ends.into_iter().chain(meta_ends) {
-        if let Some(rec) = st.images.get_mut(id as usize) {
+        if let Some(rec) = st.catalog.images.get_mut(id as usize) {
             rec.end = rec.end.max(end);
         }
     }
@@ -302,7 +303,7 @@ fn recover_state(
 /// A run of metadata sectors a record names must be plausible.
 fn check_sectors(st: &State, image: u16, offset: u64, sectors: u32) -> Result<()> {
     let sector = super::metastore::SECTOR;
-    if usize::from(image) >= st.images.len()
+    if usize::from(image) >= st.catalog.images.len()
         || !offset.is_multiple_of(sector)
         || sectors == 0
         || sectors > 1 << 16
@@ -491,6 +492,7 @@ fn verify_live_blocks(
 /// lack, by name.
 fn affected_images(st: &State, log: &[(u64, Entry)], later: &[(u64, Vec<u8>)]) -> String {
     let mut names: std::collections::BTreeMap<u16, String> = st
+        .catalog
         .images
         .iter()
         .enumerate()
@@ -565,9 +567,9 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
             }
             st.regions.restore_block(cbn);
             if dirty {
-                st.dirty_lines.insert(key);
+                st.dirty.lines.insert(key);
             } else if st.index.get(key).is_none_or(|l| l.dirty == 0) {
-                st.dirty_lines.remove(&key);
+                st.dirty.lines.remove(&key);
             }
         }
         Entry::Unmap { key, slot } => {
@@ -578,19 +580,19 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
                 st.regions.release_block(cbn);
             }
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
-                st.dirty_lines.remove(&key);
+                st.dirty.lines.remove(&key);
             }
         }
         Entry::Clean { key, slot, cbn } => {
             let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
             st.index.mark_clean(key, slot, cbn);
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
-                st.dirty_lines.remove(&key);
+                st.dirty.lines.remove(&key);
             }
         }
         Entry::Image { id, name, identity } => {
             let i = id as usize;
-            if i > st.images.len() {
+            if i > st.catalog.images.len() {
                 return Err(CacheError::Corrupt(format!(
                     "image id {id} recorded out of order"
                 )));
@@ -604,13 +606,13 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
                 end: 0,
                 backend_syncs: Default::default(),
             };
-            if i == st.images.len() {
-                st.images.push(rec);
+            if i == st.catalog.images.len() {
+                st.catalog.images.push(rec);
             } else {
-                st.by_name.remove(&st.images[i].name);
-                st.images[i] = rec;
+                st.catalog.by_name.remove(&st.catalog.images[i].name);
+                st.catalog.images[i] = rec;
             }
-            st.by_name.insert(name, id);
+            st.catalog.by_name.insert(name, id);
         }
         Entry::Partial { key, mask, guest } => {
             st.index
@@ -641,9 +643,9 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
         }
         Entry::Lost { key, slot, lost } => {
             if lost {
-                st.unreadable.insert((key, slot));
+                st.integrity.unreadable.insert((key, slot));
             } else {
-                st.unreadable.remove(&(key, slot));
+                st.integrity.unreadable.remove(&(key, slot));
             }
         }
     }

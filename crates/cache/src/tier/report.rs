@@ -73,7 +73,7 @@ impl FlashCache {
         let cached = st.index.present_blocks() * BLOCK;
         let memory = st.index.memory_bytes();
         let fixed = st.index.fixed_memory_bytes();
-        let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.images.len()];
+        let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.catalog.images.len()];
         let mut dirty_by_disk: HashMap<u32, u64> = HashMap::new();
         for l in st.index.lines() {
             let img = crate::index::key_image(l.key) as usize;
@@ -81,12 +81,13 @@ impl FlashCache {
                 p.0 += u64::from(l.present.count_ones()) * BLOCK;
                 p.1 += u64::from(l.dirty.count_ones()) * BLOCK;
             }
-            if let Some(rec) = st.images.get(img) {
+            if let Some(rec) = st.catalog.images.get(img) {
                 *dirty_by_disk.entry(rec.disk.0).or_default() +=
                     u64::from(l.dirty.count_ones()) * BLOCK;
             }
         }
         let images = st
+            .catalog
             .images
             .iter()
             .zip(&per_image)
@@ -98,10 +99,10 @@ impl FlashCache {
             .collect();
         let dirty = st.index.dirty_blocks() * BLOCK;
         let meta_sectors = st.meta.dirty_len() as u64;
-        let checksum_memory_bytes = st.crcs.memory_bytes();
-        let unreadable_blocks = st.unreadable.len() as u64;
+        let checksum_memory_bytes = st.integrity.crcs.memory_bytes();
+        let unreadable_blocks = st.integrity.unreadable.len() as u64;
         let meta_sector_memory_bytes = st.meta.memory_bytes();
-        let emptied = (st.emptied_by_summary, st.emptied_by_scan);
+        let emptied = (st.reclaimed.by_summary, st.reclaimed.by_scan);
         drop(st);
         let mut disks = self.stats.all();
         let mut total = DiskStats::default();

@@ -21,6 +21,14 @@ pub(crate) type DirtyBlock = (u64, usize, Cbn);
 /// Where an image's blocks go back to: (image id, store, disk to bill).
 pub(crate) type Target = (u16, vdcache_backend::BackendRef, vdcache_contract::DiskId);
 
+/// Regions emptied so far, by where their references were found: a
+/// summary is cheap, a scan of the whole index is not (reported in stats).
+#[derive(Debug, Default)]
+pub(crate) struct ReclaimCounts {
+    pub by_summary: u64,
+    pub by_scan: u64,
+}
+
 /// Where a region's references were found.
 pub(crate) enum RefsFrom {
     /// It held nothing live.
@@ -127,8 +135,8 @@ impl FlashCache {
             return Ok(false);
         };
         match from {
-            RefsFrom::Summary => st.emptied_by_summary += 1,
-            RefsFrom::Scan => st.emptied_by_scan += 1,
+            RefsFrom::Summary => st.reclaimed.by_summary += 1,
+            RefsFrom::Scan => st.reclaimed.by_scan += 1,
             RefsFrom::Nothing => {}
         }
         st.regions.pin(victim);
@@ -148,14 +156,13 @@ impl FlashCache {
     /// Whether any of a region's `refs` is a dirty block of a (line, slot)
     /// the write-back thread is copying an older copy of.
     fn holds_block_being_copied(&self, st: &State, refs: &[DirtyBlock]) -> bool {
-        !st.copying.is_empty()
-            && refs.iter().any(|&(key, slot, _)| {
-                st.copying.contains(&(key, slot as u8))
-                    && st
-                        .index
-                        .get(key)
-                        .is_some_and(|l| l.dirty & (1 << slot) != 0)
-            })
+        refs.iter().any(|&(key, slot, _)| {
+            st.dirty.is_copying(key, slot)
+                && st
+                    .index
+                    .get(key)
+                    .is_some_and(|l| l.dirty & (1 << slot) != 0)
+        })
     }
 
     /// Every (key, slot, block) referencing a block of `region`: from its
@@ -315,7 +322,7 @@ impl FlashCache {
                 .map_err(CacheError::device("write block"))?;
             let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
             let crc = crc32c::crc32c(&buf);
-            if st.crcs.get(cbn) != Some(crc) {
+            if st.integrity.crcs.get(cbn) != Some(crc) {
                 // The device damaged this clean copy: drop it, the image
                 // still has the bytes.
                 tracing::warn!(cbn, "a clean cache block does not verify: dropped");
@@ -351,6 +358,7 @@ impl FlashCache {
                 continue;
             }
             let rec = st
+                .catalog
                 .images
                 .get(id as usize)
                 .ok_or_else(|| CacheError::Corrupt(format!("block of unknown image {id}")))?;
@@ -372,6 +380,7 @@ impl FlashCache {
     pub(crate) fn lose_block(&self, st: &mut State, key: u64, slot: usize) {
         let image = crate::index::key_image(key);
         let name = st
+            .catalog
             .images
             .get(image as usize)
             .map_or("?", |r| r.name.as_str());
@@ -389,7 +398,7 @@ impl FlashCache {
                 offset,
                 "a dirty cache block no longer verifies: its data is lost and reads of it fail"
             );
-            st.unreadable.insert((key, slot as u8));
+            st.integrity.unreadable.insert((key, slot as u8));
             st.journal.push(&Entry::Lost {
                 key,
                 slot: slot as u8,
@@ -403,6 +412,6 @@ impl FlashCache {
 pub(crate) fn expected_crcs(st: &State, blocks: &[DirtyBlock]) -> Vec<u32> {
     blocks
         .iter()
-        .map(|&(_, _, cbn)| st.crcs.get(cbn).unwrap_or(0))
+        .map(|&(_, _, cbn)| st.integrity.crcs.get(cbn).unwrap_or(0))
         .collect()
 }

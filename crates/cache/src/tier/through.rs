@@ -257,7 +257,7 @@ impl FlashCache {
                 st.regions.release_block(old);
             }
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
-                st.dirty_lines.remove(&key);
+                st.dirty.lines.remove(&key);
             }
             st.ledger.hold_clean(
                 (key, slot as u8),
@@ -324,11 +324,11 @@ impl FlashCache {
     /// The backend now holds the blocks wholly inside `[off, off + len)`:
     /// their lost flash copies no longer matter.
     fn clear_lost(&self, id: u16, off: u64, len: u64) {
-        if !self.lock().unreadable.is_empty() {
+        if !self.lock().integrity.unreadable.is_empty() {
             let mut st = self.lock();
             for b in off.div_ceil(BLOCK)..(off + len) / BLOCK {
                 let (key, slot) = (line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as u8);
-                if st.unreadable.remove(&(key, slot)) {
+                if st.integrity.unreadable.remove(&(key, slot)) {
                     st.journal.push(&Entry::Lost {
                         key,
                         slot,

@@ -61,8 +61,10 @@ fn observe_write_run(
         .filter_map(|s| s.tag.guest_cluster.map(u64::from));
     let first = clusters.next()?;
     let (low, high) = clusters.fold((first, first), |(l, h), c| (l.min(c), h.max(c)));
-    let runs = st.write_runs.entry(tag.disk.0).or_default();
-    Some(runs.observe_at(low, high - low + 1, len))
+    Some(
+        st.write_streams
+            .observe(tag.disk.0, low, high - low + 1, len),
+    )
 }
 
 /// What a write is made of, for [`route`].
@@ -162,7 +164,7 @@ impl FlashCache {
         // One lock for the policy and the run detector: every write takes it.
         let (policy, run) = {
             let mut st = self.lock();
-            let policy = st.policy(tag.disk, self.config.default_policy);
+            let policy = st.catalog.policy(tag.disk, self.config.default_policy);
             let run = if policy.sequential_write_cutoff > 0 {
                 observe_write_run(&mut st, tag, segments, len)
             } else {
@@ -243,7 +245,7 @@ impl FlashCache {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);
             }
-            let expected = c.and_then(|cbn| st.crcs.get(cbn));
+            let expected = c.and_then(|cbn| st.integrity.crcs.get(cbn));
             (
                 c.zip(expected),
                 self.meta_snapshot(&st, id, block * BLOCK, BLOCK),
@@ -467,7 +469,7 @@ impl FlashCache {
                 {
                     st.regions.release_block(old);
                 }
-                st.dirty_lines.insert(key);
+                st.dirty.lines.insert(key);
                 st.journal.push(&Entry::Map {
                     key,
                     slot: slot as u8,
@@ -476,10 +478,10 @@ impl FlashCache {
                     dirty: true,
                     crc: crcs[i],
                 });
-                if let Some(rec) = st.images.get_mut(id as usize) {
+                if let Some(rec) = st.catalog.images.get_mut(id as usize) {
                     rec.end = rec.end.max((block + 1) * BLOCK);
                 }
-                st.uncommitted_dirty = true;
+                st.ledger.uncommitted_dirty = true;
                 i += 1;
             }
         }

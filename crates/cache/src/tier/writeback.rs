@@ -186,12 +186,12 @@ impl FlashCache {
         let (collected, fills) = {
             let mut st = self.lock();
             let dirty = st.index.dirty_blocks();
-            if !self.needs_writeback(dirty, st.drain_requests > 0, st.writeback_busy) {
-                st.writeback_busy = false;
+            if !self.needs_writeback(dirty, st.dirty.draining(), st.dirty.writeback_busy) {
+                st.dirty.writeback_busy = false;
                 self.progress.notify_all();
                 return Ok(false);
             }
-            st.writeback_busy = true;
+            st.dirty.writeback_busy = true;
             let from = *cursor;
             let batch = self.collect(&mut st, cursor);
             if batch.is_empty() {
@@ -199,7 +199,7 @@ impl FlashCache {
                 // is dirty cannot be written (images not open, blocks lost).
                 if from == 0 {
                     *cursor = 0;
-                    st.writeback_busy = false;
+                    st.dirty.writeback_busy = false;
                     self.progress.notify_all();
                     return Ok(false);
                 }
@@ -240,7 +240,7 @@ impl FlashCache {
             for &(key, slot, cbn) in &batch {
                 let r = st.regions.region_of(cbn);
                 st.regions.pin(r);
-                st.copying.insert((key, slot as u8));
+                st.dirty.copying.insert((key, slot as u8));
             }
             let targets = self.backends_of(&st, &batch);
             let crcs = super::space::expected_crcs(&st, &batch);
@@ -259,7 +259,7 @@ impl FlashCache {
         for &(key, slot, cbn) in &batch {
             let r = st.regions.region_of(cbn);
             st.regions.unpin(r);
-            st.copying.remove(&(key, slot as u8));
+            st.dirty.copying.remove(&(key, slot as u8));
         }
         let damaged = copied?.damaged;
         for &(key, slot, cbn) in &batch {
@@ -277,7 +277,7 @@ impl FlashCache {
                 });
             }
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
-                st.dirty_lines.remove(&key);
+                st.dirty.lines.remove(&key);
             }
         }
         for f in &fills {
@@ -301,7 +301,7 @@ impl FlashCache {
     /// dropped connection may have lost) are retried.
     pub fn drain(&self) -> Result<()> {
         let mut st = self.lock();
-        st.drain_requests += 1;
+        st.dirty.drain_requests += 1;
         let seen = self.wake.failed_rounds();
         self.wake.notify();
         while st.open_dirty() {
@@ -311,7 +311,7 @@ impl FlashCache {
                 let result = self.writeback_inline();
                 st = self.lock();
                 if let Err(e) = result {
-                    st.drain_requests -= 1;
+                    st.dirty.drain_requests -= 1;
                     return Err(match e.unreachable_store() {
                         Some(fault) => CacheError::Unreachable {
                             fault: fault.clone(),
@@ -322,7 +322,7 @@ impl FlashCache {
                 break;
             }
             if let Some(fault) = self.wake.unreachable_since(seen) {
-                st.drain_requests -= 1;
+                st.dirty.drain_requests -= 1;
                 return Err(CacheError::Unreachable { fault });
             }
             let (guard, timeout) = self
@@ -338,7 +338,7 @@ impl FlashCache {
                 );
             }
         }
-        st.drain_requests -= 1;
+        st.dirty.drain_requests -= 1;
         self.commit(&mut st)
     }
 }
@@ -354,7 +354,7 @@ impl FlashCache {
         let mut keys: BTreeSet<u64> = BTreeSet::new();
         let mut cost = 0;
         // A drain writes everything: address order coalesces best.
-        let lookahead = if st.drain_requests > 0 {
+        let lookahead = if st.dirty.draining() {
             0
         } else {
             VICTIM_LOOKAHEAD
@@ -373,7 +373,8 @@ impl FlashCache {
         }
         if keys.is_empty() {
             let from_cursor: Vec<u64> = st
-                .dirty_lines
+                .dirty
+                .lines
                 .range(*cursor..)
                 .filter(|&&k| st.is_open(crate::index::key_image(k)))
                 .take(BATCH_COST)
@@ -394,7 +395,9 @@ impl FlashCache {
         for key in keys {
             if let Some(l) = st.index.get(key) {
                 for slot in 0..LINE_BLOCKS as usize {
-                    if l.dirty & (1 << slot) != 0 && !st.unreadable.contains(&(key, slot as u8)) {
+                    if l.dirty & (1 << slot) != 0
+                        && !st.integrity.unreadable.contains(&(key, slot as u8))
+                    {
                         out.push((key, slot, l.cbn(slot)));
                     }
                 }
@@ -406,7 +409,7 @@ impl FlashCache {
 
 /// Whether line `key` has dirty blocks write-back may copy now.
 fn writable_line(st: &super::State, key: u64) -> bool {
-    st.dirty_lines.contains(&key)
+    st.dirty.lines.contains(&key)
         && st.is_open(crate::index::key_image(key))
         && st.has_writable_dirty(key)
 }
