@@ -124,6 +124,7 @@ pub fn run(a: Args) -> Result<u8> {
     result?;
     outln!();
     outln!("Next: serve a disk of your own through a cache and attach a client:");
+    outln!("  vdcache create base.qcow2 10G");
     outln!("  vdcache create -b base.qcow2 -F qcow2 vm.qcow2");
     outln!("  vdcache serve --socket vm.sock --cache flash.cache --cache-size 1G vm.qcow2 &");
     outln!("  qemu-io -f raw -c 'read 0 64k' \"nbd+unix:///?socket=$PWD/vm.sock\"");
@@ -214,6 +215,12 @@ fn demo(dir: &Path) -> Result<()> {
     let cache = open_cache(&cache_file, false)?;
     let disk = open_disk(&delta, Some(&cache))?;
     verify(&disk, "after fast recovery")?;
+    let r = cache.report();
+    outln!(
+        "   recovered: {} journal records replayed; {} dirty blocks still in flash, every block reads as before",
+        r.recovery.entries_replayed,
+        r.dirty_bytes / 4096
+    );
     outln!(
         "5. clean stop: partially valid clusters filled from the base, every dirty block written back, images standalone"
     );

@@ -287,7 +287,7 @@ fn print_stats(d: &serde_json::Value) {
             n(&c["regions_full"]),
         );
         outln!(
-            "index memory: {} = {} fixed for the device + {:.3}% of the cached bytes (under 0.25% once lines hold 8+ blocks; sparse lines and partially valid clusters cost more per block)",
+            "index memory: {} = {} fixed for the device + {:.3}% of the cached bytes (under 0.25% for pieces with nothing partially valid; a little cached or many partially written clusters read higher: docs/internals.md)",
             h(&c["index_memory_bytes"]),
             h(&c["index_memory_fixed_bytes"]),
             c["index_memory_ratio"].as_f64().unwrap_or(0.0) * 100.0

@@ -218,7 +218,9 @@ impl ServerConfig {
             && m.parse::<std::net::SocketAddr>().is_err()
             && !m.contains(':')
         {
-            bail!("[server] metrics must be an address with a port, such as 127.0.0.1:9100, not '{m}'");
+            bail!(
+                "the metrics address ([server] metrics, --metrics) must be HOST:PORT, such as 127.0.0.1:9187, not '{m}'"
+            );
         }
         if self.server.socket.is_none() && self.server.tcp.is_none() {
             bail!("[server] needs a socket or a tcp address");

@@ -196,7 +196,16 @@ impl Daemon {
                     ..OpenOptions::default()
                 },
             )
-            .with_context(|| format!("export '{}'", e.name))?;
+            .map_err(|err| {
+                // The default export of a one-image server needs no name:
+                // the error names the image.
+                let err = anyhow::Error::from(err);
+                if e.name.is_empty() {
+                    err
+                } else {
+                    err.context(format!("export '{}'", e.name))
+                }
+            })?;
             let disk = Arc::new(disk);
             disk.offer_backing_fill();
             self.disks.push(Disk {

@@ -161,9 +161,10 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             .with_context(|| format!("cannot listen on {}", path.display()))?;
     }
     if let Some(addr) = &cfg.server.tcp {
-        let bound = server
-            .listen_tcp(addr.as_str())
-            .with_context(|| format!("cannot listen on {addr}"))?;
+        // The server's error already names the address.
+        let bound = server.listen_tcp(addr.as_str()).map_err(|e| {
+            anyhow::anyhow!("{e} (give an address of this host whose port is free)")
+        })?;
         tracing::info!("listening on tcp {bound}");
     }
     let _metrics = match &cfg.server.metrics {
@@ -187,8 +188,12 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     };
     for d in &daemon.disks {
         tracing::info!(
-            "serving export '{}': {} ({}{}, {})",
-            d.config.name,
+            "serving {}: {} ({}{}, {})",
+            if d.config.name.is_empty() {
+                "the default export".to_string()
+            } else {
+                format!("export '{}'", d.config.name)
+            },
             d.config.image,
             if d.disk.read_only() { "read-only" } else { "read-write" },
             match (&daemon.cache, d.config.no_cache) {
