@@ -79,7 +79,10 @@ fn check(a: &Args) -> Result<u8> {
             outln!(
                 "The following inconsistencies were found and repaired:\n\n    {} leaked clusters\n    {} corruptions\n",
                 before.leaks.len().saturating_sub(after.leaks.len()),
-                before.corruptions.len().saturating_sub(after.corruptions.len())
+                before
+                    .corruptions
+                    .len()
+                    .saturating_sub(after.corruptions.len())
             );
         }
         after

@@ -138,9 +138,14 @@ pub fn run(a: Args) -> Result<u8> {
             outln!(
                 "created {}: qcow2{}, {} cluster size{}{}",
                 a.file.display(),
-                size.map(|s| format!(", {}", size_text(s))).unwrap_or_default(),
+                size.map(|s| format!(", {}", size_text(s)))
+                    .unwrap_or_default(),
                 human(opts.cluster_size),
-                if opts.extended_l2 { ", extended L2 (subclusters)" } else { "" },
+                if opts.extended_l2 {
+                    ", extended L2 (subclusters)"
+                } else {
+                    ""
+                },
                 opts.backing
                     .as_ref()
                     .map(|(b, f)| format!(", backing file {b} ({})", f.name()))

@@ -104,7 +104,11 @@ pub fn run(a: Args) -> Result<u8> {
             "files kept in {}: {files} files, {} on disk{} (remove them with: rm -r {})",
             dir.display(),
             human(bytes),
-            if result.is_err() { ", for a look at what failed" } else { "" },
+            if result.is_err() {
+                ", for a look at what failed"
+            } else {
+                ""
+            },
             dir.display()
         );
     } else {
@@ -236,7 +240,9 @@ fn demo(dir: &Path) -> Result<()> {
     drop(cache);
     verify(&open_disk(&delta, None)?, "images without the cache")?;
     check_images(&[&delta, &base])?;
-    outln!("demo passed: every block read back as written, before and after the restart, and both images are consistent");
+    outln!(
+        "demo passed: every block read back as written, before and after the restart, and both images are consistent"
+    );
     Ok(())
 }
 

@@ -316,12 +316,21 @@ fn print_stats(d: &serde_json::Value) {
     let empty = Vec::new();
     let exports = d["exports"].as_array().unwrap_or(&empty);
     let disks = d["disks"].as_array().unwrap_or(&empty);
-    let cached = cache
-        .and_then(|c| c["disks"].as_array())
-        .unwrap_or(&empty);
+    let cached = cache.and_then(|c| c["disks"].as_array()).unwrap_or(&empty);
     outln!(
         "{:<16} {:>4} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7}",
-        "EXPORT", "CONN", "REQUESTS", "READ", "WRITTEN", "HIT", "DIRTY", "FLASH-W", "STORE-R", "STORE-W", "SYNCS", "L2-HIT"
+        "EXPORT",
+        "CONN",
+        "REQUESTS",
+        "READ",
+        "WRITTEN",
+        "HIT",
+        "DIRTY",
+        "FLASH-W",
+        "STORE-R",
+        "STORE-W",
+        "SYNCS",
+        "L2-HIT"
     );
     for disk in disks {
         let name = disk["export"].as_str().unwrap_or("");

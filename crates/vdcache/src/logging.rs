@@ -43,7 +43,9 @@ pub fn init(verbose: u8, quiet: bool, format: LogFormat) {
         Ok(v) if !v.trim().is_empty() => match EnvFilter::try_new(&v) {
             Ok(f) => f,
             Err(e) => {
-                bad_env = Some(format!("RUST_LOG='{v}' is not a valid filter ({e}); using the default"));
+                bad_env = Some(format!(
+                    "RUST_LOG='{v}' is not a valid filter ({e}); using the default"
+                ));
                 EnvFilter::new(directives(verbose, quiet))
             }
         },
@@ -100,7 +102,10 @@ mod tests {
             .context(format!("cannot listen on /x/s.sock: {said}"))
             .context("cannot listen on /x/s.sock")
             .unwrap_err();
-        assert_eq!(error_chain(&e), format!("cannot listen on /x/s.sock: {said}"));
+        assert_eq!(
+            error_chain(&e),
+            format!("cannot listen on /x/s.sock: {said}")
+        );
         let e = Err::<(), _>(std::io::Error::from(std::io::ErrorKind::NotFound))
             .context("reading a.toml")
             .unwrap_err();

@@ -65,25 +65,118 @@ fn failing_paths_say_each_cause_once_in_words() {
     let held_sock_s = held_sock.display().to_string();
 
     let mut cases = vec![
-        case(&["serve", "--socket", &nodir_sock, &img_s], "cannot listen on"),
+        case(
+            &["serve", "--socket", &nodir_sock, &img_s],
+            "cannot listen on",
+        ),
         case(&["serve", "--tcp", "192.0.2.1:1", &img_s], "192.0.2.1:1"),
-        case(&["serve", "--socket", &sock_s, "--cache", &cache_s, "--cache-size", "banana", &img_s], "--cache-size"),
-        case(&["serve", "--socket", &sock_s, "--cache", &cache_s, "--cache-mode", "fast", &img_s], "--cache-mode"),
-        case(&["serve", "--socket", &sock_s, "--cache", &cache_s, "--region-size", "1q", &img_s], "--region-size"),
+        case(
+            &[
+                "serve",
+                "--socket",
+                &sock_s,
+                "--cache",
+                &cache_s,
+                "--cache-size",
+                "banana",
+                &img_s,
+            ],
+            "--cache-size",
+        ),
+        case(
+            &[
+                "serve",
+                "--socket",
+                &sock_s,
+                "--cache",
+                &cache_s,
+                "--cache-mode",
+                "fast",
+                &img_s,
+            ],
+            "--cache-mode",
+        ),
+        case(
+            &[
+                "serve",
+                "--socket",
+                &sock_s,
+                "--cache",
+                &cache_s,
+                "--region-size",
+                "1q",
+                &img_s,
+            ],
+            "--region-size",
+        ),
         case(&["serve", "--config", &bad_toml_s], "sockett"),
         case(&["serve", "--config", &missing_s], "cannot read config"),
         case(&["serve", "--socket", &sock_s, &missing_s], "missing"),
-        case(&["serve", "--socket", &sock_s, "--cache", &nodir_sock, "--cache-size", "64M", &img_s], "cannot create cache"),
-        case(&["serve", "--socket", &sock_s, "--cache", &not_cache_s, &img_s], "--format-cache"),
+        case(
+            &[
+                "serve",
+                "--socket",
+                &sock_s,
+                "--cache",
+                &nodir_sock,
+                "--cache-size",
+                "64M",
+                &img_s,
+            ],
+            "cannot create cache",
+        ),
+        case(
+            &[
+                "serve",
+                "--socket",
+                &sock_s,
+                "--cache",
+                &not_cache_s,
+                &img_s,
+            ],
+            "--format-cache",
+        ),
         case(&["serve", "--socket", &sock_s, &held_s], "in use"),
-        case(&["serve", "--socket", &sock_s, "--cache", &cache_s, &img_s], "in use"),
-        case(&["serve", "--socket", &sock_s, "--metrics", "nonsense", &img_s], "metrics"),
-        case(&["serve", "--socket", &sock_s, "--metrics", &taken_addr, &img_s], "cannot listen for metrics"),
+        case(
+            &["serve", "--socket", &sock_s, "--cache", &cache_s, &img_s],
+            "in use",
+        ),
+        case(
+            &[
+                "serve",
+                "--socket",
+                &sock_s,
+                "--metrics",
+                "nonsense",
+                &img_s,
+            ],
+            "metrics",
+        ),
+        case(
+            &[
+                "serve",
+                "--socket",
+                &sock_s,
+                "--metrics",
+                &taken_addr,
+                &img_s,
+            ],
+            "cannot listen for metrics",
+        ),
         case(&["serve", "--socket", &sock_s], "IMAGE"),
-        case(&["stats", "--socket", &sock_s], "cannot reach a vdcache server"),
-        case(&["stats", "--socket", &held_sock_s, "--watch", "0"], "--watch"),
+        case(
+            &["stats", "--socket", &sock_s],
+            "cannot reach a vdcache server",
+        ),
+        case(
+            &["stats", "--socket", &held_sock_s, "--watch", "0"],
+            "--watch",
+        ),
         case(&["stats"], "--socket"),
-        case(&["flush", "--socket", &sock_s], "cannot reach a vdcache server"),
+        case(
+            &["flush", "--socket", &sock_s],
+            "cannot reach a vdcache server",
+        ),
         case(&["recover"], "--full --cache PATH"),
         case(&["recover", "--full", "--cache", &missing_s], "missing"),
         case(&["recover", "--without-cache", &missing_s], "missing"),
@@ -91,12 +184,41 @@ fn failing_paths_say_each_cause_once_in_words() {
         case(&["check", "-r", "everything", &img_s], "leaks or all"),
         case(&["check", &held_s], "in use"),
         case(&["info", &missing_s], "missing"),
-        case(&["create", "-f", "vmdk", &s.path("x.vmdk").display().to_string(), "1M"], "vmdk"),
-        case(&["create", "-f", "raw", &s.path("x.raw").display().to_string()], "size"),
+        case(
+            &[
+                "create",
+                "-f",
+                "vmdk",
+                &s.path("x.vmdk").display().to_string(),
+                "1M",
+            ],
+            "vmdk",
+        ),
+        case(
+            &[
+                "create",
+                "-f",
+                "raw",
+                &s.path("x.raw").display().to_string(),
+            ],
+            "size",
+        ),
         case(&["io", "-c", "frobnicate 0 4k", &img_s], "frobnicate"),
         case(&["io", "-c", "write 0 4k", &held_s], "in use"),
-        case(&["convert", "-O", "raw", &missing_s, &s.path("out.raw").display().to_string()], "missing"),
-        case(&["man", "/proc/vdcache-no-such-dir"], "/proc/vdcache-no-such-dir"),
+        case(
+            &[
+                "convert",
+                "-O",
+                "raw",
+                &missing_s,
+                &s.path("out.raw").display().to_string(),
+            ],
+            "missing",
+        ),
+        case(
+            &["man", "/proc/vdcache-no-such-dir"],
+            "/proc/vdcache-no-such-dir",
+        ),
         case(&["replay", &missing_s], "missing"),
     ];
     // The image of a running server is in use even for create.
@@ -105,7 +227,10 @@ fn failing_paths_say_each_cause_once_in_words() {
         (vec!["serve", "--bogus"], "--bogus"),
         (vec!["serve", "--cache-size", "1G", &img_s], "--cache"),
         (vec!["completions", "tcsh"], "tcsh"),
-        (vec!["stats", "--count", "2", "--socket", &sock_s], "--watch"),
+        (
+            vec!["stats", "--count", "2", "--socket", &sock_s],
+            "--watch",
+        ),
         (vec!["-q", "-v", "info", &img_s], "--quiet"),
     ] {
         cases.push(Case {
@@ -120,7 +245,12 @@ fn failing_paths_say_each_cause_once_in_words() {
         let out = exec(s.vdcache().args(&c.args));
         let what = format!("vdcache {}", c.args.join(" "));
         if out.code() != Some(c.code) {
-            failures.push(format!("{what}: exit {:?}, expected {}\n{}", out.code(), c.code, out.stderr));
+            failures.push(format!(
+                "{what}: exit {:?}, expected {}\n{}",
+                out.code(),
+                c.code,
+                out.stderr
+            ));
             return;
         }
         if out.stderr.contains("panicked") || out.stderr.trim().is_empty() {
@@ -129,16 +259,25 @@ fn failing_paths_say_each_cause_once_in_words() {
         }
         // clap's usage errors start with "error:"; check those lines too.
         let as_ours = out.stderr.replace("\nerror: ", "\nvdcache: ");
-        let as_ours = as_ours.strip_prefix("error: ").map_or(as_ours.clone(), |r| format!("vdcache: {r}"));
+        let as_ours = as_ours
+            .strip_prefix("error: ")
+            .map_or(as_ours.clone(), |r| format!("vdcache: {r}"));
         let faults = message_faults(&as_ours);
         if !faults.is_empty() {
             failures.push(format!("{what}: {}\n{}", faults.join("; "), out.stderr));
         }
         if !out.stderr.contains(c.names) {
-            failures.push(format!("{what}: does not name '{}'\n{}", c.names, out.stderr));
+            failures.push(format!(
+                "{what}: does not name '{}'\n{}",
+                c.names, out.stderr
+            ));
         }
         // One final error line, said once.
-        let finals = out.stderr.lines().filter(|l| l.starts_with("vdcache: ")).count();
+        let finals = out
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("vdcache: "))
+            .count();
         if c.code == 1 && finals > 1 {
             failures.push(format!("{what}: {finals} error lines\n{}", out.stderr));
         }
@@ -152,11 +291,26 @@ fn failing_paths_say_each_cause_once_in_words() {
     assert!(!log.contains("Some("), "{log}");
     // Once the server is gone the cache is free, and its size is fixed.
     check(&case(
-        &["serve", "--socket", &sock_s, "--cache", &cache_s, "--cache-size", "64M", &img_s],
+        &[
+            "serve",
+            "--socket",
+            &sock_s,
+            "--cache",
+            &cache_s,
+            "--cache-size",
+            "64M",
+            &img_s,
+        ],
         "keeps the size it was created with",
     ));
     let total = cases.len() + 1;
-    assert!(failures.is_empty(), "{} of {} failing paths read badly:\n\n{}", failures.len(), total, failures.join("\n\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} failing paths read badly:\n\n{}",
+        failures.len(),
+        total,
+        failures.join("\n\n")
+    );
     // Nothing the refused runs touched was created.
     assert!(!s.path("x.vmdk").exists() && !s.path("out.raw").exists());
     s.finish();
@@ -169,5 +323,10 @@ fn the_detector_catches_repeats_and_debug_forms() {
     assert!(!message_faults(repeated).is_empty());
     assert!(!message_faults("vdcache: signal Some(15): stopping").is_empty());
     assert!(!message_faults("vdcache: open failed: Os { code: 2, kind: NotFound }").is_empty());
-    assert!(message_faults("vdcache: cannot listen on /x/s.sock: No such file or directory (os error 2)").is_empty());
+    assert!(
+        message_faults(
+            "vdcache: cannot listen on /x/s.sock: No such file or directory (os error 2)"
+        )
+        .is_empty()
+    );
 }

@@ -10,15 +10,17 @@ mod serving;
 use common::{Scratch, exec, ok};
 use serving::{serve, uri};
 use std::collections::BTreeSet;
-use std::io::{Read, SeekFrom, Write};
 use std::io::Seek;
+use std::io::{Read, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
 
 fn repo_file(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel)
 }
 
 /// A 16 MiB base with data in its first 4 MiB and a delta over it.
@@ -27,7 +29,8 @@ fn chain(s: &Scratch) -> (String, String) {
     let delta = s.path("delta.qcow2").display().to_string();
     ok(s.vdcache().args(["create", &base, "16M"]));
     ok(s.vdcache().args(["io", "-c", "write -P 0x11 0 4M", &base]));
-    ok(s.vdcache().args(["create", "-b", "base.qcow2", "-F", "qcow2", &delta]));
+    ok(s.vdcache()
+        .args(["create", "-b", "base.qcow2", "-F", "qcow2", &delta]));
     (base, delta)
 }
 
@@ -61,8 +64,13 @@ fn log_line(log: &Path, what: &str) -> String {
 /// GET http://addr/path; returns (status line, content type, body).
 fn http_get(addr: &str, path: &str) -> (String, String, String) {
     let mut c = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");
-    c.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
-    write!(c, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("send");
+    c.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    write!(
+        c,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
     let mut text = String::new();
     c.read_to_string(&mut text).expect("read reply");
     let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP reply");
@@ -105,7 +113,12 @@ fn value(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)])
 }
 
 fn histogram_count(scrape: &prometheus_parse::Scrape, export: &str, op: &str) -> f64 {
-    match &sample(scrape, "vdcache_request_duration_seconds", &[("export", export), ("op", op)]).value
+    match &sample(
+        scrape,
+        "vdcache_request_duration_seconds",
+        &[("export", export), ("op", op)],
+    )
+    .value
     {
         prometheus_parse::Value::Histogram(buckets) => {
             buckets.last().map(|b| b.count).unwrap_or(0.0)
@@ -123,7 +136,17 @@ fn metrics_stats_and_dashboard_agree() {
     let server = serve(
         &s,
         &sock,
-        &["--cache", &cache, "--cache-size", "64M", "--metrics", "127.0.0.1:0", "--export-name", "vm1", &delta],
+        &[
+            "--cache",
+            &cache,
+            "--cache-size",
+            "64M",
+            "--metrics",
+            "127.0.0.1:0",
+            "--export-name",
+            "vm1",
+            &delta,
+        ],
     );
     let line = log_line(&server.log, "metrics on http://");
     let addr = line
@@ -154,8 +177,14 @@ fn metrics_stats_and_dashboard_agree() {
     let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
         .expect("a valid Prometheus text exposition");
     let e = [("export", "vm1")];
-    assert_eq!(value(&scrape, "vdcache_export_written_bytes_total", &e), MIB as f64);
-    assert_eq!(value(&scrape, "vdcache_export_read_bytes_total", &e), (2 * MIB) as f64);
+    assert_eq!(
+        value(&scrape, "vdcache_export_written_bytes_total", &e),
+        MIB as f64
+    );
+    assert_eq!(
+        value(&scrape, "vdcache_export_read_bytes_total", &e),
+        (2 * MIB) as f64
+    );
     assert_eq!(value(&scrape, "vdcache_export_errors_total", &e), 0.0);
     assert_eq!(histogram_count(&scrape, "vm1", "write"), 1.0);
     assert_eq!(histogram_count(&scrape, "vm1", "read"), 2.0);
@@ -165,11 +194,23 @@ fn metrics_stats_and_dashboard_agree() {
     let misses = value(&scrape, "vdcache_cache_read_miss_blocks_total", &e);
     assert_eq!(hits + misses, 512.0, "hits {hits} misses {misses}");
     assert!(hits >= 256.0, "the second read must hit: {hits}");
-    assert_eq!(value(&scrape, "vdcache_cache_guest_written_bytes_total", &e), MIB as f64);
-    assert_eq!(value(&scrape, "vdcache_cache_data_bytes", &[]) as u64 % 4096, 0);
+    assert_eq!(
+        value(&scrape, "vdcache_cache_guest_written_bytes_total", &e),
+        MIB as f64
+    );
+    assert_eq!(
+        value(&scrape, "vdcache_cache_data_bytes", &[]) as u64 % 4096,
+        0
+    );
     let dirty = value(&scrape, "vdcache_cache_dirty_bytes", &[]);
-    assert!(dirty >= MIB as f64, "write-back: the write is dirty in flash ({dirty})");
-    assert_eq!(value(&scrape, "vdcache_cache_export_dirty_bytes", &e), dirty);
+    assert!(
+        dirty >= MIB as f64,
+        "write-back: the write is dirty in flash ({dirty})"
+    );
+    assert_eq!(
+        value(&scrape, "vdcache_cache_export_dirty_bytes", &e),
+        dirty
+    );
     let (status, _, _) = http_get(&addr, "/nothing");
     assert_eq!(status, "HTTP/1.1 404 Not Found");
 
@@ -184,15 +225,29 @@ fn metrics_stats_and_dashboard_agree() {
     assert_eq!(cols[0], "vm1");
     assert_eq!(cols[1], "0", "no connection is open: {row}");
     assert_eq!(&cols[3..7], ["2", "MiB", "1", "MiB"], "{row}");
-    assert!(text.contains("EXPORT") && text.contains("HIT: 4 KiB blocks"), "{text}");
-    let json: serde_json::Value =
-        serde_json::from_str(&ok(s.vdcache().args(["stats", "--json", "--socket", &sock_s])).stdout)
-            .expect("stats --json");
+    assert!(
+        text.contains("EXPORT") && text.contains("HIT: 4 KiB blocks"),
+        "{text}"
+    );
+    let json: serde_json::Value = serde_json::from_str(
+        &ok(s.vdcache().args(["stats", "--json", "--socket", &sock_s])).stdout,
+    )
+    .expect("stats --json");
     assert_eq!(json["exports"][0]["bytes_written"], MIB);
-    assert_eq!(json["cache"]["total"]["read_hit_blocks"].as_f64(), Some(hits));
-    let watched = ok(s.vdcache().args(["stats", "--socket", &sock_s, "--watch", "0.1", "--count", "3"])).stdout;
+    assert_eq!(
+        json["cache"]["total"]["read_hit_blocks"].as_f64(),
+        Some(hits)
+    );
+    let watched = ok(s.vdcache().args([
+        "stats", "--socket", &sock_s, "--watch", "0.1", "--count", "3",
+    ]))
+    .stdout;
     assert_eq!(watched.matches("vdcache stats of").count(), 3, "{watched}");
-    assert_eq!(watched.lines().filter(|l| l.starts_with("vm1 ")).count(), 3, "{watched}");
+    assert_eq!(
+        watched.lines().filter(|l| l.starts_with("vm1 ")).count(),
+        3,
+        "{watched}"
+    );
 
     // The dashboard: valid JSON whose queries name only served metrics.
     let served = series_names(&body);
@@ -203,7 +258,11 @@ fn metrics_stats_and_dashboard_agree() {
     let mut exprs = Vec::new();
     collect_exprs(&dash, &mut exprs);
     let panels = dash["panels"].as_array().map_or(0, Vec::len);
-    assert!(panels >= 8 && exprs.len() >= panels, "{panels} panels, {} queries", exprs.len());
+    assert!(
+        panels >= 8 && exprs.len() >= panels,
+        "{panels} panels, {} queries",
+        exprs.len()
+    );
     let mut named = BTreeSet::new();
     for e in &exprs {
         let mut rest = e.as_str();
@@ -217,11 +276,17 @@ fn metrics_stats_and_dashboard_agree() {
         }
     }
     let unknown: Vec<&String> = named.iter().filter(|n| !served.contains(*n)).collect();
-    assert!(unknown.is_empty(), "the dashboard names metrics the endpoint does not serve: {unknown:?}\nserved: {served:?}");
+    assert!(
+        unknown.is_empty(),
+        "the dashboard names metrics the endpoint does not serve: {unknown:?}\nserved: {served:?}"
+    );
     assert!(named.len() >= 12, "{named:?}");
 
     let log = server.stop_clean();
-    assert!(log.contains("stopped cleanly:") && log.contains("written back from the cache"), "{log}");
+    assert!(
+        log.contains("stopped cleanly:") && log.contains("written back from the cache"),
+        "{log}"
+    );
     s.finish();
 }
 
@@ -249,7 +314,11 @@ fn serve_logs_the_cache_at_info_and_nothing_when_quiet() {
     let sock = s.path("vm.sock");
 
     // Default verbosity: the cache formatted, the export, the stop.
-    let server = serve(&s, &sock, &["--cache", &cache, "--cache-size", "64M", &delta]);
+    let server = serve(
+        &s,
+        &sock,
+        &["--cache", &cache, "--cache-size", "64M", &delta],
+    );
     qemu_io(&s, &sock, &["write -P 0xcd 0 1M", "flush"]);
     let log = server.stop_clean();
     for said in [
@@ -262,7 +331,10 @@ fn serve_logs_the_cache_at_info_and_nothing_when_quiet() {
     ] {
         assert!(log.contains(said), "the log does not say '{said}':\n{log}");
     }
-    assert!(!log.contains("\u{1b}["), "colours in a log that is not a terminal:\n{log}");
+    assert!(
+        !log.contains("\u{1b}["),
+        "colours in a log that is not a terminal:\n{log}"
+    );
 
     // A crash, then a restart: fast recovery with the dirty blocks counted.
     let server = serve(&s, &sock, &["--cache", &cache, &delta]);
@@ -284,7 +356,11 @@ fn serve_logs_the_cache_at_info_and_nothing_when_quiet() {
 
     // -q: nothing at all on a clean run, also with I/O and a stop.
     let server = serve(&s, &sock, &["-q", "--cache", &cache, &delta]);
-    qemu_io(&s, &sock, &["write -P 0x12 0 64k", "read -P 0x12 0 64k", "flush"]);
+    qemu_io(
+        &s,
+        &sock,
+        &["write -P 0x12 0 64k", "read -P 0x12 0 64k", "flush"],
+    );
     let log = server.stop_clean();
     assert_eq!(log, "", "-q printed something on a clean run");
 
@@ -303,7 +379,9 @@ fn serve_logs_the_cache_at_info_and_nothing_when_quiet() {
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
         .collect();
     assert!(
-        lines.iter().any(|v| v["fields"]["message"].as_str().is_some_and(|m| m.contains("reopened clean"))),
+        lines.iter().any(|v| v["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("reopened clean"))),
         "{log}"
     );
     assert!(lines.iter().all(|v| v["level"] == "INFO"), "{log}");
@@ -322,13 +400,18 @@ fn serve_logs_the_cache_at_info_and_nothing_when_quiet() {
     f.write_all(&parsed.encode()).expect("write superblock");
     drop(f);
     let log = serving::serve_refused(&s, &sock, &["--cache", &cache, &delta]);
-    assert!(log.contains("belongs to host 'another-hypervisor'") && log.contains("vdcache recover --full"), "{log}");
+    assert!(
+        log.contains("belongs to host 'another-hypervisor'")
+            && log.contains("vdcache recover --full"),
+        "{log}"
+    );
     s.finish();
 }
 
 #[test]
 fn example_config_man_pages_and_completions() {
-    let text = std::fs::read_to_string(repo_file("contrib/vdcache.toml")).expect("contrib/vdcache.toml");
+    let text =
+        std::fs::read_to_string(repo_file("contrib/vdcache.toml")).expect("contrib/vdcache.toml");
     let cfg = vdcache::config::ServerConfig::parse(&text).expect("the example config is valid");
     assert_eq!(cfg.exports.len(), 2);
     assert_eq!(cfg.server.metrics.as_deref(), Some("127.0.0.1:9187"));
@@ -337,8 +420,12 @@ fn example_config_man_pages_and_completions() {
     let lines: Vec<&str> = text.lines().collect();
     let mut checked = 0;
     for (i, l) in lines.iter().enumerate() {
-        let Some(rest) = l.strip_prefix("# ") else { continue };
-        let Some((key, _)) = rest.split_once(" = ") else { continue };
+        let Some(rest) = l.strip_prefix("# ") else {
+            continue;
+        };
+        let Some((key, _)) = rest.split_once(" = ") else {
+            continue;
+        };
         if key.contains(' ') || rest.starts_with('[') {
             continue;
         }
@@ -349,8 +436,12 @@ fn example_config_man_pages_and_completions() {
         let mut edited = lines.clone();
         edited[i] = rest;
         let value = edited.join("\n");
-        vdcache::config::ServerConfig::parse(&value)
-            .unwrap_or_else(|e| panic!("uncommenting line {} ({rest}) breaks the example: {e}", i + 1));
+        vdcache::config::ServerConfig::parse(&value).unwrap_or_else(|e| {
+            panic!(
+                "uncommenting line {} ({rest}) breaks the example: {e}",
+                i + 1
+            )
+        });
         checked += 1;
     }
     assert!(checked >= 25, "only {checked} commented keys checked");
@@ -366,9 +457,20 @@ fn example_config_man_pages_and_completions() {
     assert!(man.join("vdcache.1").exists() && man.join("vdcache-stats.1").exists());
     for shell in ["bash", "zsh", "fish"] {
         let out = ok(s.vdcache().args(["completions", shell]));
-        assert!(out.stdout.contains("serve") && out.stdout.contains("--cache-size"), "{shell}");
+        assert!(
+            out.stdout.contains("serve") && out.stdout.contains("--cache-size"),
+            "{shell}"
+        );
     }
-    let out = exec(s.cmd("bash").args(["-n", "-c"]).arg(ok(s.vdcache().args(["completions", "bash"])).stdout));
-    assert!(out.success(), "the bash completion is not valid bash\n{}", out.report());
+    let out = exec(
+        s.cmd("bash")
+            .args(["-n", "-c"])
+            .arg(ok(s.vdcache().args(["completions", "bash"])).stdout),
+    );
+    assert!(
+        out.success(),
+        "the bash completion is not valid bash\n{}",
+        out.report()
+    );
     s.finish();
 }

@@ -61,7 +61,10 @@ fn shell_blocks(text: &str) -> Vec<String> {
             None => {}
         }
     }
-    assert!(current.is_none(), "a ```sh block of the README is not closed");
+    assert!(
+        current.is_none(),
+        "a ```sh block of the README is not closed"
+    );
     blocks
 }
 
@@ -124,7 +127,11 @@ fn script(blocks: &[String], try_dir: &Path, port: u16) -> (String, Vec<String>)
 fn every_readme_command_runs() {
     let s = Scratch::new();
     let blocks = shell_blocks(&readme());
-    assert!(blocks.len() >= 8, "the README has {} sh blocks", blocks.len());
+    assert!(
+        blocks.len() >= 8,
+        "the README has {} sh blocks",
+        blocks.len()
+    );
     let try_dir = s.root().join("try");
     let home = s.root().join("home");
     std::fs::create_dir_all(&home).expect("mkdir home");
@@ -174,12 +181,20 @@ fn every_readme_command_runs() {
         if said.starts_with("vdcache_cache") && !installed("curl") {
             continue;
         }
-        assert!(all.contains(said), "the README run never said '{said}'\n{}", out.report());
+        assert!(
+            all.contains(said),
+            "the README run never said '{said}'\n{}",
+            out.report()
+        );
     }
     assert!(
         home.join(".local/share/man/man1/vdcache-serve.1").exists(),
         "man pages were not written"
     );
-    assert!(!try_dir.exists(), "the README's clean-up left {}", try_dir.display());
+    assert!(
+        !try_dir.exists(),
+        "the README's clean-up left {}",
+        try_dir.display()
+    );
     s.finish();
 }

@@ -31,7 +31,8 @@ pub struct Daemon {
 pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     let mut cfg = CacheConfig::default();
     if let Some(r) = &c.region_size {
-        cfg.region_bytes = parse_size(r).with_context(|| c.setting("region_size", "--region-size"))?;
+        cfg.region_bytes =
+            parse_size(r).with_context(|| c.setting("region_size", "--region-size"))?;
     }
     if let Some(p) = &c.replacement {
         cfg.replacement = p.parse().map_err(|e: String| {
@@ -39,16 +40,18 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
         })?;
     }
     if let Some(m) = &c.mode {
-        cfg.default_policy.mode = m.parse().with_context(|| c.setting("mode", "--cache-mode"))?;
+        cfg.default_policy.mode = m
+            .parse()
+            .with_context(|| c.setting("mode", "--cache-mode"))?;
     }
     if let Some(a) = &c.admission {
-        cfg.default_policy.admission =
-            a.parse().with_context(|| c.setting("admission", "--admission"))?;
+        cfg.default_policy.admission = a
+            .parse()
+            .with_context(|| c.setting("admission", "--admission"))?;
     }
     if let Some(s) = &c.sequential_write_cutoff {
-        cfg.default_policy.sequential_write_cutoff = parse_size(s).with_context(|| {
-            c.setting("sequential_write_cutoff", "--sequential-write-cutoff")
-        })?;
+        cfg.default_policy.sequential_write_cutoff = parse_size(s)
+            .with_context(|| c.setting("sequential_write_cutoff", "--sequential-write-cutoff"))?;
     }
     if let Some(cow) = &c.cow {
         cfg.default_policy.cow = cow.parse().with_context(|| c.setting("cow", "--cow"))?;
@@ -302,7 +305,10 @@ fn log_opened(c: &CacheSection, cache: &FlashCache, created: bool) {
         r.replacement
     );
     if created {
-        tracing::info!("{what}: formatted (new cache file of {})", human(r.device_bytes));
+        tracing::info!(
+            "{what}: formatted (new cache file of {})",
+            human(r.device_bytes)
+        );
     } else if r.recovery.entries_replayed > 0 || r.dirty_bytes > 0 {
         tracing::info!(
             "{what}: fast-recovered ({} journal entries replayed) with {} dirty blocks ({}) still to write back, {} cached",
@@ -312,7 +318,10 @@ fn log_opened(c: &CacheSection, cache: &FlashCache, created: bool) {
             human(r.cached_bytes)
         );
     } else if r.cached_bytes > 0 {
-        tracing::info!("{what}: reopened clean, {} cached (warm)", human(r.cached_bytes));
+        tracing::info!(
+            "{what}: reopened clean, {} cached (warm)",
+            human(r.cached_bytes)
+        );
     } else {
         tracing::info!("{what}: opened, empty");
     }

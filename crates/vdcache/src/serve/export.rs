@@ -21,7 +21,11 @@ pub struct DiskExport {
 impl DiskExport {
     /// Runs one command of kind `op` (an index into `metrics::OPS`),
     /// recording how long it took.
-    fn timed<T>(&self, op: usize, f: impl FnOnce() -> Result<T, ExportError>) -> Result<T, ExportError> {
+    fn timed<T>(
+        &self,
+        op: usize,
+        f: impl FnOnce() -> Result<T, ExportError>,
+    ) -> Result<T, ExportError> {
         let Some(l) = &self.latency else {
             return f();
         };

@@ -59,7 +59,10 @@ impl LatencyFamily {
         Latency {
             by_op: OPS.map(|op| {
                 self.family
-                    .get_or_create(&vec![("export", export.to_string()), ("op", op.to_string())])
+                    .get_or_create(&vec![
+                        ("export", export.to_string()),
+                        ("op", op.to_string()),
+                    ])
                     .clone()
             }),
         }
@@ -142,32 +145,115 @@ impl Collector for Snapshot {
                 .collect::<Vec<_>>()
         };
         let counters = |v: Vec<(OpLabels, u64)>| {
-            v.into_iter().map(|(l, n)| (l, counter(n))).collect::<Vec<_>>()
+            v.into_iter()
+                .map(|(l, n)| (l, counter(n)))
+                .collect::<Vec<_>>()
         };
-        let gauges =
-            |v: Vec<(OpLabels, u64)>| v.into_iter().map(|(l, n)| (l, gauge(n))).collect::<Vec<_>>();
-        family(&mut enc, "vdcache_export_requests", "NBD requests answered, errors included", c, &counters(by_export(&|e| e.io.requests)))?;
-        family(&mut enc, "vdcache_export_errors", "NBD requests answered with an error", c, &counters(by_export(&|e| e.io.errors)))?;
-        family(&mut enc, "vdcache_export_read_bytes", "Bytes returned by NBD reads", c, &counters(by_export(&|e| e.io.bytes_read)))?;
-        family(&mut enc, "vdcache_export_written_bytes", "Bytes stored by NBD writes", c, &counters(by_export(&|e| e.io.bytes_written)))?;
-        family(&mut enc, "vdcache_export_connections", "NBD connections open on the export", g, &gauges(by_export(&|e| e.active_connections)))?;
-        family(&mut enc, "vdcache_export_connections_opened", "NBD connections that selected the export", c, &counters(by_export(&|e| e.total_connections)))?;
+        let gauges = |v: Vec<(OpLabels, u64)>| {
+            v.into_iter()
+                .map(|(l, n)| (l, gauge(n)))
+                .collect::<Vec<_>>()
+        };
+        family(
+            &mut enc,
+            "vdcache_export_requests",
+            "NBD requests answered, errors included",
+            c,
+            &counters(by_export(&|e| e.io.requests)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_export_errors",
+            "NBD requests answered with an error",
+            c,
+            &counters(by_export(&|e| e.io.errors)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_export_read_bytes",
+            "Bytes returned by NBD reads",
+            c,
+            &counters(by_export(&|e| e.io.bytes_read)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_export_written_bytes",
+            "Bytes stored by NBD writes",
+            c,
+            &counters(by_export(&|e| e.io.bytes_written)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_export_connections",
+            "NBD connections open on the export",
+            g,
+            &gauges(by_export(&|e| e.active_connections)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_export_connections_opened",
+            "NBD connections that selected the export",
+            c,
+            &counters(by_export(&|e| e.total_connections)),
+        )?;
         let none: Vec<(&'static str, String)> = Vec::new();
-        family(&mut enc, "vdcache_connections_accepted", "Connections accepted", c, &[(none.clone(), counter(nbd.accepted))])?;
-        family(&mut enc, "vdcache_connections_refused", "Connections refused by a connection limit", c, &[(none.clone(), counter(nbd.refused))])?;
-        family(&mut enc, "vdcache_connections_in_handshake", "Connections in their handshake now", g, &[(none.clone(), gauge(nbd.handshakes))])?;
-        family(&mut enc, "vdcache_buffered_payload_bytes", "Request payload bytes buffered now", g, &[(none.clone(), gauge(nbd.buffered_bytes))])?;
+        family(
+            &mut enc,
+            "vdcache_connections_accepted",
+            "Connections accepted",
+            c,
+            &[(none.clone(), counter(nbd.accepted))],
+        )?;
+        family(
+            &mut enc,
+            "vdcache_connections_refused",
+            "Connections refused by a connection limit",
+            c,
+            &[(none.clone(), counter(nbd.refused))],
+        )?;
+        family(
+            &mut enc,
+            "vdcache_connections_in_handshake",
+            "Connections in their handshake now",
+            g,
+            &[(none.clone(), gauge(nbd.handshakes))],
+        )?;
+        family(
+            &mut enc,
+            "vdcache_buffered_payload_bytes",
+            "Request payload bytes buffered now",
+            g,
+            &[(none.clone(), gauge(nbd.buffered_bytes))],
+        )?;
         // Each disk's in-memory metadata (L2) cache.
         let disks = &self.daemon.disks;
         let meta: Vec<_> = disks
             .iter()
-            .filter_map(|d| d.disk.meta_stats().map(|m| (labels(&[("export", &d.config.name)]), m)))
+            .filter_map(|d| {
+                d.disk
+                    .meta_stats()
+                    .map(|m| (labels(&[("export", &d.config.name)]), m))
+            })
             .collect();
         let l2 = |f: &dyn Fn(&vdcache_image::qimage::MetaStats) -> u64| {
-            meta.iter().map(|(l, m)| (l.clone(), counter(f(m)))).collect::<Vec<_>>()
+            meta.iter()
+                .map(|(l, m)| (l.clone(), counter(f(m))))
+                .collect::<Vec<_>>()
         };
-        family(&mut enc, "vdcache_export_l2_cache_hits", "Lookups served by the in-memory L2 table cache", c, &l2(&|m| m.l2.hits))?;
-        family(&mut enc, "vdcache_export_l2_cache_misses", "Lookups that read an L2 table slice", c, &l2(&|m| m.l2.misses))?;
+        family(
+            &mut enc,
+            "vdcache_export_l2_cache_hits",
+            "Lookups served by the in-memory L2 table cache",
+            c,
+            &l2(&|m| m.l2.hits),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_export_l2_cache_misses",
+            "Lookups that read an L2 table slice",
+            c,
+            &l2(&|m| m.l2.misses),
+        )?;
         let Some(cache) = &self.daemon.cache else {
             return Ok(());
         };
@@ -188,46 +274,232 @@ impl Collector for Snapshot {
                 .map(|(id, s)| (vec![("export", export_of(*id))], f(s)))
                 .collect::<Vec<_>>()
         };
-        family(&mut enc, "vdcache_cache_guest_reads", "Guest reads that reached the flash cache", c, &counters(per_disk(&|s| s.guest_reads)))?;
-        family(&mut enc, "vdcache_cache_guest_writes", "Guest writes that reached the flash cache", c, &counters(per_disk(&|s| s.guest_writes)))?;
-        family(&mut enc, "vdcache_cache_guest_read_bytes", "Bytes of guest reads that reached the flash cache", c, &counters(per_disk(&|s| s.guest_read_bytes)))?;
-        family(&mut enc, "vdcache_cache_guest_written_bytes", "Bytes of guest writes that reached the flash cache", c, &counters(per_disk(&|s| s.guest_write_bytes)))?;
-        family(&mut enc, "vdcache_cache_read_hit_blocks", "4 KiB blocks of guest reads served from flash", c, &counters(per_disk(&|s| s.read_hit_blocks)))?;
-        family(&mut enc, "vdcache_cache_read_miss_blocks", "4 KiB blocks of guest reads read from the images", c, &counters(per_disk(&|s| s.read_miss_blocks)))?;
-        family(&mut enc, "vdcache_cache_write_hit_blocks", "4 KiB blocks of guest writes already in flash", c, &counters(per_disk(&|s| s.write_hit_blocks)))?;
-        family(&mut enc, "vdcache_cache_write_miss_blocks", "4 KiB blocks of guest writes not yet in flash", c, &counters(per_disk(&|s| s.write_miss_blocks)))?;
-        family(&mut enc, "vdcache_cache_flash_written_bytes", "Bytes the cache wrote to flash for the export", c, &counters(per_disk(&|s| s.flash_bytes_written)))?;
-        family(&mut enc, "vdcache_cache_flash_read_bytes", "Bytes the cache read from flash for the export", c, &counters(per_disk(&|s| s.flash_bytes_read)))?;
-        family(&mut enc, "vdcache_cache_backend_read_bytes", "Bytes read from the image stores (misses, copy-on-write, metadata)", c, &counters(per_disk(&|s| s.backend_bytes_read)))?;
-        family(&mut enc, "vdcache_cache_backend_written_bytes", "Bytes written to the image stores (write-through, write-back)", c, &counters(per_disk(&|s| s.backend_bytes_written)))?;
-        family(&mut enc, "vdcache_cache_backend_syncs", "Syncs of the image stores", c, &counters(per_disk(&|s| s.backend_syncs)))?;
-        family(&mut enc, "vdcache_cache_guest_flushes", "Guest flushes", c, &counters(per_disk(&|s| s.guest_flushes)))?;
-        family(&mut enc, "vdcache_cache_writeback_requests", "Write-back requests sent to the image stores", c, &counters(per_disk(&|s| s.writeback_requests)))?;
-        family(&mut enc, "vdcache_cache_export_dirty_bytes", "Bytes only in flash, not yet written back, of the export", g, &gauges(per_disk(&|s| s.dirty_bytes)))?;
+        family(
+            &mut enc,
+            "vdcache_cache_guest_reads",
+            "Guest reads that reached the flash cache",
+            c,
+            &counters(per_disk(&|s| s.guest_reads)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_guest_writes",
+            "Guest writes that reached the flash cache",
+            c,
+            &counters(per_disk(&|s| s.guest_writes)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_guest_read_bytes",
+            "Bytes of guest reads that reached the flash cache",
+            c,
+            &counters(per_disk(&|s| s.guest_read_bytes)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_guest_written_bytes",
+            "Bytes of guest writes that reached the flash cache",
+            c,
+            &counters(per_disk(&|s| s.guest_write_bytes)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_read_hit_blocks",
+            "4 KiB blocks of guest reads served from flash",
+            c,
+            &counters(per_disk(&|s| s.read_hit_blocks)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_read_miss_blocks",
+            "4 KiB blocks of guest reads read from the images",
+            c,
+            &counters(per_disk(&|s| s.read_miss_blocks)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_write_hit_blocks",
+            "4 KiB blocks of guest writes already in flash",
+            c,
+            &counters(per_disk(&|s| s.write_hit_blocks)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_write_miss_blocks",
+            "4 KiB blocks of guest writes not yet in flash",
+            c,
+            &counters(per_disk(&|s| s.write_miss_blocks)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_flash_written_bytes",
+            "Bytes the cache wrote to flash for the export",
+            c,
+            &counters(per_disk(&|s| s.flash_bytes_written)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_flash_read_bytes",
+            "Bytes the cache read from flash for the export",
+            c,
+            &counters(per_disk(&|s| s.flash_bytes_read)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_backend_read_bytes",
+            "Bytes read from the image stores (misses, copy-on-write, metadata)",
+            c,
+            &counters(per_disk(&|s| s.backend_bytes_read)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_backend_written_bytes",
+            "Bytes written to the image stores (write-through, write-back)",
+            c,
+            &counters(per_disk(&|s| s.backend_bytes_written)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_backend_syncs",
+            "Syncs of the image stores",
+            c,
+            &counters(per_disk(&|s| s.backend_syncs)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_guest_flushes",
+            "Guest flushes",
+            c,
+            &counters(per_disk(&|s| s.guest_flushes)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_writeback_requests",
+            "Write-back requests sent to the image stores",
+            c,
+            &counters(per_disk(&|s| s.writeback_requests)),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_export_dirty_bytes",
+            "Bytes only in flash, not yet written back, of the export",
+            g,
+            &gauges(per_disk(&|s| s.dirty_bytes)),
+        )?;
         // The cache device as a whole.
         let one = |v: u64| [(dev.clone(), gauge(v))];
         let one_c = |v: u64| [(dev.clone(), counter(v))];
-        family(&mut enc, "vdcache_cache_data_bytes", "Bytes of the cache device that hold cached data", g, &one(r.data_bytes))?;
-        family(&mut enc, "vdcache_cache_cached_bytes", "Bytes cached now", g, &one(r.cached_bytes))?;
-        family(&mut enc, "vdcache_cache_dirty_bytes", "Bytes only in flash, not yet written back", g, &one(r.dirty_bytes))?;
-        let regions: Vec<_> = [("free", r.regions_free), ("open", r.regions_open), ("full", r.regions_full)]
-            .into_iter()
-            .map(|(state, n)| (labels(&[("cache", &name), ("state", state)]), gauge(u64::from(n))))
-            .collect();
-        family(&mut enc, "vdcache_cache_regions", "Regions (erase blocks) of the cache by state", g, &regions)?;
-        family(&mut enc, "vdcache_cache_index_memory_bytes", "Memory of the cache index", g, &one(r.index_memory_bytes))?;
-        family(&mut enc, "vdcache_cache_index_memory_fixed_bytes", "Part of the index memory sized by the device", g, &one(r.index_memory_fixed_bytes))?;
-        family(&mut enc, "vdcache_cache_checksum_memory_bytes", "Memory of the cached blocks' checksums", g, &one(r.checksum_memory_bytes))?;
-        family(&mut enc, "vdcache_cache_unreadable_blocks", "Dirty blocks the device no longer returns intact (lost)", g, &one(r.unreadable_blocks))?;
-        let zones: Vec<_> = [("data", r.device.data_bytes_written), ("meta", r.device.meta_bytes_written)]
-            .into_iter()
-            .map(|(zone, n)| (labels(&[("cache", &name), ("zone", zone)]), counter(n)))
-            .collect();
-        family(&mut enc, "vdcache_cache_device_written_bytes", "Bytes written to the cache device by zone", c, &zones)?;
-        family(&mut enc, "vdcache_cache_device_read_bytes", "Bytes read from the cache device", c, &one_c(r.device.bytes_read))?;
-        family(&mut enc, "vdcache_cache_device_syncs", "Syncs of the cache device", c, &one_c(r.device.syncs))?;
-        family(&mut enc, "vdcache_cache_device_discarded_bytes", "Bytes discarded on the cache device (reclaimed regions)", c, &one_c(r.device.bytes_discarded))?;
-        family(&mut enc, "vdcache_cache_checkpoints", "Checkpoints written", c, &one_c(r.device.checkpoints))?;
+        family(
+            &mut enc,
+            "vdcache_cache_data_bytes",
+            "Bytes of the cache device that hold cached data",
+            g,
+            &one(r.data_bytes),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_cached_bytes",
+            "Bytes cached now",
+            g,
+            &one(r.cached_bytes),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_dirty_bytes",
+            "Bytes only in flash, not yet written back",
+            g,
+            &one(r.dirty_bytes),
+        )?;
+        let regions: Vec<_> = [
+            ("free", r.regions_free),
+            ("open", r.regions_open),
+            ("full", r.regions_full),
+        ]
+        .into_iter()
+        .map(|(state, n)| {
+            (
+                labels(&[("cache", &name), ("state", state)]),
+                gauge(u64::from(n)),
+            )
+        })
+        .collect();
+        family(
+            &mut enc,
+            "vdcache_cache_regions",
+            "Regions (erase blocks) of the cache by state",
+            g,
+            &regions,
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_index_memory_bytes",
+            "Memory of the cache index",
+            g,
+            &one(r.index_memory_bytes),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_index_memory_fixed_bytes",
+            "Part of the index memory sized by the device",
+            g,
+            &one(r.index_memory_fixed_bytes),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_checksum_memory_bytes",
+            "Memory of the cached blocks' checksums",
+            g,
+            &one(r.checksum_memory_bytes),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_unreadable_blocks",
+            "Dirty blocks the device no longer returns intact (lost)",
+            g,
+            &one(r.unreadable_blocks),
+        )?;
+        let zones: Vec<_> = [
+            ("data", r.device.data_bytes_written),
+            ("meta", r.device.meta_bytes_written),
+        ]
+        .into_iter()
+        .map(|(zone, n)| (labels(&[("cache", &name), ("zone", zone)]), counter(n)))
+        .collect();
+        family(
+            &mut enc,
+            "vdcache_cache_device_written_bytes",
+            "Bytes written to the cache device by zone",
+            c,
+            &zones,
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_device_read_bytes",
+            "Bytes read from the cache device",
+            c,
+            &one_c(r.device.bytes_read),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_device_syncs",
+            "Syncs of the cache device",
+            c,
+            &one_c(r.device.syncs),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_device_discarded_bytes",
+            "Bytes discarded on the cache device (reclaimed regions)",
+            c,
+            &one_c(r.device.bytes_discarded),
+        )?;
+        family(
+            &mut enc,
+            "vdcache_cache_checkpoints",
+            "Checkpoints written",
+            c,
+            &one_c(r.device.checkpoints),
+        )?;
         Ok(())
     }
 }

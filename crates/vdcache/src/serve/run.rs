@@ -195,7 +195,11 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
                 format!("export '{}'", d.config.name)
             },
             d.config.image,
-            if d.disk.read_only() { "read-only" } else { "read-write" },
+            if d.disk.read_only() {
+                "read-only"
+            } else {
+                "read-write"
+            },
             match (&daemon.cache, d.config.no_cache) {
                 (Some(_), false) => ", through the cache",
                 (Some(_), true) => ", not cached",
