@@ -34,7 +34,7 @@ pub struct ServeArgs {
     /// (qemu's keys.psk, as made by `psktool -u USER -p FILE`).
     #[arg(long, conflicts_with_all = ["tls_cert", "config"])]
     tls_psk: Option<PathBuf>,
-    /// Worker threads per connection (requests served in parallel).
+    /// Worker threads per connection: requests served in parallel (default 16).
     #[arg(long, conflicts_with = "config")]
     workers: Option<usize>,
     /// Export name of IMAGE (default: the default export "").
@@ -46,10 +46,13 @@ pub struct ServeArgs {
     /// Format of IMAGE (probed when absent).
     #[arg(short = 'f', long, conflicts_with = "config")]
     format: Option<String>,
-    /// Flash cache device or file (created with --cache-size if missing).
+    /// Flash cache: a block device, or a file (created with --cache-size
+    /// if missing). Default: no cache.
     #[arg(long, conflicts_with = "config")]
     cache: Option<PathBuf>,
-    /// Size of a cache file to create.
+    /// Size of the cache file to create, e.g. 20G (k, M, G, T: powers of
+    /// 1024; at least 16M). Only when the file is created: an existing
+    /// cache keeps its size, and a different one is an error.
     #[arg(long, requires = "cache", conflicts_with = "config")]
     cache_size: Option<String>,
     /// writeback (default), writethrough or writearound.
@@ -66,7 +69,7 @@ pub struct ServeArgs {
     /// lru (default), clock or arc.
     #[arg(long, requires = "cache", conflicts_with = "config")]
     replacement: Option<String>,
-    /// Region (erase block) size when formatting the cache (default 2M).
+    /// Region (erase block) size, fixed when the cache is formatted (default 2M).
     #[arg(long, requires = "cache", conflicts_with = "config")]
     region_size: Option<String>,
     /// cow-aware (default: fine-grained metadata, decoupled copy-on-write,
