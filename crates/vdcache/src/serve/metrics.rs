@@ -595,17 +595,23 @@ fn answer(stream: TcpStream, registry: &Registry) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-    let mut head = Vec::new();
-    let mut reader = (&stream).take(MAX_REQUEST);
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") && !head.ends_with(b"\n\n") {
-        match reader.read(&mut byte) {
-            Ok(1) => head.push(byte[0]),
-            _ => break,
+    // The request head only: a line at a time, bounded.
+    let mut head = String::new();
+    let mut reader = std::io::BufReader::new((&stream).take(MAX_REQUEST));
+    loop {
+        let mut line = String::new();
+        match std::io::BufRead::read_line(&mut reader, &mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                let end = line.trim().is_empty();
+                head.push_str(&line);
+                if end {
+                    break;
+                }
+            }
         }
     }
-    let text = String::from_utf8_lossy(&head);
-    let mut first = text.lines().next().unwrap_or("").split_whitespace();
+    let mut first = head.lines().next().unwrap_or("").split_whitespace();
     let (method, path) = (first.next().unwrap_or(""), first.next().unwrap_or(""));
     let path = path.split('?').next().unwrap_or("");
     let (status, kind, body) = match (method, path) {

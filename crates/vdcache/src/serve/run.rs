@@ -140,7 +140,13 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     for d in &daemon.disks {
         let export = Arc::new(DiskExport {
             disk: d.disk.clone(),
-            latency: Some(super::metrics::latencies().for_export(&d.config.name)),
+            // Measured only when someone can see it: an observation
+            // takes the histogram's lock on every request.
+            latency: cfg
+                .server
+                .metrics
+                .is_some()
+                .then(|| super::metrics::latencies().for_export(&d.config.name)),
         });
         builder = builder.export_with_description(
             d.config.name.clone(),
