@@ -474,3 +474,28 @@ fn example_config_man_pages_and_completions() {
     );
     s.finish();
 }
+
+/// The demo explains its figures, says what to run next, and removes the
+/// files it made in the temporary directory, saying how big they were.
+#[test]
+fn demo_explains_and_cleans_up() {
+    let s = Scratch::new();
+    let out = ok(s.vdcache().arg("demo"));
+    for said in [
+        "came from flash",
+        "is in flash only, not yet in the delta",
+        "journal records replayed",
+        "removed the demo's 3 files (",
+        "Next:",
+        "vdcache serve --socket",
+    ] {
+        assert!(
+            out.stdout.contains(said),
+            "the demo does not say '{said}':\n{}",
+            out.stdout
+        );
+    }
+    assert!(!out.stdout.contains("Some("), "{}", out.stdout);
+    // Scratch::finish fails if anything is left in the demo's TMPDIR.
+    s.finish();
+}
