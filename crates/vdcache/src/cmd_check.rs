@@ -18,7 +18,11 @@ pub fn run(a: Args) -> Result<u8> {
     match check(&a) {
         Ok(code) => Ok(code),
         Err(e) => {
-            errln!("vdcache check: could not check {}: {e:#}", a.file);
+            errln!(
+                "vdcache check: could not check {}: {}",
+                a.file,
+                crate::logging::error_chain(&e)
+            );
             Ok(1)
         }
     }
@@ -67,11 +71,18 @@ fn check(a: &Args) -> Result<u8> {
         // What the file holds now, read afresh: a repair is judged by the
         // image it left, never by its own state in memory.
         let after = recheck(&open(true)?)?;
-        if after.is_clean() && !before.is_clean() {
+        if before.is_clean() {
+            outln!("Nothing to repair.");
+        } else {
+            // Said whatever the outcome: a repair that changed the file
+            // must never pass silently.
             outln!(
                 "The following inconsistencies were found and repaired:\n\n    {} leaked clusters\n    {} corruptions\n",
-                before.leaks.len(),
-                before.corruptions.len()
+                before.leaks.len().saturating_sub(after.leaks.len()),
+                before
+                    .corruptions
+                    .len()
+                    .saturating_sub(after.corruptions.len())
             );
         }
         after

@@ -1,6 +1,6 @@
 //! `vdcache create`: new qcow2 or raw images.
 
-use crate::size::parse_size;
+use crate::size::{human, parse_size};
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 use vdcache_image::{CreateOptions, ImageFormat, create_qcow2, create_raw};
@@ -101,6 +101,7 @@ pub fn run(a: Args) -> Result<u8> {
             }
             let size = size.context("raw images need a size")?;
             create_raw(&a.file, size)?;
+            outln!("created {}: raw, {}", a.file.display(), size_text(size));
         }
         "qcow2" => {
             let mut opts = CreateOptions {
@@ -123,8 +124,40 @@ pub fn run(a: Args) -> Result<u8> {
                 }
             }
             create_qcow2(&a.file, &opts)?;
+            let size = vdcache_image::open_chain(
+                &a.file.display().to_string(),
+                &vdcache_image::OpenOptions {
+                    read_only: true,
+                    no_backing: true,
+                    force_share: true,
+                    ..vdcache_image::OpenOptions::default()
+                },
+            )
+            .map(|d| d.size())
+            .ok();
+            outln!(
+                "created {}: qcow2{}, {} cluster size{}{}",
+                a.file.display(),
+                size.map(|s| format!(", {}", size_text(s)))
+                    .unwrap_or_default(),
+                human(opts.cluster_size),
+                if opts.extended_l2 {
+                    ", extended L2 (subclusters)"
+                } else {
+                    ""
+                },
+                opts.backing
+                    .as_ref()
+                    .map(|(b, f)| format!(", backing file {b} ({})", f.name()))
+                    .unwrap_or_default()
+            );
         }
         other => bail!("unknown format '{other}' (use qcow2 or raw)"),
     }
     Ok(0)
+}
+
+/// A virtual size as qemu-img says it: human and exact.
+fn size_text(bytes: u64) -> String {
+    format!("{} ({bytes} bytes)", human(bytes))
 }

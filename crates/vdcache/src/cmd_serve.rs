@@ -6,6 +6,7 @@ use crate::serve::config::{
 };
 use crate::serve::control::{Request, request};
 use crate::serve::run::run;
+use crate::size::human;
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 
@@ -33,7 +34,7 @@ pub struct ServeArgs {
     /// (qemu's keys.psk, as made by `psktool -u USER -p FILE`).
     #[arg(long, conflicts_with_all = ["tls_cert", "config"])]
     tls_psk: Option<PathBuf>,
-    /// Worker threads per connection (requests served in parallel).
+    /// Worker threads per connection: requests served in parallel (default 16).
     #[arg(long, conflicts_with = "config")]
     workers: Option<usize>,
     /// Export name of IMAGE (default: the default export "").
@@ -45,10 +46,13 @@ pub struct ServeArgs {
     /// Format of IMAGE (probed when absent).
     #[arg(short = 'f', long, conflicts_with = "config")]
     format: Option<String>,
-    /// Flash cache device or file (created with --cache-size if missing).
+    /// Flash cache: a block device, or a file (created with --cache-size
+    /// if missing). Default: no cache.
     #[arg(long, conflicts_with = "config")]
     cache: Option<PathBuf>,
-    /// Size of a cache file to create.
+    /// Size of the cache file to create, e.g. 20G (k, M, G, T: powers of
+    /// 1024; at least 16M). Only when the file is created: an existing
+    /// cache keeps its size, and a different one is an error.
     #[arg(long, requires = "cache", conflicts_with = "config")]
     cache_size: Option<String>,
     /// writeback (default), writethrough or writearound.
@@ -65,7 +69,7 @@ pub struct ServeArgs {
     /// lru (default), clock or arc.
     #[arg(long, requires = "cache", conflicts_with = "config")]
     replacement: Option<String>,
-    /// Region (erase block) size when formatting the cache (default 2M).
+    /// Region (erase block) size, fixed when the cache is formatted (default 2M).
     #[arg(long, requires = "cache", conflicts_with = "config")]
     region_size: Option<String>,
     /// cow-aware (default: fine-grained metadata, decoupled copy-on-write,
@@ -89,6 +93,11 @@ pub struct ServeArgs {
     /// vdcache cache (its content is lost).
     #[arg(long)]
     format_cache: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
+    /// 127.0.0.1:9100; port 0 picks a free one, logged at start).
+    /// With --config, this replaces the file's `[server] metrics`.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
     #[command(flatten)]
     meta: crate::meta_args::MetaCacheArgs,
     image: Option<String>,
@@ -106,7 +115,12 @@ impl ServeArgs {
                     "--l2-cache-size, --refcount-cache-size and --meta-slice-size cannot be used with --config: set them per [[export]] in the file"
                 );
             }
-            return ServerConfig::load(path);
+            let mut cfg = ServerConfig::load(path)?;
+            if self.metrics.is_some() {
+                cfg.server.metrics = self.metrics;
+                cfg.validate()?;
+            }
+            return Ok(cfg);
         }
         let Some(image) = self.image else {
             bail!("give an IMAGE to serve, or --config FILE");
@@ -125,6 +139,7 @@ impl ServeArgs {
             cow: self.cow,
             keep_dirty: Some(self.keep_dirty),
             idle_fill: Some(!self.no_idle_fill),
+            from_command_line: true,
             ..CacheSection::default()
         });
         let meta = self.meta;
@@ -139,6 +154,7 @@ impl ServeArgs {
                     psk: self.tls_psk,
                 }),
                 workers: self.workers,
+                metrics: self.metrics,
                 ..Listen::default()
             },
             cache,
@@ -185,53 +201,110 @@ impl ControlArgs {
         if let Some(c) = &self.control {
             return Ok(c.clone());
         }
-        let s = self
-            .socket
-            .as_ref()
-            .context("give --control PATH or --socket PATH")?;
+        let s = self.socket.as_ref().context(
+            "say which server: --socket PATH (its NBD socket) or --control PATH (its control socket)",
+        )?;
         let mut p = s.clone().into_os_string();
         p.push(".control");
         Ok(PathBuf::from(p))
     }
 }
 
-pub fn stats(a: ControlArgs) -> Result<u8> {
-    let data = request(&a.path()?, &Request::Stats)?;
-    if a.json {
-        outln!("{}", serde_json::to_string_pretty(&data)?);
+#[derive(clap::Args)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    control: ControlArgs,
+    /// Refresh every SECS seconds, like top (Ctrl-C stops).
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+    watch: Option<f64>,
+    /// With --watch: stop after this many refreshes.
+    #[arg(long, requires = "watch", value_name = "N")]
+    count: Option<u64>,
+}
+
+pub fn stats(a: StatsArgs) -> Result<u8> {
+    let path = a.control.path()?;
+    let Some(every) = a.watch else {
+        let data = request(&path, &Request::Stats)?;
+        if a.control.json {
+            outln!("{}", serde_json::to_string_pretty(&data)?);
+        } else {
+            print_stats(&data);
+        }
         return Ok(0);
+    };
+    if !(every.is_finite() && every > 0.0) {
+        bail!("--watch takes a number of seconds above 0, not {every}");
     }
-    print_stats(&data);
-    Ok(0)
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let mut shown = 0u64;
+    loop {
+        let data = request(&path, &Request::Stats)?;
+        if a.control.json {
+            outln!("{}", serde_json::to_string(&data)?);
+        } else {
+            if tty {
+                // Home and clear, as top redraws.
+                out!("\x1b[H\x1b[2J");
+            }
+            outln!(
+                "vdcache stats of {} every {every} s{}",
+                path.display(),
+                if tty { " (Ctrl-C stops)" } else { "" }
+            );
+            print_stats(&data);
+            if !tty {
+                outln!();
+            }
+        }
+        shown += 1;
+        if a.count.is_some_and(|n| shown >= n) {
+            return Ok(0);
+        }
+        std::thread::sleep(std::time::Duration::from_secs_f64(every));
+    }
+}
+
+/// A share as a percentage, or "-" when there is nothing to share.
+fn pct(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}%", part as f64 * 100.0 / whole as f64)
+    }
 }
 
 fn print_stats(d: &serde_json::Value) {
     let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
-    if let Some(c) = d.get("cache").filter(|c| !c.is_null()) {
-        let t = &c["total"];
+    let h = |v: &serde_json::Value| human(n(v));
+    let cache = d.get("cache").filter(|c| !c.is_null());
+    if let Some(c) = cache {
         outln!(
-            "cache: {} of {} bytes cached, {} dirty; regions free {} open {} full {}; index memory {} bytes ({} fixed for the device, the rest {:.3}% of cached)",
-            n(&c["cached_bytes"]),
-            n(&c["data_bytes"]),
-            n(&c["dirty_bytes"]),
+            "cache: {} cached of {} for data ({}), {} dirty (in flash only, not yet written back); regions {} free, {} open, {} full",
+            h(&c["cached_bytes"]),
+            h(&c["data_bytes"]),
+            pct(n(&c["cached_bytes"]), n(&c["data_bytes"])),
+            h(&c["dirty_bytes"]),
             n(&c["regions_free"]),
             n(&c["regions_open"]),
             n(&c["regions_full"]),
-            n(&c["index_memory_bytes"]),
-            n(&c["index_memory_fixed_bytes"]),
-            c["index_memory_ratio"].as_f64().unwrap_or(0.0) * 100.0
         );
         outln!(
-            "total: reads {} writes {} read hits {}/{} blocks; flash written {} read {}; backend read {} written {} syncs {}",
-            n(&t["guest_reads"]),
-            n(&t["guest_writes"]),
-            n(&t["read_hit_blocks"]),
-            n(&t["read_hit_blocks"]) + n(&t["read_miss_blocks"]),
-            n(&t["flash_bytes_written"]),
-            n(&t["flash_bytes_read"]),
-            n(&t["backend_bytes_read"]),
-            n(&t["backend_bytes_written"]),
-            n(&t["backend_syncs"])
+            "index memory: {} = {} fixed for the device + {:.3}% of the cached bytes (under 0.25% for pieces with nothing partially valid; a little cached or many partially written clusters read higher: docs/internals.md)",
+            h(&c["index_memory_bytes"]),
+            h(&c["index_memory_fixed_bytes"]),
+            c["index_memory_ratio"].as_f64().unwrap_or(0.0) * 100.0
+        );
+        let dev = &c["device"];
+        outln!(
+            "flash device: written {} (data {}, journal and checkpoints {}), read {}, {} syncs, {} discarded, {} checkpoints",
+            human(n(&dev["data_bytes_written"]) + n(&dev["meta_bytes_written"])),
+            h(&dev["data_bytes_written"]),
+            h(&dev["meta_bytes_written"]),
+            h(&dev["bytes_read"]),
+            n(&dev["syncs"]),
+            h(&dev["bytes_discarded"]),
+            n(&dev["checkpoints"]),
         );
         if n(&c["unreadable_blocks"]) > 0 {
             outln!(
@@ -239,49 +312,65 @@ fn print_stats(d: &serde_json::Value) {
                 n(&c["unreadable_blocks"])
             );
         }
-        let dev = &c["device"];
-        outln!(
-            "device: data zone written {} metadata zone written {} read {} syncs {} (commits waited for one in flight {} times) discarded {}; checkpoints {} (writers waited for one {} times)",
-            n(&dev["data_bytes_written"]),
-            n(&dev["meta_bytes_written"]),
-            n(&dev["bytes_read"]),
-            n(&dev["syncs"]),
-            n(&dev["sync_waits"]),
-            n(&dev["bytes_discarded"]),
-            n(&dev["checkpoints"]),
-            n(&dev["checkpoint_waits"])
-        );
-        if let Some(disks) = c["disks"].as_array() {
-            for pair in disks {
-                let (id, s) = (&pair[0], &pair[1]);
-                outln!(
-                    "  disk {}: reads {} writes {} hits {}/{} flash w {} backend r {} w {} syncs {} dirty {}",
-                    n(id),
-                    n(&s["guest_reads"]),
-                    n(&s["guest_writes"]),
-                    n(&s["read_hit_blocks"]),
-                    n(&s["read_hit_blocks"]) + n(&s["read_miss_blocks"]),
-                    n(&s["flash_bytes_written"]),
-                    n(&s["backend_bytes_read"]),
-                    n(&s["backend_bytes_written"]),
-                    n(&s["backend_syncs"]),
-                    n(&s["dirty_bytes"])
-                );
-            }
-        }
     } else {
-        outln!("no flash cache");
+        outln!("no flash cache: every request goes to the images");
     }
-    if let Some(disks) = d["disks"].as_array() {
-        for disk in disks {
-            outln!(
-                "export '{}' ({}): L2 memory cache hit ratio {:.3}",
-                disk["export"].as_str().unwrap_or(""),
-                disk["image"].as_str().unwrap_or(""),
-                disk["l2_hit_ratio"].as_f64().unwrap_or(0.0)
-            );
-        }
+    // One row per export: what the NBD clients asked, what the cache did.
+    let empty = Vec::new();
+    let exports = d["exports"].as_array().unwrap_or(&empty);
+    let disks = d["disks"].as_array().unwrap_or(&empty);
+    let cached = cache.and_then(|c| c["disks"].as_array()).unwrap_or(&empty);
+    outln!(
+        "{:<16} {:>4} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7}",
+        "EXPORT",
+        "CONN",
+        "REQUESTS",
+        "READ",
+        "WRITTEN",
+        "HIT",
+        "DIRTY",
+        "FLASH-W",
+        "STORE-R",
+        "STORE-W",
+        "SYNCS",
+        "L2-HIT"
+    );
+    for disk in disks {
+        let name = disk["export"].as_str().unwrap_or("");
+        let e = exports
+            .iter()
+            .find(|e| e["name"].as_str() == Some(name))
+            .unwrap_or(&serde_json::Value::Null);
+        let s = cached
+            .iter()
+            .find(|p| p[0] == disk["disk"])
+            .map(|p| &p[1])
+            .unwrap_or(&serde_json::Value::Null);
+        let hits = n(&s["read_hit_blocks"]);
+        let shown = if name.is_empty() { "(default)" } else { name };
+        let l2 = disk["l2_hit_ratio"]
+            .as_f64()
+            .map(|r| format!("{:.1}%", r * 100.0))
+            .unwrap_or_else(|| "-".into());
+        outln!(
+            "{:<16} {:>4} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7}",
+            shown,
+            n(&e["active_connections"]),
+            n(&e["requests"]),
+            h(&e["bytes_read"]),
+            h(&e["bytes_written"]),
+            pct(hits, hits + n(&s["read_miss_blocks"])),
+            h(&s["dirty_bytes"]),
+            h(&s["flash_bytes_written"]),
+            h(&s["backend_bytes_read"]),
+            h(&s["backend_bytes_written"]),
+            n(&s["backend_syncs"]),
+            l2
+        );
     }
+    outln!(
+        "CONN: open NBD connections; READ/WRITTEN: bytes the clients read and wrote; HIT: 4 KiB blocks of reads served from flash; DIRTY: not yet written back; FLASH-W: written to the cache device; STORE-R/W, SYNCS: traffic to the image stores; L2-HIT: qcow2 mapping lookups served from memory"
+    );
 }
 
 #[derive(clap::Args)]
@@ -332,7 +421,7 @@ pub fn recover(a: RecoverArgs) -> Result<u8> {
     }
     let Some(cache) = a.cache.as_ref().filter(|_| a.full) else {
         bail!(
-            "give --full --cache PATH to write a cache's data back to its images (fast recovery happens when serve opens the cache), or --without-cache IMAGE if an image's cache is lost"
+            "say what to recover: `--full --cache PATH` writes a cache's dirty data back so its images stand alone (before moving them to another host, or for a cache from another host); `--without-cache IMAGE` makes IMAGE usable when its cache is lost. After a crash nothing is needed: `vdcache serve` with the same cache recovers it quickly by itself"
         );
     };
     let written = vdcache_host::recover_full_at(

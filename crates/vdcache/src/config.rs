@@ -43,6 +43,9 @@ pub struct Listen {
     pub max_handshakes: Option<usize>,
     pub max_connections_per_ip: Option<usize>,
     pub max_connections_per_uid: Option<usize>,
+    /// Serve Prometheus metrics over HTTP on this address (e.g.
+    /// "127.0.0.1:9100"); absent: no metrics endpoint.
+    pub metrics: Option<String>,
     /// Seconds a client may take for its whole handshake (default 10;
     /// 0: no limit).
     pub handshake_timeout: Option<f64>,
@@ -107,6 +110,22 @@ pub struct CacheSection {
     /// Most write-back requests in flight (default 64; fewer when the
     /// storage server's latency says they only queue).
     pub writeback_depth: Option<usize>,
+    /// Built from `vdcache serve` options rather than read from a file:
+    /// errors then name the option (`--cache-size`), not the key.
+    #[serde(skip)]
+    pub from_command_line: bool,
+}
+
+impl CacheSection {
+    /// How an error names the setting `key` (`[cache] key` in a file, the
+    /// option `--flag` on the command line).
+    pub fn setting(&self, key: &str, flag: &str) -> String {
+        if self.from_command_line {
+            flag.to_string()
+        } else {
+            format!("[cache] {key}")
+        }
+    }
 }
 
 /// One export: a name and the top image of a chain.
@@ -181,11 +200,27 @@ impl ServerConfig {
             }
         }
         if let Some(c) = &self.cache {
-            for (key, v) in [("size", &c.size), ("region_size", &c.region_size)] {
+            for (key, flag, v) in [
+                ("size", "--cache-size", &c.size),
+                ("region_size", "--region-size", &c.region_size),
+                (
+                    "sequential_write_cutoff",
+                    "--sequential-write-cutoff",
+                    &c.sequential_write_cutoff,
+                ),
+            ] {
                 if let Some(v) = v {
-                    parse_size(v).with_context(|| format!("[cache] {key}"))?;
+                    parse_size(v).with_context(|| c.setting(key, flag))?;
                 }
             }
+        }
+        if let Some(m) = &self.server.metrics
+            && m.parse::<std::net::SocketAddr>().is_err()
+            && !m.contains(':')
+        {
+            bail!(
+                "the metrics address ([server] metrics, --metrics) must be HOST:PORT, such as 127.0.0.1:9187, not '{m}'"
+            );
         }
         if self.server.socket.is_none() && self.server.tcp.is_none() {
             bail!("[server] needs a socket or a tcp address");

@@ -10,12 +10,14 @@ mod cmd_check;
 mod cmd_convert;
 mod cmd_create;
 mod cmd_demo;
+mod cmd_docs;
 mod cmd_info;
 mod cmd_io;
 mod cmd_plot;
 mod cmd_replay;
 mod cmd_serve;
 mod cmd_soak;
+mod logging;
 mod meta_args;
 mod serve;
 mod soak;
@@ -31,10 +33,16 @@ use std::process::ExitCode;
     version,
     about = "A virtual disk server for qcow2 chains with a COW-aware flash cache"
 )]
-struct Cli {
-    /// More log output (repeat for more).
+pub struct Cli {
+    /// More log output (repeat for more; RUST_LOG, when set, takes precedence).
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
+    /// Log errors only: a clean run prints nothing on standard error.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
+    /// Log lines as text (coloured on a terminal) or as JSON objects.
+    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    log_format: logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -56,7 +64,7 @@ enum Command {
     /// Serve disks over NBD, optionally through a flash cache.
     Serve(Box<cmd_serve::ServeArgs>),
     /// Statistics of a running server.
-    Stats(cmd_serve::ControlArgs),
+    Stats(cmd_serve::StatsArgs),
     /// Write every dirty block of a running server back to its images.
     Flush(cmd_serve::FlushArgs),
     /// Recover a cache device offline (--full: write everything back).
@@ -71,20 +79,15 @@ enum Command {
     Soak(Box<cmd_soak::Args>),
     /// Write a synthetic block trace of a workload class (boot storm, OLTP, file server).
     TraceGen(cmd_replay::GenArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(cmd_docs::CompletionArgs),
+    /// Write man pages (vdcache.1 and one per command) into a directory.
+    Man(cmd_docs::ManArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let level = match cli.verbose {
-        0 => tracing::Level::WARN,
-        1 => tracing::Level::INFO,
-        2 => tracing::Level::DEBUG,
-        _ => tracing::Level::TRACE,
-    };
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .init();
+    logging::init(cli.verbose, cli.quiet, cli.log_format);
     let result = match cli.command {
         Command::Create(a) => cmd_create::run(a),
         Command::Info(a) => cmd_info::run(a),
@@ -101,11 +104,13 @@ fn main() -> ExitCode {
         Command::Replay(a) => cmd_replay::run(*a),
         Command::TraceGen(a) => cmd_replay::generate(a),
         Command::Soak(a) => cmd_soak::run(*a),
+        Command::Completions(a) => cmd_docs::completions(a),
+        Command::Man(a) => cmd_docs::man(a),
     };
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            errln!("vdcache: {e:#}");
+            errln!("vdcache: {}", logging::error_chain(&e));
             ExitCode::from(1)
         }
     }

@@ -4,7 +4,7 @@
 //! its own policy, and an orderly stop that leaves every image clean.
 
 use super::config::{CacheSection, ExportConfig, ServerConfig};
-use crate::size::parse_size;
+use crate::size::{human, parse_size};
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache};
@@ -31,25 +31,30 @@ pub struct Daemon {
 pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     let mut cfg = CacheConfig::default();
     if let Some(r) = &c.region_size {
-        cfg.region_bytes = parse_size(r).context("[cache] region_size")?;
+        cfg.region_bytes =
+            parse_size(r).with_context(|| c.setting("region_size", "--region-size"))?;
     }
     if let Some(p) = &c.replacement {
-        cfg.replacement = p
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("[cache] replacement: {e}"))?;
+        cfg.replacement = p.parse().map_err(|e: String| {
+            anyhow::anyhow!("{}: {e}", c.setting("replacement", "--replacement"))
+        })?;
     }
     if let Some(m) = &c.mode {
-        cfg.default_policy.mode = m.parse().context("[cache] mode")?;
+        cfg.default_policy.mode = m
+            .parse()
+            .with_context(|| c.setting("mode", "--cache-mode"))?;
     }
     if let Some(a) = &c.admission {
-        cfg.default_policy.admission = a.parse().context("[cache] admission")?;
+        cfg.default_policy.admission = a
+            .parse()
+            .with_context(|| c.setting("admission", "--admission"))?;
     }
     if let Some(s) = &c.sequential_write_cutoff {
-        cfg.default_policy.sequential_write_cutoff =
-            parse_size(s).context("[cache] sequential_write_cutoff")?;
+        cfg.default_policy.sequential_write_cutoff = parse_size(s)
+            .with_context(|| c.setting("sequential_write_cutoff", "--sequential-write-cutoff"))?;
     }
-    if let Some(c) = &c.cow {
-        cfg.default_policy.cow = c.parse().context("[cache] cow")?;
+    if let Some(cow) = &c.cow {
+        cfg.default_policy.cow = cow.parse().with_context(|| c.setting("cow", "--cow"))?;
     }
     if let Some(h) = c.high_watermark {
         cfg.high_watermark = h;
@@ -77,7 +82,7 @@ pub fn open_cache(
         .as_deref()
         .map(parse_size)
         .transpose()
-        .context("[cache] size (--cache-size)")?;
+        .with_context(|| c.setting("size", "--cache-size"))?;
     Ok(vdcache_host::open_cache_file(
         &c.path,
         size,
@@ -132,6 +137,7 @@ impl Daemon {
         let (cache, created, keep_dirty) = match &cfg.cache {
             Some(c) => {
                 let (cache, created) = open_cache(c, cache_config(c)?, format_cache)?;
+                log_opened(c, &cache, created);
                 (Some(cache), created, c.keep_dirty.unwrap_or(false))
             }
             None => (None, false, false),
@@ -193,7 +199,16 @@ impl Daemon {
                     ..OpenOptions::default()
                 },
             )
-            .with_context(|| format!("export '{}'", e.name))?;
+            .map_err(|err| {
+                // The default export of a one-image server needs no name:
+                // the error names the image.
+                let err = anyhow::Error::from(err);
+                if e.name.is_empty() {
+                    err
+                } else {
+                    err.context(format!("export '{}'", e.name))
+                }
+            })?;
             let disk = Arc::new(disk);
             disk.offer_backing_fill();
             self.disks.push(Disk {
@@ -272,6 +287,50 @@ impl Daemon {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// Says at info what the cache device held when it opened: a new cache,
+/// one fast-recovered with dirty data still to write back, or a clean one.
+fn log_opened(c: &CacheSection, cache: &FlashCache, created: bool) {
+    let r = cache.report();
+    let cfg = cache.config();
+    let what = format!(
+        "cache {}: {} for data, {} {}, {} admission, {} replacement",
+        c.path.display(),
+        human(r.data_bytes),
+        cfg.default_policy.mode.name(),
+        cfg.default_policy.cow.name(),
+        cfg.default_policy.admission.name(),
+        r.replacement
+    );
+    if created {
+        tracing::info!(
+            "{what}: formatted (new cache file of {})",
+            human(r.device_bytes)
+        );
+    } else if r.recovery.entries_replayed > 0 || r.dirty_bytes > 0 {
+        tracing::info!(
+            "{what}: fast-recovered ({} journal entries replayed) with {} dirty blocks ({}) still to write back, {} cached",
+            r.recovery.entries_replayed,
+            r.dirty_bytes / 4096,
+            human(r.dirty_bytes),
+            human(r.cached_bytes)
+        );
+    } else if r.cached_bytes > 0 {
+        tracing::info!(
+            "{what}: reopened clean, {} cached (warm)",
+            human(r.cached_bytes)
+        );
+    } else {
+        tracing::info!("{what}: opened, empty");
+    }
+    if r.recovery.damaged_blocks > 0 {
+        tracing::warn!(
+            "cache {}: {} blocks no longer verify and were dropped (see `vdcache stats`)",
+            c.path.display(),
+            r.recovery.damaged_blocks
+        );
     }
 }
 

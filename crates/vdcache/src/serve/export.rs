@@ -1,7 +1,10 @@
 //! A virtual disk as an NBD export: every NBD command mapped onto the COW
-//! engine, engine errors mapped onto NBD error values.
+//! engine, engine errors mapped onto NBD error values, each command's time
+//! recorded in the export's latency histograms (the metrics endpoint's).
 
+use super::metrics::Latency;
 use std::sync::Arc;
+use std::time::Instant;
 use vdcache_image::{HostError, ImageError, VirtualDisk, ZeroFlags as DiskZeroFlags};
 use vdcache_nbd_server::{BlockSizes, Export, ExportError, Extent, ZeroFlags};
 
@@ -11,6 +14,26 @@ const PREFETCH_CHUNK: u64 = 4 << 20;
 /// One served disk.
 pub struct DiskExport {
     pub disk: Arc<VirtualDisk>,
+    /// Where the time each command took is recorded, when measured.
+    pub latency: Option<Latency>,
+}
+
+impl DiskExport {
+    /// Runs one command of kind `op` (an index into `metrics::OPS`),
+    /// recording how long it took.
+    fn timed<T>(
+        &self,
+        op: usize,
+        f: impl FnOnce() -> Result<T, ExportError>,
+    ) -> Result<T, ExportError> {
+        let Some(l) = &self.latency else {
+            return f();
+        };
+        let start = Instant::now();
+        let r = f();
+        l.observe(op, start.elapsed());
+        r
+    }
 }
 
 fn to_nbd(e: ImageError) -> ExportError {
@@ -53,23 +76,25 @@ impl Export for DiskExport {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
-        self.disk.read(offset, buf).map_err(to_nbd)
+        self.timed(0, || self.disk.read(offset, buf).map_err(to_nbd))
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
-        self.disk.write(offset, data, fua).map_err(to_nbd)
+        self.timed(1, || self.disk.write(offset, data, fua).map_err(to_nbd))
     }
 
     fn flush(&self) -> Result<(), ExportError> {
-        self.disk.flush().map_err(to_nbd)
+        self.timed(2, || self.disk.flush().map_err(to_nbd))
     }
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
-        self.disk.discard(offset, len).map_err(to_nbd)?;
-        if fua {
-            self.disk.flush().map_err(to_nbd)?;
-        }
-        Ok(())
+        self.timed(3, || {
+            self.disk.discard(offset, len).map_err(to_nbd)?;
+            if fua {
+                self.disk.flush().map_err(to_nbd)?;
+            }
+            Ok(())
+        })
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<(), ExportError> {
@@ -80,16 +105,18 @@ impl Export for DiskExport {
                 "fast zeroing is not guaranteed".into(),
             ));
         }
-        self.disk
-            .write_zeroes(
-                offset,
-                len,
-                DiskZeroFlags {
-                    may_unmap: !flags.no_hole,
-                    fua: flags.fua,
-                },
-            )
-            .map_err(to_nbd)
+        self.timed(4, || {
+            self.disk
+                .write_zeroes(
+                    offset,
+                    len,
+                    DiskZeroFlags {
+                        may_unmap: !flags.no_hole,
+                        fua: flags.fua,
+                    },
+                )
+                .map_err(to_nbd)
+        })
     }
 
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, ExportError> {
@@ -106,13 +133,15 @@ impl Export for DiskExport {
 
     fn cache(&self, offset: u64, len: u64) -> Result<(), ExportError> {
         // A prefetch hint: reading pulls the range into the flash cache.
-        let mut buf = vec![0u8; len.min(PREFETCH_CHUNK) as usize];
-        let mut pos = offset;
-        while pos < offset + len {
-            let n = (offset + len - pos).min(PREFETCH_CHUNK) as usize;
-            self.disk.read(pos, &mut buf[..n]).map_err(to_nbd)?;
-            pos += n as u64;
-        }
-        Ok(())
+        self.timed(5, || {
+            let mut buf = vec![0u8; len.min(PREFETCH_CHUNK) as usize];
+            let mut pos = offset;
+            while pos < offset + len {
+                let n = (offset + len - pos).min(PREFETCH_CHUNK) as usize;
+                self.disk.read(pos, &mut buf[..n]).map_err(to_nbd)?;
+                pos += n as u64;
+            }
+            Ok(())
+        })
     }
 }

@@ -5,4 +5,5 @@ pub use vdcache::config;
 pub mod control;
 pub mod daemon;
 pub mod export;
+pub mod metrics;
 pub mod run;

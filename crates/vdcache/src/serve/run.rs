@@ -6,6 +6,7 @@ use super::config::ServerConfig;
 use super::control::{ControlServer, Handler, Request};
 use super::daemon::Daemon;
 use super::export::DiskExport;
+use super::metrics::{self, MetricsServer};
 use crate::size::parse_size;
 use anyhow::{Context, Result};
 use signal_hook::consts::{SIGINT, SIGTERM};
@@ -139,6 +140,13 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     for d in &daemon.disks {
         let export = Arc::new(DiskExport {
             disk: d.disk.clone(),
+            // Measured only when someone can see it: an observation
+            // takes the histogram's lock on every request.
+            latency: cfg
+                .server
+                .metrics
+                .is_some()
+                .then(|| super::metrics::latencies().for_export(&d.config.name)),
         });
         builder = builder.export_with_description(
             d.config.name.clone(),
@@ -159,11 +167,20 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             .with_context(|| format!("cannot listen on {}", path.display()))?;
     }
     if let Some(addr) = &cfg.server.tcp {
-        let bound = server
-            .listen_tcp(addr.as_str())
-            .with_context(|| format!("cannot listen on {addr}"))?;
-        errln!("vdcache: listening on tcp {bound}");
+        // The server's error already names the address.
+        let bound = server.listen_tcp(addr.as_str()).map_err(|e| {
+            anyhow::anyhow!("{e} (give an address of this host whose port is free)")
+        })?;
+        tracing::info!("listening on tcp {bound}");
     }
+    let _metrics = match &cfg.server.metrics {
+        Some(addr) => {
+            let m = MetricsServer::start(addr, metrics::registry(daemon.clone(), server.clone()))?;
+            tracing::info!("metrics on http://{}/metrics", m.addr);
+            Some(m)
+        }
+        None => None,
+    };
     let control_path = control_path(&cfg);
     let _control = match &control_path {
         Some(p) => Some(ControlServer::start(
@@ -175,8 +192,30 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         )?),
         None => None,
     };
-    errln!(
-        "vdcache: serving {} export(s){}{}",
+    for d in &daemon.disks {
+        tracing::info!(
+            "serving {}: {} ({}{}, {})",
+            if d.config.name.is_empty() {
+                "the default export".to_string()
+            } else {
+                format!("export '{}'", d.config.name)
+            },
+            d.config.image,
+            if d.disk.read_only() {
+                "read-only"
+            } else {
+                "read-write"
+            },
+            match (&daemon.cache, d.config.no_cache) {
+                (Some(_), false) => ", through the cache",
+                (Some(_), true) => ", not cached",
+                (None, _) => "",
+            },
+            crate::size::human(d.disk.size())
+        );
+    }
+    tracing::info!(
+        "serving {} export(s){}{}",
         daemon.disks.len(),
         cfg.server
             .socket
@@ -196,14 +235,32 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     if let Some(f) = filler {
         f.stop();
     }
-    errln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
+    tracing::info!(
+        "{}: stopping (finishing in-flight requests)",
+        match signal {
+            Some(SIGINT) => "SIGINT",
+            Some(SIGTERM) => "SIGTERM",
+            _ => "signal",
+        }
+    );
     server.shutdown();
+    let dirty_before = daemon.cache.as_ref().map(|c| c.report().dirty_bytes);
     let stopped = daemon.stop();
     if let Some(p) = &cfg.server.socket {
         let _ = std::fs::remove_file(p);
     }
     stopped?;
-    errln!("vdcache: stopped cleanly");
+    match (dirty_before, daemon.keep_dirty) {
+        (Some(dirty), false) => tracing::info!(
+            "stopped cleanly: {} written back from the cache, the images are complete without it",
+            crate::size::human(dirty)
+        ),
+        (Some(dirty), true) => tracing::info!(
+            "stopped cleanly: {} of dirty data kept in the cache for a fast restart on this host (--keep-dirty)",
+            crate::size::human(dirty)
+        ),
+        (None, _) => tracing::info!("stopped cleanly"),
+    }
     Ok(())
 }
 

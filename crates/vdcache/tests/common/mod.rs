@@ -148,7 +148,49 @@ pub fn exec_within(cmd: &mut Command, limit: Duration) -> Result<Out, String> {
             out.report()
         ));
     }
+    if out.desc.starts_with("vdcache ") && !out.success() {
+        assert_messages_read_well(&out.stderr, &out.desc);
+    }
     Ok(out)
+}
+
+/// What is wrong with the error lines of a failed vdcache run, if anything:
+/// a cause said twice, or a Rust `Debug` form (`Some(..)`, `Os { .. }`)
+/// where words belong. Error lines are the final `vdcache: ...` line and
+/// logged `ERROR` lines.
+pub fn message_faults(stderr: &str) -> Vec<String> {
+    let mut faults = Vec::new();
+    for line in stderr.lines() {
+        let is_error = line.starts_with("vdcache: ")
+            || line.starts_with("vdcache check: ")
+            || line.contains(" ERROR ");
+        if !is_error {
+            continue;
+        }
+        for debug in ["Some(", "None)", "{ ", "Os {", "kind: ", "Custom {"] {
+            if line.contains(debug) {
+                faults.push(format!("Debug form '{debug}' in: {line}"));
+            }
+        }
+        let parts: Vec<&str> = line.split(": ").map(str::trim).collect();
+        for (i, p) in parts.iter().enumerate() {
+            if p.len() >= 8 && parts[i + 1..].contains(p) {
+                faults.push(format!("'{p}' said twice in: {line}"));
+            }
+        }
+    }
+    faults
+}
+
+/// Fails the test if a failed vdcache run's error reads badly (see
+/// [`message_faults`]); every failing run of the suite passes through it.
+pub fn assert_messages_read_well(stderr: &str, desc: &str) {
+    let faults = message_faults(stderr);
+    assert!(
+        faults.is_empty(),
+        "{desc}: its error message repeats a cause or shows a Debug form:\n{}\n--- stderr ---\n{stderr}",
+        faults.join("\n")
+    );
 }
 
 /// Runs `cmd` and fails the test unless it exits 0.

@@ -214,6 +214,7 @@ pub fn try_serve(s: &Scratch, socket: &Path, args: &[&str]) -> Result<Proc, Stri
                 "the server should have failed with an error, got {st}\n{log}"
             );
             assert!(!log.contains("panicked"), "{log}");
+            crate::common::assert_messages_read_well(&log, "vdcache serve");
             Err(log)
         }
     }
