@@ -187,6 +187,22 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             .map(|p| format!(", control {}", p.display()))
             .unwrap_or_default()
     );
+    let fuse = match &cfg.server.fuse {
+        Some(dir) => {
+            let exports = daemon
+                .disks
+                .iter()
+                .map(|d| vdcache_fuse_server::FuseExport {
+                    name: d.config.name.clone(),
+                    disk: d.disk.clone(),
+                })
+                .collect();
+            let mounted = vdcache_fuse_server::FuseServer::mount(dir, exports)?;
+            errln!("vdcache: disks shown as files in {}", dir.display());
+            Some(mounted)
+        }
+        None => None,
+    };
     let idle_fill = cfg
         .cache
         .as_ref()
@@ -197,12 +213,14 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         f.stop();
     }
     errln!("vdcache: signal {signal:?}: stopping (finishing in-flight requests)");
+    let unmounted = fuse.map(|f| f.unmount()).transpose();
     server.shutdown();
     let stopped = daemon.stop();
     if let Some(p) = &cfg.server.socket {
         let _ = std::fs::remove_file(p);
     }
     stopped?;
+    unmounted?;
     errln!("vdcache: stopped cleanly");
     Ok(())
 }
