@@ -146,7 +146,9 @@ impl ExportConfig {
         self.journal_size.as_ref()?;
         Some(ExportConfig {
             name: format!("{}-journal", self.name),
-            image: journal_file(cache, &self.name).to_string_lossy().into_owned(),
+            image: journal_file(cache, &self.name)
+                .to_string_lossy()
+                .into_owned(),
             format: Some("raw".into()),
             description: Some(format!("virtual journal device of '{}'", self.name)),
             cache_mode: self.cache_mode.clone(),

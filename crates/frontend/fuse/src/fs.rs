@@ -7,9 +7,9 @@
 
 use crate::{FuseError, FuseExport};
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
+    OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 use std::ffi::OsStr;
 use std::sync::Arc;
@@ -245,7 +245,10 @@ impl Filesystem for DiskFs {
         let Ok(len) = u32::try_from(data.len()) else {
             return reply.error(Errno::EINVAL);
         };
-        if offset.checked_add(u64::from(len)).is_none_or(|e| e > f.disk.size()) {
+        if offset
+            .checked_add(u64::from(len))
+            .is_none_or(|e| e > f.disk.size())
+        {
             // The file cannot grow: writing past the end is a full disk.
             return reply.error(Errno::ENOSPC);
         }
