@@ -58,6 +58,12 @@ pub enum FuseError {
     },
 }
 
+/// Whether `dir` is a FUSE mount whose server is gone: the kernel answers
+/// statfs on it with ENOTCONN (a live server answers).
+fn dead_fuse_mount(dir: &Path) -> bool {
+    matches!(rustix::fs::statfs(dir), Err(e) if e == rustix::io::Errno::NOTCONN)
+}
+
 /// Worker threads reading FUSE requests: a loop device queues several.
 const THREADS: usize = 4;
 
@@ -78,6 +84,14 @@ impl FuseServer {
             dir: dir.to_path_buf(),
             source,
         };
+        if dead_fuse_mount(dir) {
+            tracing::warn!(
+                "{} is a FUSE mount whose server is gone (killed?): detaching it",
+                dir.display()
+            );
+            rustix::mount::unmount(dir, rustix::mount::UnmountFlags::DETACH)
+                .map_err(|e| dir_err(e.into()))?;
+        }
         match std::fs::metadata(dir) {
             Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
                 tracing::warn!(
