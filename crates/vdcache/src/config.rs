@@ -438,6 +438,60 @@ mod tests {
         assert_eq!(cfg.exports[0].image, "i");
     }
 
+    /// `journal_size` adds the export NAME-journal, needs the cache and a
+    /// size in whole 4 KiB blocks; every mistake names the key.
+    #[test]
+    fn journal_size_is_checked_and_names_its_export() {
+        let with = |cache: &str, extra: &str| {
+            ServerConfig::parse(&format!(
+                "[server]\nsocket = \"s\"\n{cache}[[export]]\nname = \"vm\"\nimage = \"i\"\n{extra}"
+            ))
+        };
+        let cache = "[cache]\npath = \"/c/cache.img\"\n";
+        let cfg = with(cache, "journal_size = \"32M\"\n").unwrap();
+        let j = cfg.exports[0]
+            .journal_export(&cfg.cache.as_ref().unwrap().path)
+            .unwrap();
+        assert_eq!(j.name, "vm-journal");
+        assert_eq!(j.image, "/c/cache.img.journal-vm");
+        assert_eq!(j.format.as_deref(), Some("raw"));
+        assert_eq!(
+            journal_file(Path::new("/c/x"), "a b/é"),
+            PathBuf::from("/c/x.journal-a%20b%2F%C3%A9")
+        );
+        for (cache, extra, want) in [
+            (
+                "",
+                "journal_size = \"32M\"\n",
+                "journal_size needs the flash cache",
+            ),
+            (
+                cache,
+                "journal_size = \"32M\"\nno_cache = true\n",
+                "journal_size needs",
+            ),
+            (cache, "journal_size = \"1000\"\n", "multiple of 4096"),
+            (cache, "journal_size = \"0\"\n", "multiple of 4096"),
+            (cache, "journal_size = \"lots\"\n", "journal_size"),
+        ] {
+            let err = with(cache, extra).unwrap_err().to_string();
+            assert!(err.contains(want) && err.contains("'vm'"), "{extra}: {err}");
+        }
+        let clash = ServerConfig::parse(
+            "[server]\nsocket = \"s\"\n[cache]\npath = \"c\"\n[[export]]\nname = \"vm\"\nimage = \"i\"\njournal_size = \"4M\"\n[[export]]\nname = \"vm-journal\"\nimage = \"j\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(clash.contains("'vm-journal' is used twice"), "{clash}");
+        // FUSE alone is a front end too.
+        assert!(
+            ServerConfig::parse(
+                "[server]\nfuse = \"/d\"\n[[export]]\nname = \"a\"\nimage = \"i\"\n"
+            )
+            .is_ok()
+        );
+    }
+
     /// A long export name whose 32nd byte falls inside a character is
     /// reported, not a panic (slicing it at byte 32 used to panic).
     #[test]

@@ -53,7 +53,9 @@ fn fail(op: &str, name: &str, e: &ImageError) -> Errno {
 }
 
 struct DiskFile {
+    /// The file's name ([`file_name`] of the export's).
     name: String,
+    export: String,
     disk: Arc<VirtualDisk>,
 }
 
@@ -86,12 +88,16 @@ impl DiskFs {
             }
             if let Some(f) = files.iter().find(|f| f.name == name) {
                 return Err(FuseError::SameFile {
-                    first: f.name.clone(),
+                    first: f.export.clone(),
                     second: e.name,
                     file: name,
                 });
             }
-            files.push(DiskFile { name, disk: e.disk });
+            files.push(DiskFile {
+                name,
+                export: e.name,
+                disk: e.disk,
+            });
         }
         Ok(DiskFs {
             files,
