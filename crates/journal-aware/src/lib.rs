@@ -402,7 +402,7 @@ pub fn parse_revoke(sb: &Superblock, at: u32, b: &[u8]) -> Result<Vec<u64>, Jbd2
     let count = be32(b, 12) as usize;
     let room = b.len() - sb.tail_bytes();
     let record = if sb.has(FEATURE_64BIT) { 8 } else { 4 };
-    if count < 16 || count > room || (count - 16) % record != 0 {
+    if count < 16 || count > room || !(count - 16).is_multiple_of(record) {
         return Err(bad(format!(
             "revoke byte count {count} (16 to {room}, records of {record})"
         )));

@@ -230,7 +230,7 @@ impl ServerConfig {
         }
         for e in &self.exports {
             if let Some(v) = &e.journal_size
-                && parse_size(v).is_ok_and(|b| b == 0 || b % 4096 != 0)
+                && parse_size(v).is_ok_and(|b| b == 0 || !b.is_multiple_of(4096))
             {
                 bail!(
                     "export '{}': journal_size must be a non-zero multiple of 4096 bytes, not {v}",

@@ -589,3 +589,65 @@ fn ext4_with_its_journal_on_the_virtual_journal_device() {
     assert_eq!(kept.len(), 32 << 20);
     assert!(vdcache_jbd2::Superblock::parse(&kept[4096..]).is_ok());
 }
+
+/// `serve --fuse DIR IMAGE` from the command line, next to an NBD socket:
+/// the file and the NBD export are one disk (each sees the other's writes
+/// without a flush), and SIGTERM unmounts DIR.
+#[test]
+fn the_fuse_file_and_the_nbd_export_are_one_disk() {
+    require_fuse_and_loop!();
+    let setup = Setup::new(false);
+    let dir = &setup.fuse.0;
+    let mut p = serving::serve(
+        &setup.s,
+        &setup.socket,
+        &[
+            "--fuse",
+            dir.to_str().unwrap(),
+            "--cache",
+            setup.s.path("cache.img").to_str().unwrap(),
+            "--cache-size",
+            "64M",
+            "--export-name",
+            "vm",
+            setup.delta.to_str().unwrap(),
+        ],
+    );
+    let file = dir.join("vm");
+    let start = Instant::now();
+    while !file.exists() {
+        p.assert_alive();
+        assert!(start.elapsed() < serving::DEADLINE, "{}", p.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let uri = serving::uri(&setup.socket, "vm");
+    {
+        use std::os::unix::fs::FileExt as _;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&file)
+            .unwrap();
+        f.write_all_at(&[0xab; 65536], 1 << 20).unwrap();
+        serving::qemu_io(&setup.s, "raw", &uri, &["read -P 0xab 1M 64k".into()]);
+        serving::qemu_io(&setup.s, "raw", &uri, &["write -P 0xcd 2M 64k".into()]);
+    }
+    // A fresh open drops what the kernel had cached of the file.
+    let mut got = vec![0u8; 65536];
+    {
+        use std::os::unix::fs::FileExt as _;
+        std::fs::File::open(&file)
+            .unwrap()
+            .read_exact_at(&mut got, 2 << 20)
+            .unwrap();
+    }
+    assert!(got.iter().all(|&b| b == 0xcd));
+    let log = p.stop_clean();
+    assert!(log.contains("stopped cleanly"), "{log}");
+    assert!(
+        !file.exists(),
+        "{} is still there after the stop",
+        file.display()
+    );
+    setup.qemu_img_check();
+}
