@@ -377,7 +377,7 @@ fn ext4_on_a_fuse_disk_survives_a_clean_stop_and_remount() {
     require_fuse_and_loop!();
     let setup = Setup::new(false);
     let server = setup.serve();
-    let ops = plan(600, 1, "w");
+    let ops = plan(2000, 1, "w");
     let expect = model(&ops);
     {
         let dev = Loop::attach(&setup.file("vm"));
