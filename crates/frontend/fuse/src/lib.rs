@@ -39,22 +39,22 @@ pub enum FuseError {
         second: String,
         file: String,
     },
-    #[error("cannot prepare the FUSE directory {dir}: {source}")]
+    #[error("cannot prepare the FUSE directory {dir}: {cause}")]
     Dir {
         dir: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("cannot mount FUSE on {dir} (needs root and /dev/fuse): {source}")]
+    #[error("cannot mount FUSE on {dir} (needs root and /dev/fuse): {cause}")]
     Mount {
         dir: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error(
-        "FUSE directory {dir} is still in use ({source}); it was detached lazily: close what holds its files (a loop device: losetup -d) before stopping the server"
+        "FUSE directory {dir} is still in use ({cause}); it was detached lazily: close what holds its files (a loop device: losetup -d) before stopping the server"
     )]
     Busy {
         dir: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -80,9 +80,9 @@ impl FuseServer {
     /// detached first.
     pub fn mount(dir: &Path, exports: Vec<FuseExport>) -> Result<FuseServer, FuseError> {
         let fs = fs::DiskFs::new(exports)?;
-        let dir_err = |source| FuseError::Dir {
+        let dir_err = |cause| FuseError::Dir {
             dir: dir.to_path_buf(),
-            source,
+            cause,
         };
         if dead_fuse_mount(dir) {
             tracing::warn!(
@@ -120,9 +120,9 @@ impl FuseServer {
             fuser::MountOption::DefaultPermissions,
         ];
         config.n_threads = Some(THREADS);
-        let session = fuser::spawn_mount(fs, dir, &config).map_err(|source| FuseError::Mount {
+        let session = fuser::spawn_mount(fs, dir, &config).map_err(|cause| FuseError::Mount {
             dir: dir.to_path_buf(),
-            source,
+            cause,
         })?;
         Ok(FuseServer {
             dir: dir.to_path_buf(),
@@ -148,7 +148,7 @@ impl FuseServer {
         };
         match session.umount_and_join() {
             Ok(()) => Ok(()),
-            Err(source) => {
+            Err(cause) => {
                 if let Err(e) =
                     rustix::mount::unmount(&self.dir, rustix::mount::UnmountFlags::DETACH)
                 {
@@ -156,7 +156,7 @@ impl FuseServer {
                 }
                 Err(FuseError::Busy {
                     dir: self.dir.clone(),
-                    source,
+                    cause,
                 })
             }
         }

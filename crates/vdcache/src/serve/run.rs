@@ -197,7 +197,17 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
                     disk: d.disk.clone(),
                 })
                 .collect();
-            let mounted = vdcache_fuse_server::FuseServer::mount(dir, exports)?;
+            let mounted = match vdcache_fuse_server::FuseServer::mount(dir, exports) {
+                Ok(m) => m,
+                Err(e) => {
+                    // Close the disks cleanly: nothing was served yet.
+                    server.shutdown();
+                    if let Err(stop) = daemon.stop() {
+                        tracing::error!("closing the disks: {stop:#}");
+                    }
+                    return Err(e.into());
+                }
+            };
             errln!("vdcache: disks shown as files in {}", dir.display());
             Some(mounted)
         }
