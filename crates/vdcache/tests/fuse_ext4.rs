@@ -125,11 +125,12 @@ impl Drop for FuseDir {
 /// through a flash cache over NBD and FUSE (with a journal device when
 /// `journal`).
 struct Setup {
+    // Dropped first: the mount goes before the scratch directory.
+    fuse: FuseDir,
     s: Scratch,
     socket: PathBuf,
     config: PathBuf,
     delta: PathBuf,
-    fuse: FuseDir,
 }
 
 impl Setup {
@@ -485,20 +486,15 @@ fn file_blocks(path: &Path) -> Vec<u64> {
     blocks
 }
 
-#[test]
-fn ext4_with_its_journal_on_the_virtual_journal_device() {
-    require_fuse_and_loop!();
-    let setup = Setup::new(true);
-    let server = setup.serve();
-    let mnt = setup.s.path("mnt");
-    let jdev = Loop::attach(&setup.file("vm-journal"));
-    let dev = Loop::attach(&setup.file("vm"));
-    mkfs(&["-b", "4096", "-O", "journal_dev"], &jdev.0);
-    mkfs(&["-b", "4096", "-J", &format!("device={}", jdev.0)], &dev.0);
-    let opts = |mode: &str| format!("data={mode},journal_path={}", jdev.0);
-    // data=journal: file data goes through the journal; what the kernel
-    // logged there names the blocks the files occupy.
-    let m = Mounted::mount(&dev.0, &mnt, &opts("journal"));
+/// Writes files of distinct 4 KiB blocks (one starting with the JBD2
+/// magic) on the data=journal ext4 mounted at `mnt`, fsyncs them, then
+/// parses the journal device as it is now: every block of every file must
+/// map to a committed journal copy holding exactly its bytes. Returns the
+/// files and the journal's superblock.
+fn journal_maps_the_files(
+    setup: &Setup,
+    mnt: &Path,
+) -> (Vec<(PathBuf, Vec<u8>)>, vdcache_jbd2::Superblock) {
     let mut files = Vec::new();
     for i in 0..24u64 {
         let mut data = pattern(16 << 10, 9000 + i);
@@ -552,6 +548,29 @@ fn ext4_with_its_journal_on_the_virtual_journal_device() {
     assert_eq!(
         escaped, 1,
         "exactly one logged block started with the magic"
+    );
+    (files, sb)
+}
+
+#[test]
+fn ext4_with_its_journal_on_the_virtual_journal_device() {
+    require_fuse_and_loop!();
+    let setup = Setup::new(true);
+    let server = setup.serve();
+    let mnt = setup.s.path("mnt");
+    let jdev = Loop::attach(&setup.file("vm-journal"));
+    let dev = Loop::attach(&setup.file("vm"));
+    mkfs(&["-b", "4096", "-O", "journal_dev"], &jdev.0);
+    mkfs(&["-b", "4096", "-J", &format!("device={}", jdev.0)], &dev.0);
+    let opts = |mode: &str| format!("data={mode},journal_path={}", jdev.0);
+    // data=journal: file data goes through the journal; what the kernel
+    // logged there names the blocks the files occupy.
+    let m = Mounted::mount(&dev.0, &mnt, &opts("journal"));
+    let (files, sb) = journal_maps_the_files(&setup, &mnt);
+    assert_eq!(
+        sb.incompat & (vdcache_jbd2::FEATURE_CSUM_V3 | vdcache_jbd2::FEATURE_64BIT),
+        vdcache_jbd2::FEATURE_CSUM_V3 | vdcache_jbd2::FEATURE_64BIT,
+        "mkfs.ext4's defaults: csum v3 tags with 64-bit block numbers"
     );
     let ops = plan(300, 3, "e");
     make_dirs(&mnt, "e");
@@ -649,5 +668,44 @@ fn the_fuse_file_and_the_nbd_export_are_one_disk() {
         "{} is still there after the stop",
         file.display()
     );
+    setup.qemu_img_check();
+}
+
+/// The same with a file system made without metadata_csum and 64bit: the
+/// kernel then writes plain tags with 32-bit block numbers.
+#[test]
+fn a_journal_without_checksums_or_64bit_maps_the_files_too() {
+    require_fuse_and_loop!();
+    let setup = Setup::new(true);
+    let server = setup.serve();
+    let mnt = setup.s.path("mnt");
+    let jdev = Loop::attach(&setup.file("vm-journal"));
+    let dev = Loop::attach(&setup.file("vm"));
+    let plain = ["-b", "4096", "-O", "^metadata_csum,^64bit"];
+    mkfs(&[&plain[..], &["-O", "journal_dev"]].concat(), &jdev.0);
+    mkfs(
+        &[&plain[..], &["-J", &format!("device={}", jdev.0)]].concat(),
+        &dev.0,
+    );
+    let m = Mounted::mount(
+        &dev.0,
+        &mnt,
+        &format!("data=journal,journal_path={}", jdev.0),
+    );
+    let (_, sb) = journal_maps_the_files(&setup, &mnt);
+    assert_eq!(
+        sb.incompat
+            & (vdcache_jbd2::FEATURE_CSUM_V2
+                | vdcache_jbd2::FEATURE_CSUM_V3
+                | vdcache_jbd2::FEATURE_64BIT),
+        0,
+        "{sb:?}"
+    );
+    assert_eq!(sb.tag_bytes(), 8);
+    m.unmount();
+    fsck_clean(&dev.0, Some(&jdev.0));
+    drop(dev);
+    drop(jdev);
+    server.stop_clean();
     setup.qemu_img_check();
 }

@@ -40,22 +40,13 @@ pub enum FuseError {
         file: String,
     },
     #[error("cannot prepare the FUSE directory {dir}: {cause}")]
-    Dir {
-        dir: PathBuf,
-        cause: std::io::Error,
-    },
+    Dir { dir: PathBuf, cause: std::io::Error },
     #[error("cannot mount FUSE on {dir} (needs root and /dev/fuse): {cause}")]
-    Mount {
-        dir: PathBuf,
-        cause: std::io::Error,
-    },
+    Mount { dir: PathBuf, cause: std::io::Error },
     #[error(
         "FUSE directory {dir} is still in use ({cause}); it was detached lazily: close what holds its files (a loop device: losetup -d) before stopping the server"
     )]
-    Busy {
-        dir: PathBuf,
-        cause: std::io::Error,
-    },
+    Busy { dir: PathBuf, cause: std::io::Error },
 }
 
 /// Whether `dir` is a FUSE mount whose server is gone: the kernel answers
