@@ -508,7 +508,7 @@ fn journal_maps_the_files(
         f.sync_all().unwrap();
         files.push((p, data));
     }
-    fsync_dir(&mnt).unwrap();
+    fsync_dir(mnt).unwrap();
     let journal = std::fs::read(setup.file("vm-journal")).unwrap();
     // On a journal device (4 KiB blocks) the JBD2 superblock is device
     // block 1, after the device's own ext4 superblock; journal block
