@@ -413,15 +413,47 @@ fn ext4_on_a_fuse_disk_survives_a_clean_stop_and_remount() {
 #[test]
 fn ext4_on_a_fuse_disk_keeps_every_fsynced_file_across_kill_9() {
     require_fuse_and_loop!();
-    let setup = Setup::new(false);
+    kill_9_mid_workload(None);
+}
+
+/// The same with ext4's journal on the virtual journal device, data=journal:
+/// the kernel replays the external journal (whose blocks went through the
+/// cache too) on the next mount.
+#[test]
+fn ext4_with_an_external_journal_keeps_every_fsynced_file_across_kill_9() {
+    require_fuse_and_loop!();
+    kill_9_mid_workload(Some("journal"));
+}
+
+/// Runs a workload, kills the server with SIGKILL once 150 steps are
+/// durable, restarts it, mounts (journal replay) and checks every step
+/// that completed. `external` is the data= mode of an ext4 whose journal is
+/// on the virtual journal device; None: an ordinary ext4.
+fn kill_9_mid_workload(external: Option<&str>) {
+    let setup = Setup::new(external.is_some());
     let server = setup.serve();
     let ops = plan(400, 2, "k");
     let kill_after = 150;
     let mnt = setup.s.path("mnt");
-    let done = {
+    let attach = || {
+        let jdev = external.map(|_| Loop::attach(&setup.file("vm-journal")));
         let dev = Loop::attach(&setup.file("vm"));
-        mkfs(&["-b", "4096"], &dev.0);
-        let m = Mounted::mount(&dev.0, &mnt, "rw");
+        let opts = match (external, &jdev) {
+            (Some(mode), Some(j)) => format!("data={mode},journal_path={}", j.0),
+            _ => "rw".to_string(),
+        };
+        (jdev, dev, opts)
+    };
+    let done = {
+        let (jdev, dev, opts) = attach();
+        match &jdev {
+            Some(j) => {
+                mkfs(&["-b", "4096", "-O", "journal_dev"], &j.0);
+                mkfs(&["-b", "4096", "-J", &format!("device={}", j.0)], &dev.0);
+            }
+            None => mkfs(&["-b", "4096"], &dev.0),
+        }
+        let m = Mounted::mount(&dev.0, &mnt, &opts);
         make_dirs(&mnt, "k");
         let (tx, rx) = std::sync::mpsc::channel();
         let writer = {
@@ -446,13 +478,17 @@ fn ext4_on_a_fuse_disk_keeps_every_fsynced_file_across_kill_9() {
         );
         drop(m);
         drop(dev);
+        drop(jdev);
         done
     };
     // The server cleans up its dead mount itself on restart.
     let server = setup.serve();
     {
-        let dev = Loop::attach(&setup.file("vm"));
-        let m = Mounted::mount(&dev.0, &mnt, "rw");
+        let (jdev, dev, opts) = attach();
+        // The kill left ext4 with a journal to replay.
+        let header = ok(Command::new("dumpe2fs").arg("-h").arg(&dev.0));
+        assert!(header.stdout.contains("needs_recovery"), "{}", header.stdout);
+        let m = Mounted::mount(&dev.0, &mnt, &opts);
         // Step `done` was under way: its paths may hold either state.
         let unsure = ops[done].touches();
         let compared = verify(&mnt, "k", &model(&ops[..done]), &unsure);
@@ -461,7 +497,7 @@ fn ext4_on_a_fuse_disk_keeps_every_fsynced_file_across_kill_9() {
             "{compared}"
         );
         m.unmount();
-        fsck_clean(&dev.0, None);
+        fsck_clean(&dev.0, jdev.as_ref().map(|j| j.0.as_str()));
     }
     server.stop_clean();
     setup.qemu_img_check();
