@@ -487,7 +487,11 @@ fn kill_9_mid_workload(external: Option<&str>) {
         let (jdev, dev, opts) = attach();
         // The kill left ext4 with a journal to replay.
         let header = ok(Command::new("dumpe2fs").arg("-h").arg(&dev.0));
-        assert!(header.stdout.contains("needs_recovery"), "{}", header.stdout);
+        assert!(
+            header.stdout.contains("needs_recovery"),
+            "{}",
+            header.stdout
+        );
         let m = Mounted::mount(&dev.0, &mnt, &opts);
         // Step `done` was under way: its paths may hold either state.
         let unsure = ops[done].touches();
