@@ -749,3 +749,42 @@ fn a_journal_without_checksums_or_64bit_maps_the_files_too() {
     server.stop_clean();
     setup.qemu_img_check();
 }
+
+/// The journal device's blocks live in the cache until written back: after
+/// kill -9, `recover --full` writes them to the journal's file, so the
+/// guest's journal is complete without the cache.
+#[test]
+fn recover_full_writes_the_journal_device_to_its_file() {
+    require_fuse_and_loop!();
+    let setup = Setup::new(true);
+    let server = setup.serve();
+    let data = pattern(1 << 20, 77);
+    {
+        use std::os::unix::fs::FileExt as _;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(setup.file("vm-journal"))
+            .unwrap();
+        f.write_all_at(&data, 3 << 20).unwrap();
+        f.sync_all().unwrap();
+    }
+    server.kill9();
+    let file = setup.s.path("cache.img.journal-vm");
+    let at = |bytes: &[u8]| bytes[3 << 20..4 << 20].to_vec();
+    assert!(
+        at(&std::fs::read(&file).unwrap()) != data,
+        "write-back mode: the journal's blocks were only in the cache"
+    );
+    let out = ok(setup
+        .s
+        .vdcache()
+        .args(["recover", "--full", "--cache"])
+        .arg(setup.s.path("cache.img")));
+    assert!(
+        out.stdout
+            .contains(&format!("written back: {}", file.display())),
+        "{}",
+        out.report()
+    );
+    common::assert_same_bytes("journal file", &data, &at(&std::fs::read(&file).unwrap()));
+}
