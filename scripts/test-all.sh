@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 missing=()
 for tool in qemu-img:qemu-utils qemu-io:qemu-utils qemu-nbd:qemu-utils \
-            nbdkit:nbdkit nbdinfo:libnbd-bin nbdcopy:libnbd-bin fio:fio; do
+            nbdkit:nbdkit nbdinfo:libnbd-bin nbdcopy:libnbd-bin fio:fio \
+            mkfs.ext4:e2fsprogs e2fsck:e2fsprogs filefrag:e2fsprogs losetup:mount; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
 # OpenSSL (TLS-PSK) is linked from the system.

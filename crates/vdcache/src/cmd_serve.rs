@@ -21,6 +21,10 @@ pub struct ServeArgs {
     /// Also listen on TCP (e.g. 127.0.0.1:10809); only when asked.
     #[arg(long, conflicts_with = "config")]
     tcp: Option<String>,
+    /// Also show the disk as a file in this directory (FUSE, as root), for
+    /// a loop device, mkfs and mount on the host.
+    #[arg(long, value_name = "DIR", conflicts_with = "config")]
+    fuse: Option<PathBuf>,
     /// Control socket for stats and flush (default: SOCKET.control).
     #[arg(long, conflicts_with = "config")]
     control: Option<PathBuf>,
@@ -125,8 +129,8 @@ impl ServeArgs {
         let Some(image) = self.image else {
             bail!("give an IMAGE to serve, or --config FILE");
         };
-        if self.socket.is_none() && self.tcp.is_none() {
-            bail!("give --socket PATH (or --tcp ADDR) to listen on");
+        if self.socket.is_none() && self.tcp.is_none() && self.fuse.is_none() {
+            bail!("give --socket PATH (or --tcp ADDR, or --fuse DIR) to listen on");
         }
         let cache = self.cache.map(|path| CacheSection {
             path,
@@ -148,6 +152,7 @@ impl ServeArgs {
                 socket: self.socket,
                 tcp: self.tcp,
                 control: self.control,
+                fuse: self.fuse,
                 tls: (self.tls_cert.is_some() || self.tls_psk.is_some()).then_some(TlsConfig {
                     cert: self.tls_cert,
                     key: self.tls_key,

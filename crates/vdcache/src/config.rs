@@ -32,6 +32,8 @@ pub struct Listen {
     pub tcp: Option<String>,
     /// Control socket for `vdcache stats` and `vdcache flush`.
     pub control: Option<PathBuf>,
+    /// Also show every export as a file in this directory (FUSE; root).
+    pub fuse: Option<PathBuf>,
     /// TLS: when set, clients must use it.
     pub tls: Option<TlsConfig>,
     /// Worker threads per connection (requests served in parallel).
@@ -150,6 +152,44 @@ pub struct ExportConfig {
     /// Bypass the cache for this export.
     #[serde(default)]
     pub no_cache: bool,
+    /// Size of this disk's virtual journal device: an extra export
+    /// `NAME-journal` for the guest's external ext4 journal (needs a cache).
+    pub journal_size: Option<String>,
+}
+
+impl ExportConfig {
+    /// The export of this disk's virtual journal device, if it has one:
+    /// `NAME-journal`, a raw file kept next to the cache device (see
+    /// [`journal_file`]), always through the cache.
+    pub fn journal_export(&self, cache: &Path) -> Option<ExportConfig> {
+        self.journal_size.as_ref()?;
+        Some(ExportConfig {
+            name: format!("{}-journal", self.name),
+            image: journal_file(cache, &self.name)
+                .to_string_lossy()
+                .into_owned(),
+            format: Some("raw".into()),
+            description: Some(format!("virtual journal device of '{}'", self.name)),
+            cache_mode: self.cache_mode.clone(),
+            ..ExportConfig::default()
+        })
+    }
+}
+
+/// Where the blocks of export `name`'s journal device live: the file
+/// `CACHE.journal-NAME` (bytes of the name outside `[A-Za-z0-9._-]`
+/// written as `%XX`), next to the cache device.
+pub fn journal_file(cache: &Path, name: &str) -> PathBuf {
+    let mut file = cache.as_os_str().to_owned();
+    file.push(".journal-");
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || b"._-".contains(&b) {
+            file.push(char::from(b).to_string());
+        } else {
+            file.push(format!("%{b:02X}"));
+        }
+    }
+    PathBuf::from(file)
 }
 
 impl ServerConfig {
@@ -173,7 +213,14 @@ impl ServerConfig {
         if self.exports.is_empty() {
             bail!("no [[export]] is configured");
         }
+        let journals: Vec<String> = self
+            .exports
+            .iter()
+            .filter(|e| e.journal_size.is_some())
+            .map(|e| format!("{}-journal", e.name))
+            .collect();
         let mut names: Vec<&str> = self.exports.iter().map(|e| e.name.as_str()).collect();
+        names.extend(journals.iter().map(String::as_str));
         names.sort_unstable();
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
             bail!("export name '{}' is used twice", w[0]);
@@ -193,11 +240,30 @@ impl ServerConfig {
                 ("l2_cache_size", &e.l2_cache_size),
                 ("refcount_cache_size", &e.refcount_cache_size),
                 ("meta_slice_size", &e.meta_slice_size),
+                ("journal_size", &e.journal_size),
             ] {
                 if let Some(v) = v {
                     parse_size(v).with_context(|| format!("export '{}': {key}", e.name))?;
                 }
             }
+        }
+        for e in &self.exports {
+            if let Some(v) = &e.journal_size
+                && parse_size(v).is_ok_and(|b| b == 0 || !b.is_multiple_of(4096))
+            {
+                bail!(
+                    "export '{}': journal_size must be a non-zero multiple of 4096 bytes, not {v}",
+                    e.name
+                );
+            }
+        }
+        if let Some(e) = self.exports.iter().find(|e| e.journal_size.is_some())
+            && (self.cache.is_none() || e.no_cache)
+        {
+            bail!(
+                "export '{}': journal_size needs the flash cache (a [cache] section, and no_cache unset): the journal device's blocks live in it",
+                e.name
+            );
         }
         if let Some(c) = &self.cache {
             for (key, flag, v) in [
@@ -222,8 +288,8 @@ impl ServerConfig {
                 "the metrics address ([server] metrics, --metrics) must be HOST:PORT, such as 127.0.0.1:9187, not '{m}'"
             );
         }
-        if self.server.socket.is_none() && self.server.tcp.is_none() {
-            bail!("[server] needs a socket or a tcp address");
+        if self.server.socket.is_none() && self.server.tcp.is_none() && self.server.fuse.is_none() {
+            bail!("[server] needs a socket, a tcp address or a fuse directory");
         }
         let l = &self.server;
         for (key, v) in [
@@ -405,6 +471,60 @@ mod tests {
         .unwrap();
         let cfg = ServerConfig::load(&path).unwrap();
         assert_eq!(cfg.exports[0].image, "i");
+    }
+
+    /// `journal_size` adds the export NAME-journal, needs the cache and a
+    /// size in whole 4 KiB blocks; every mistake names the key.
+    #[test]
+    fn journal_size_is_checked_and_names_its_export() {
+        let with = |cache: &str, extra: &str| {
+            ServerConfig::parse(&format!(
+                "[server]\nsocket = \"s\"\n{cache}[[export]]\nname = \"vm\"\nimage = \"i\"\n{extra}"
+            ))
+        };
+        let cache = "[cache]\npath = \"/c/cache.img\"\n";
+        let cfg = with(cache, "journal_size = \"32M\"\n").unwrap();
+        let j = cfg.exports[0]
+            .journal_export(&cfg.cache.as_ref().unwrap().path)
+            .unwrap();
+        assert_eq!(j.name, "vm-journal");
+        assert_eq!(j.image, "/c/cache.img.journal-vm");
+        assert_eq!(j.format.as_deref(), Some("raw"));
+        assert_eq!(
+            journal_file(Path::new("/c/x"), "a b/é"),
+            PathBuf::from("/c/x.journal-a%20b%2F%C3%A9")
+        );
+        for (cache, extra, want) in [
+            (
+                "",
+                "journal_size = \"32M\"\n",
+                "journal_size needs the flash cache",
+            ),
+            (
+                cache,
+                "journal_size = \"32M\"\nno_cache = true\n",
+                "journal_size needs",
+            ),
+            (cache, "journal_size = \"1000\"\n", "multiple of 4096"),
+            (cache, "journal_size = \"0\"\n", "multiple of 4096"),
+            (cache, "journal_size = \"lots\"\n", "journal_size"),
+        ] {
+            let err = with(cache, extra).unwrap_err().to_string();
+            assert!(err.contains(want) && err.contains("'vm'"), "{extra}: {err}");
+        }
+        let clash = ServerConfig::parse(
+            "[server]\nsocket = \"s\"\n[cache]\npath = \"c\"\n[[export]]\nname = \"vm\"\nimage = \"i\"\njournal_size = \"4M\"\n[[export]]\nname = \"vm-journal\"\nimage = \"j\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(clash.contains("'vm-journal' is used twice"), "{clash}");
+        // FUSE alone is a front end too.
+        assert!(
+            ServerConfig::parse(
+                "[server]\nfuse = \"/d\"\n[[export]]\nname = \"a\"\nimage = \"i\"\n"
+            )
+            .is_ok()
+        );
     }
 
     /// A long export name whose 32nd byte falls inside a character is

@@ -17,7 +17,9 @@ pub fn exercise_config(data: &[u8]) {
             // What validation promises the daemon.
             assert!(!cfg.exports.is_empty(), "a config without exports passed");
             assert!(
-                cfg.server.socket.is_some() || cfg.server.tcp.is_some(),
+                cfg.server.socket.is_some()
+                    || cfg.server.tcp.is_some()
+                    || cfg.server.fuse.is_some(),
                 "a config without a listener passed"
             );
         }

@@ -65,6 +65,7 @@ fn every_target_has_a_small_seed_corpus() {
         "nbd_handshake",
         "nbd_request",
         "nbd_reply",
+        "jbd2",
     ] {
         assert!(names.iter().any(|n| n == t), "no fuzz target {t}");
     }

@@ -169,7 +169,17 @@ impl Daemon {
         let opener = Arc::new(Stores {
             nbd: cfg.storage.nbd_options(),
         });
-        for (i, e) in cfg.exports.iter().enumerate() {
+        // Journal devices come after every disk, so the disks keep their ids.
+        let journals: Vec<ExportConfig> = match &cfg.cache {
+            Some(c) => cfg
+                .exports
+                .iter()
+                .filter_map(|e| Some((e.journal_export(&c.path)?, e.journal_size.as_deref()?)))
+                .map(|(j, size)| create_journal_file(&j, size).map(|()| j))
+                .collect::<Result<_>>()?,
+            None => Vec::new(),
+        };
+        for (i, e) in cfg.exports.iter().chain(&journals).enumerate() {
             let id = DiskId(i as u32 + 1);
             let (io, cow): (Option<Arc<dyn HostIo>>, Option<CowMode>) =
                 match (&self.cache, e.no_cache) {
@@ -331,6 +341,30 @@ fn log_opened(c: &CacheSection, cache: &FlashCache, created: bool) {
             c.path.display(),
             r.recovery.damaged_blocks
         );
+    }
+}
+
+/// Creates the file behind a journal device, zero-filled, unless it
+/// exists already with the configured size.
+fn create_journal_file(j: &ExportConfig, size: &str) -> Result<()> {
+    let bytes = parse_size(size).with_context(|| format!("export '{}': journal_size", j.name))?;
+    let path = std::path::Path::new(&j.image);
+    match std::fs::metadata(path) {
+        Ok(m) if m.len() == bytes => Ok(()),
+        Ok(m) => anyhow::bail!(
+            "export '{}': {} holds {} bytes, not journal_size {size} (remove it to start an empty journal)",
+            j.name,
+            path.display(),
+            m.len()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let f = std::fs::File::create_new(path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            f.set_len(bytes)
+                .with_context(|| format!("sizing {}", path.display()))?;
+            Ok(())
+        }
+        Err(e) => Err(e).with_context(|| format!("export '{}': {}", j.name, path.display())),
     }
 }
 

@@ -226,6 +226,32 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             .map(|p| format!(", control {}", p.display()))
             .unwrap_or_default()
     );
+    let fuse = match &cfg.server.fuse {
+        Some(dir) => {
+            let exports = daemon
+                .disks
+                .iter()
+                .map(|d| vdcache_fuse_server::FuseExport {
+                    name: d.config.name.clone(),
+                    disk: d.disk.clone(),
+                })
+                .collect();
+            let mounted = match vdcache_fuse_server::FuseServer::mount(dir, exports) {
+                Ok(m) => m,
+                Err(e) => {
+                    // Close the disks cleanly: nothing was served yet.
+                    server.shutdown();
+                    if let Err(stop) = daemon.stop() {
+                        tracing::error!("closing the disks: {stop:#}");
+                    }
+                    return Err(e.into());
+                }
+            };
+            tracing::info!("disks shown as files in {}", dir.display());
+            Some(mounted)
+        }
+        None => None,
+    };
     let idle_fill = cfg
         .cache
         .as_ref()
@@ -243,6 +269,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             _ => "signal",
         }
     );
+    let unmounted = fuse.map(|f| f.unmount()).transpose();
     server.shutdown();
     let dirty_before = daemon.cache.as_ref().map(|c| c.report().dirty_bytes);
     let stopped = daemon.stop();
@@ -250,6 +277,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         let _ = std::fs::remove_file(p);
     }
     stopped?;
+    unmounted?;
     match (dirty_before, daemon.keep_dirty) {
         (Some(dirty), false) => tracing::info!(
             "stopped cleanly: {} written back from the cache, the images are complete without it",
