@@ -48,7 +48,7 @@ pub fn open_cache_file(
     if created {
         let size = size.ok_or_else(|| HostError::NoSizeToCreate(path.to_path_buf()))?;
         create_cache_file(path, size, cfg.clone())?;
-        tracing::info!("created cache file {} ({size} bytes)", path.display());
+        tracing::debug!("created cache file {} ({size} bytes)", path.display());
     }
     let opened = (|| {
         let device = open_device(path)?;
