@@ -13,6 +13,7 @@ use fuser::{
 };
 use std::ffi::OsStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 use vdcache_image::{HostError, ImageError, VirtualDisk, ZeroFlags};
 
@@ -64,6 +65,9 @@ pub(crate) struct DiskFs {
     uid: u32,
     gid: u32,
     mounted_at: SystemTime,
+    /// Disk requests served (reads, writes, syncs, fallocates), for the
+    /// server's idle detection.
+    requests: Arc<AtomicU64>,
 }
 
 const FIRST_FILE: u64 = 2;
@@ -104,7 +108,19 @@ impl DiskFs {
             uid: rustix::process::geteuid().as_raw(),
             gid: rustix::process::getegid().as_raw(),
             mounted_at: SystemTime::now(),
+            requests: Arc::default(),
         })
+    }
+
+    /// The counter of disk requests served.
+    pub(crate) fn requests(&self) -> Arc<AtomicU64> {
+        self.requests.clone()
+    }
+
+    /// The file `ino` for a disk request, counted.
+    fn file_io(&self, ino: INodeNo) -> Option<&DiskFile> {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.file(ino)
     }
 
     fn file(&self, ino: INodeNo) -> Option<&DiskFile> {
@@ -219,7 +235,7 @@ impl Filesystem for DiskFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let Some(f) = self.file(ino) else {
+        let Some(f) = self.file_io(ino) else {
             return reply.error(Errno::ENOENT);
         };
         let end = offset.saturating_add(u64::from(size)).min(f.disk.size());
@@ -245,7 +261,7 @@ impl Filesystem for DiskFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let Some(f) = self.file(ino) else {
+        let Some(f) = self.file_io(ino) else {
             return reply.error(Errno::ENOENT);
         };
         let Ok(len) = u32::try_from(data.len()) else {
@@ -285,7 +301,7 @@ impl Filesystem for DiskFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(f) = self.file(ino) else {
+        let Some(f) = self.file_io(ino) else {
             return reply.error(Errno::ENOENT);
         };
         match f.disk.flush() {
@@ -368,7 +384,7 @@ impl Filesystem for DiskFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        let Some(f) = self.file(ino) else {
+        let Some(f) = self.file_io(ino) else {
             return reply.error(Errno::ENOENT);
         };
         let size = f.disk.size();

@@ -63,6 +63,7 @@ const THREADS: usize = 4;
 pub struct FuseServer {
     dir: PathBuf,
     session: Option<fuser::BackgroundSession>,
+    requests: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl FuseServer {
@@ -71,6 +72,7 @@ impl FuseServer {
     /// detached first.
     pub fn mount(dir: &Path, exports: Vec<FuseExport>) -> Result<FuseServer, FuseError> {
         let fs = fs::DiskFs::new(exports)?;
+        let requests = fs.requests();
         let dir_err = |cause| FuseError::Dir {
             dir: dir.to_path_buf(),
             cause,
@@ -118,7 +120,14 @@ impl FuseServer {
         Ok(FuseServer {
             dir: dir.to_path_buf(),
             session: Some(session),
+            requests,
         })
+    }
+
+    /// A counter of the disk requests (reads, writes, syncs, fallocates)
+    /// served so far: what tells a busy mount from an idle one.
+    pub fn requests(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.requests.clone()
     }
 
     /// The mounted directory.

@@ -82,6 +82,12 @@ fn file_operations_map_onto_the_disk() {
     names.sort();
     assert_eq!(names, ["a", "ro"]);
     assert_eq!(std::fs::metadata(mnt.join("a")).unwrap().len(), SIZE);
+    let requests = server.requests();
+    assert_eq!(
+        requests.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "listing and stat are no disk requests"
+    );
     let mut expect = vec![0u8; SIZE as usize];
     {
         let mut f = OpenOptions::new()
@@ -142,6 +148,9 @@ fn file_operations_map_onto_the_disk() {
         );
         assert_eq!(std::fs::metadata(mnt.join("a")).unwrap().len(), SIZE);
     }
+    // Seen by the server's idle detection: at least the fallocates and
+    // syncs above, one request each.
+    assert!(requests.load(std::sync::atomic::Ordering::Relaxed) >= 8);
     let err = OpenOptions::new()
         .write(true)
         .open(mnt.join("ro"))

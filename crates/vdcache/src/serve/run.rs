@@ -256,7 +256,8 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         .cache
         .as_ref()
         .is_some_and(|c| c.idle_fill.unwrap_or(true));
-    let filler = idle_fill.then(|| Filler::start(daemon.clone(), server.clone()));
+    let fuse_requests = fuse.as_ref().map(|f| f.requests());
+    let filler = idle_fill.then(|| Filler::start(daemon.clone(), server.clone(), fuse_requests));
     let signal = signals.forever().next();
     if let Some(f) = filler {
         f.stop();
@@ -292,8 +293,9 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     Ok(())
 }
 
-/// Fills partially valid clusters while the server is idle (no request in
-/// the last interval), a few at a time, so a busy guest never waits on it.
+/// Fills partially valid clusters while the server is idle (no NBD or FUSE
+/// request in the last interval), a few at a time, so a busy guest never
+/// waits on it.
 struct Filler {
     /// Dropping it wakes the thread at once, so stopping never waits out
     /// the rest of an interval.
@@ -305,7 +307,11 @@ const FILL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 const FILL_BATCH: usize = 16;
 
 impl Filler {
-    fn start(daemon: Arc<Daemon>, server: Arc<Server>) -> Filler {
+    fn start(
+        daemon: Arc<Daemon>,
+        server: Arc<Server>,
+        fuse_requests: Option<Arc<std::sync::atomic::AtomicU64>>,
+    ) -> Filler {
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("vdcache-filler".into())
@@ -316,6 +322,9 @@ impl Filler {
                         .iter()
                         .map(|e| e.io.requests)
                         .sum::<u64>()
+                        + fuse_requests
+                            .as_ref()
+                            .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
                 };
                 let mut last = requests(&server);
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
