@@ -110,7 +110,13 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            errln!("vdcache: {}", logging::error_chain(&e));
+            let chain = logging::error_chain(&e);
+            // A JSON log stays all JSON: the final error is its last line.
+            if matches!(cli.log_format, logging::LogFormat::Json) {
+                tracing::error!("{chain}");
+            } else {
+                errln!("vdcache: {chain}");
+            }
             ExitCode::from(1)
         }
     }

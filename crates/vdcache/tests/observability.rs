@@ -386,6 +386,29 @@ fn serve_logs_the_cache_at_info_and_nothing_when_quiet() {
     );
     assert!(lines.iter().all(|v| v["level"] == "INFO"), "{log}");
 
+    // A failure ends a JSON log with a JSON line too.
+    let out = s
+        .vdcache()
+        .args(["--log-format", "json", "serve", "--socket"])
+        .arg(s.root().join("never.sock"))
+        .arg(s.root().join("missing.qcow2"))
+        .output()
+        .expect("run vdcache");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last: serde_json::Value = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .last()
+        .expect("an error line");
+    assert_eq!(last["level"], "ERROR", "{err}");
+    assert!(
+        last["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("missing.qcow2")),
+        "{err}"
+    );
+
     // A cache device from another host is refused, saying what to do.
     let mut f = std::fs::OpenOptions::new()
         .read(true)
