@@ -396,11 +396,11 @@ fn serve_logs_the_cache_at_info_and_nothing_when_quiet() {
         .expect("run vdcache");
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    let last: serde_json::Value = err
+    let lines: Vec<serde_json::Value> = err
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
-        .last()
-        .expect("an error line");
+        .collect();
+    let last = lines.last().expect("an error line");
     assert_eq!(last["level"], "ERROR", "{err}");
     assert!(
         last["fields"]["message"]
