@@ -264,8 +264,15 @@ impl Superblock {
         if n >= self.log_end() { self.first } else { n }
     }
 
-    /// Verifies the tail checksum of a descriptor or revoke block.
-    fn check_tail(&self, at: u32, b: &[u8], what: &'static str) -> Result<(), Jbd2Error> {
+    /// Checks that block `at` of the log is one whole block, and verifies
+    /// its tail checksum (a descriptor or revoke block's).
+    fn check_block(&self, at: u32, b: &[u8], what: &'static str) -> Result<(), Jbd2Error> {
+        if b.len() != self.block_size as usize {
+            return Err(Jbd2Error::Block {
+                block: at,
+                reason: format!("{} bytes, blocks are {}", b.len(), self.block_size),
+            });
+        }
         if !self.csum_v2_or_v3() {
             return Ok(());
         }
@@ -320,14 +327,7 @@ impl Tag {
 /// for errors). The header's magic and type are the caller's to check.
 pub fn parse_descriptor(sb: &Superblock, at: u32, b: &[u8]) -> Result<Vec<Tag>, Jbd2Error> {
     let bad = |reason: String| Jbd2Error::Block { block: at, reason };
-    if b.len() != sb.block_size as usize {
-        return Err(bad(format!(
-            "{} bytes, blocks are {}",
-            b.len(),
-            sb.block_size
-        )));
-    }
-    sb.check_tail(at, b, "descriptor")?;
+    sb.check_block(at, b, "descriptor")?;
     let tag_bytes = sb.tag_bytes();
     let end = b.len() - sb.tail_bytes();
     let mut off = 12;
@@ -391,14 +391,7 @@ pub fn parse_descriptor(sb: &Superblock, at: u32, b: &[u8]) -> Result<Vec<Tag>, 
 /// Parses the block numbers of a revoke block.
 pub fn parse_revoke(sb: &Superblock, at: u32, b: &[u8]) -> Result<Vec<u64>, Jbd2Error> {
     let bad = |reason: String| Jbd2Error::Block { block: at, reason };
-    if b.len() != sb.block_size as usize {
-        return Err(bad(format!(
-            "{} bytes, blocks are {}",
-            b.len(),
-            sb.block_size
-        )));
-    }
-    sb.check_tail(at, b, "revoke")?;
+    sb.check_block(at, b, "revoke")?;
     let count = be32(b, 12) as usize;
     let room = b.len() - sb.tail_bytes();
     let record = if sb.has(FEATURE_64BIT) { 8 } else { 4 };
