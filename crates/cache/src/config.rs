@@ -132,6 +132,12 @@ pub struct DiskPolicy {
     /// only hold it until written back, at twice the device traffic.
     pub sequential_write_cutoff: u64,
     pub cow: CowMode,
+    /// The cache is the disk's home (a guest's virtual journal device,
+    /// JCache's cache-only logging): every write stays in flash, dirty,
+    /// whatever `mode` says; background write-back never copies it to the
+    /// store; only lack of flash space or an explicit write-out
+    /// ([`crate::FlashCache::write_out_held`]) does.
+    pub cache_only: bool,
 }
 
 impl Default for DiskPolicy {
@@ -142,6 +148,7 @@ impl Default for DiskPolicy {
             sequential_threshold: 4 << 20,
             sequential_write_cutoff: 4 << 20,
             cow: CowMode::CowAware,
+            cache_only: false,
         }
     }
 }

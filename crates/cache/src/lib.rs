@@ -13,6 +13,7 @@ mod checksums;
 pub mod config;
 pub mod error;
 pub mod group_sync;
+mod guest_journal;
 pub mod index;
 pub mod journal;
 pub mod layout;
@@ -27,6 +28,7 @@ mod tier;
 
 pub use config::{Admission, CacheConfig, CowMode, DiskPolicy, WriteMode};
 pub use error::{CacheError, Result};
+pub use guest_journal::JournalCounts;
 pub use region::Replacement;
 pub use stats::{DeviceStats, DiskStats};
 pub use tier::{CacheReport, FlashCache, ImageReport, RecoveryReport};

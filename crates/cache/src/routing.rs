@@ -73,6 +73,9 @@ pub(crate) fn long_run(policy: DiskPolicy, run: Option<Run>) -> bool {
 /// Where a write of class `class` continuing run `run` goes on a disk
 /// with `policy`.
 pub(crate) fn route(policy: DiskPolicy, class: WriteClass, run: Option<Run>) -> Route {
+    if policy.cache_only {
+        return Route::WriteBack { sectors: false };
+    }
     let bypass = (policy.cow == CowMode::CowAware && class.filler_only) || long_run(policy, run);
     match policy.mode {
         WriteMode::WriteBack if !bypass => Route::WriteBack {
@@ -196,6 +199,27 @@ mod tests {
                 want,
                 "{mode:?} {cow:?} {class:?} {r:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_cache_only_disk_always_stays_in_flash() {
+        for mode in [
+            WriteMode::WriteBack,
+            WriteMode::WriteThrough,
+            WriteMode::WriteAround,
+        ] {
+            for class in [DATA, FILLER, TABLES] {
+                for r in [None, run(LONG, BIG)] {
+                    let mut p = policy(mode, CowMode::CowAware);
+                    p.cache_only = true;
+                    assert_eq!(
+                        route(p, class, r),
+                        Route::WriteBack { sectors: false },
+                        "{mode:?} {class:?} {r:?}"
+                    );
+                }
+            }
         }
     }
 

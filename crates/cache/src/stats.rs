@@ -42,6 +42,12 @@ pub struct DiskCounters {
     /// Bytes of partially valid clusters write-back filled from the
     /// backing chain (never through flash).
     pub writeback_filled_bytes: AtomicU64,
+    /// 4 KiB blocks of in-place writes mapped onto the cache block of
+    /// their journal copy instead of written to flash (logical caching).
+    pub journal_copies_shared: AtomicU64,
+    /// Journal copies the log named for an in-place write whose bytes
+    /// turned out to differ (nothing shared).
+    pub journal_copy_mismatches: AtomicU64,
 }
 
 /// A plain copy of one disk's counters.
@@ -68,6 +74,8 @@ pub struct DiskStats {
     pub masked_blocks_dropped: u64,
     pub writeback_requests: u64,
     pub writeback_filled_bytes: u64,
+    pub journal_copies_shared: u64,
+    pub journal_copy_mismatches: u64,
     pub dirty_bytes: u64,
 }
 
@@ -103,6 +111,8 @@ impl DiskStats {
         self.masked_blocks_dropped += o.masked_blocks_dropped;
         self.writeback_requests += o.writeback_requests;
         self.writeback_filled_bytes += o.writeback_filled_bytes;
+        self.journal_copies_shared += o.journal_copies_shared;
+        self.journal_copy_mismatches += o.journal_copy_mismatches;
         self.dirty_bytes += o.dirty_bytes;
     }
 }
@@ -141,6 +151,8 @@ impl DiskCounters {
             masked_blocks_dropped: l(&self.masked_blocks_dropped),
             writeback_requests: l(&self.writeback_requests),
             writeback_filled_bytes: l(&self.writeback_filled_bytes),
+            journal_copies_shared: l(&self.journal_copies_shared),
+            journal_copy_mismatches: l(&self.journal_copy_mismatches),
             dirty_bytes: 0,
         }
     }

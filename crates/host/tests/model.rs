@@ -240,6 +240,7 @@ fn policy() -> impl Strategy<Value = DiskPolicy> {
             sequential_threshold: 256 << 10,
             sequential_write_cutoff: cutoff,
             cow,
+            cache_only: false,
         })
 }
 
@@ -289,6 +290,7 @@ fn writethrough_crash_after_recovery_keeps_flushed_metadata() {
         sequential_threshold: 262144,
         sequential_write_cutoff: 0,
         cow: CowMode::Stacked,
+        cache_only: false,
     };
     let ops = vec![
         Op::Write {

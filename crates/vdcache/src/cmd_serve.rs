@@ -436,6 +436,7 @@ pub fn recover(a: RecoverArgs) -> Result<u8> {
             ..vdcache_host::FullRecovery::default()
         },
     )?;
+    remove_journal_markers(cache);
     if written.is_empty() {
         outln!(
             "no dirty data in {}; the images are already complete",
@@ -446,6 +447,31 @@ pub fn recover(a: RecoverArgs) -> Result<u8> {
         outln!("written back: {w}");
     }
     Ok(0)
+}
+
+/// After full recovery no journal device's blocks live only in the cache
+/// at `cache`: their markers (see `config::journal_marker`) go.
+fn remove_journal_markers(cache: &std::path::Path) {
+    let (Some(dir), Some(file)) = (cache.parent(), cache.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        std::path::Path::new(".")
+    } else {
+        dir
+    };
+    let mut prefix = file.to_os_string();
+    prefix.push(".journal-");
+    let prefix = prefix.to_string_lossy().into_owned();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&prefix) && name.ends_with(".in-cache") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 fn abandon(image: &std::path::Path) -> Result<u8> {

@@ -155,25 +155,59 @@ pub struct ExportConfig {
     /// Size of this disk's virtual journal device: an extra export
     /// `NAME-journal` for the guest's external ext4 journal (needs a cache).
     pub journal_size: Option<String>,
+    /// Where the journal device's blocks go when they leave flash (a path
+    /// or an NBD URI; default: `CACHE.journal-NAME` next to the cache).
+    pub journal_image: Option<String>,
+    /// Journal-aware caching of the journal device (default true): its
+    /// blocks live only in flash (cache-only logging) and in-place writes
+    /// of this disk share its cached copies (logical caching). false:
+    /// the journal device is cached like any disk.
+    pub journal_aware: Option<bool>,
+    /// Set on a journal device's own export: the export it journals for.
+    #[serde(skip)]
+    pub journal_for: Option<String>,
 }
 
 impl ExportConfig {
     /// The export of this disk's virtual journal device, if it has one:
-    /// `NAME-journal`, a raw file kept next to the cache device (see
-    /// [`journal_file`]), always through the cache.
+    /// `NAME-journal`, a raw image (`journal_image`, by default a file
+    /// next to the cache device: see [`journal_file`]), always through the
+    /// cache.
     pub fn journal_export(&self, cache: &Path) -> Option<ExportConfig> {
         self.journal_size.as_ref()?;
-        Some(ExportConfig {
-            name: format!("{}-journal", self.name),
-            image: journal_file(cache, &self.name)
+        let image = match &self.journal_image {
+            Some(i) => i.clone(),
+            None => journal_file(cache, &self.name)
                 .to_string_lossy()
                 .into_owned(),
+        };
+        Some(ExportConfig {
+            name: format!("{}-journal", self.name),
+            image,
             format: Some("raw".into()),
             description: Some(format!("virtual journal device of '{}'", self.name)),
             cache_mode: self.cache_mode.clone(),
+            journal_aware: self.journal_aware,
+            journal_for: Some(self.name.clone()),
             ..ExportConfig::default()
         })
     }
+
+    /// Whether this is a journal device cached journal-aware.
+    pub fn is_aware_journal(&self) -> bool {
+        self.journal_for.is_some() && self.journal_aware.unwrap_or(true)
+    }
+}
+
+/// The file saying that the newest blocks of export `name`'s journal
+/// device may live only in the cache at `cache` (cache-only logging): it
+/// exists from the start of serving until a stop or write-out leaves
+/// nothing of the journal in flash alone, so a cache lost meanwhile is
+/// noticed rather than a stale journal served.
+pub fn journal_marker(cache: &Path, name: &str) -> PathBuf {
+    let mut file = journal_file(cache, name).into_os_string();
+    file.push(".in-cache");
+    PathBuf::from(file)
 }
 
 /// Where the blocks of export `name`'s journal device live: the file
@@ -256,6 +290,14 @@ impl ServerConfig {
                     e.name
                 );
             }
+        }
+        if let Some(e) = self.exports.iter().find(|e| {
+            e.journal_size.is_none() && (e.journal_image.is_some() || e.journal_aware.is_some())
+        }) {
+            bail!(
+                "export '{}': journal_image and journal_aware describe a journal device, which journal_size creates",
+                e.name
+            );
         }
         if let Some(e) = self.exports.iter().find(|e| e.journal_size.is_some())
             && (self.cache.is_none() || e.no_cache)
@@ -490,6 +532,26 @@ mod tests {
         assert_eq!(j.name, "vm-journal");
         assert_eq!(j.image, "/c/cache.img.journal-vm");
         assert_eq!(j.format.as_deref(), Some("raw"));
+        assert!(j.is_aware_journal(), "journal-aware by default");
+        assert!(
+            !cfg.exports[0].is_aware_journal(),
+            "a data disk is no journal"
+        );
+        assert_eq!(
+            journal_marker(Path::new("/c/cache.img"), "vm"),
+            PathBuf::from("/c/cache.img.journal-vm.in-cache")
+        );
+        let plain = with(
+            cache,
+            "journal_size = \"32M\"\njournal_aware = false\njournal_image = \"nbd+unix:///j?socket=/s\"\n",
+        )
+        .unwrap();
+        let j = plain.exports[0]
+            .journal_export(&plain.cache.as_ref().unwrap().path)
+            .unwrap();
+        assert_eq!(j.image, "nbd+unix:///j?socket=/s");
+        assert!(!j.is_aware_journal());
+        assert_eq!(j.journal_for.as_deref(), Some("vm"));
         assert_eq!(
             journal_file(Path::new("/c/x"), "a b/é"),
             PathBuf::from("/c/x.journal-a%20b%2F%C3%A9")
@@ -508,6 +570,16 @@ mod tests {
             (cache, "journal_size = \"1000\"\n", "multiple of 4096"),
             (cache, "journal_size = \"0\"\n", "multiple of 4096"),
             (cache, "journal_size = \"lots\"\n", "journal_size"),
+            (
+                cache,
+                "journal_aware = false\n",
+                "which journal_size creates",
+            ),
+            (
+                cache,
+                "journal_image = \"j.raw\"\n",
+                "which journal_size creates",
+            ),
         ] {
             let err = with(cache, extra).unwrap_err().to_string();
             assert!(err.contains(want) && err.contains("'vm'"), "{extra}: {err}");

@@ -16,9 +16,12 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[macro_use]
+mod ext4;
 mod serving;
 
 use common::{Scratch, exec, ok};
+use ext4::{Loop, Mounted, fsck_clean, mkfs};
 use serving::{Proc, pattern, qcow2, serve_config};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
@@ -27,85 +30,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 const DISK: u64 = 256 << 20;
-
-/// Why these tests cannot run here, if they cannot.
-fn unavailable() -> Option<String> {
-    if rustix_euid() != 0 {
-        return Some("not root (FUSE mounts and loop devices need root)".into());
-    }
-    if let Err(e) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/fuse")
-    {
-        return Some(format!("/dev/fuse cannot be opened: {e}"));
-    }
-    match Command::new("losetup").arg("-f").output() {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(format!(
-            "no free loop device: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Err(e) => Some(format!("cannot run losetup: {e}")),
-    }
-}
-
-fn rustix_euid() -> u32 {
-    let out = Command::new("id").arg("-u").output().unwrap();
-    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
-}
-
-macro_rules! require_fuse_and_loop {
-    () => {
-        if let Some(why) = unavailable() {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
-    };
-}
-
-/// A loop device over a file, detached when dropped.
-struct Loop(String);
-
-impl Loop {
-    fn attach(file: &Path) -> Loop {
-        let out = ok(Command::new("losetup").args(["-f", "--show"]).arg(file));
-        Loop(out.stdout.trim().to_string())
-    }
-}
-
-impl Drop for Loop {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").args(["-d", &self.0]).status();
-    }
-}
-
-/// A mounted file system, unmounted (lazily if it must) when dropped.
-struct Mounted(PathBuf);
-
-impl Mounted {
-    fn mount(dev: &str, dir: &Path, opts: &str) -> Mounted {
-        std::fs::create_dir_all(dir).unwrap();
-        ok(Command::new("mount")
-            .args(["-t", "ext4", "-o", opts, dev])
-            .arg(dir));
-        Mounted(dir.to_path_buf())
-    }
-
-    fn unmount(self) {
-        ok(Command::new("umount").arg(&self.0));
-        std::mem::forget(self);
-    }
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let clean = Command::new("umount").arg(&self.0).status();
-        if !clean.is_ok_and(|s| s.success()) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
-    }
-}
 
 /// The server's FUSE directory: lazily unmounted when dropped if a dead or
 /// live FUSE mount is still on it.
@@ -199,26 +123,6 @@ impl Setup {
         );
         assert!(out.success(), "qemu-img check\n{}", out.report());
     }
-}
-
-fn mkfs(args: &[&str], dev: &str) {
-    ok(Command::new("mkfs.ext4").arg("-q").args(args).arg(dev));
-}
-
-/// `e2fsck -fn` must find nothing to fix (exit 0).
-fn fsck_clean(dev: &str, journal: Option<&str>) {
-    let mut cmd = Command::new("e2fsck");
-    cmd.arg("-fn");
-    if let Some(j) = journal {
-        cmd.args(["-j", j]);
-    }
-    let out = exec(cmd.arg(dev));
-    assert_eq!(
-        out.code(),
-        Some(0),
-        "e2fsck -fn is not clean\n{}",
-        out.report()
-    );
 }
 
 /// One step of the file workload.
@@ -618,6 +522,29 @@ fn ext4_with_its_journal_on_the_virtual_journal_device() {
         apply(&mnt, op).unwrap();
     }
     m.unmount();
+    // Journal-aware: the kernel's checkpoint writes found their logged
+    // copies in flash and shared them; the log parsed without errors.
+    let stats = serving::stats(&setup.s, &setup.socket);
+    let shared = stats["cache"]["total"]["journal_copies_shared"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        shared > 100,
+        "in-place blocks sharing journal copies: {shared}"
+    );
+    let journal = stats["disks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["export"] == "vm-journal")
+        .unwrap()["journal"]
+        .clone();
+    assert!(journal["descriptors"].as_u64().unwrap() > 0, "{journal}");
+    assert_eq!(journal["errors"].as_u64(), Some(0), "{journal}");
+    assert!(
+        stats["cache"]["held_bytes"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
     fsck_clean(&dev.0, Some(&jdev.0));
     // data=ordered: metadata only in the journal.
     let m = Mounted::mount(&dev.0, &mnt, &opts("ordered"));
@@ -642,11 +569,22 @@ fn ext4_with_its_journal_on_the_virtual_journal_device() {
     drop(jdev);
     server.stop_clean();
     setup.qemu_img_check();
-    // The journal device's blocks were written back to its file next to
-    // the cache: it is still an ext4 journal device.
-    let kept = std::fs::read(setup.s.path("cache.img.journal-vm")).unwrap();
+    // Cache-only logging: a clean stop leaves the journal in flash (its
+    // file untouched, a marker saying so); full recovery writes it out.
+    let journal_file = setup.s.path("cache.img.journal-vm");
+    let marker = setup.s.path("cache.img.journal-vm.in-cache");
+    let kept = std::fs::read(&journal_file).unwrap();
     assert_eq!(kept.len(), 32 << 20);
+    assert!(kept.iter().all(|&b| b == 0), "the journal never left flash");
+    assert!(marker.exists());
+    ok(setup
+        .s
+        .vdcache()
+        .args(["recover", "--full", "--cache"])
+        .arg(setup.s.path("cache.img")));
+    let kept = std::fs::read(&journal_file).unwrap();
     assert!(vdcache_jbd2::Superblock::parse(&kept[4096..]).is_ok());
+    assert!(!marker.exists(), "written out: nothing lives only in flash");
 }
 
 /// `serve --fuse DIR IMAGE` from the command line, next to an NBD socket:

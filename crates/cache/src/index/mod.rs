@@ -341,10 +341,57 @@ pub struct Index {
     summaries: Summaries,
     sparse: SparseTable,
     live_lines: usize,
-    dirty_blocks: u64,
+    dirty: DirtyCount,
     present_blocks: u64,
     /// Memory sized by the device, held however little is cached.
     fixed_bytes: u64,
+}
+
+/// Dirty blocks, in all and of held images.
+#[derive(Debug, Default)]
+struct DirtyCount {
+    all: u64,
+    held: u64,
+    /// One bit per image id; empty while no image is held.
+    held_images: Vec<u64>,
+}
+
+impl DirtyCount {
+    fn is_held(&self, image: u16) -> bool {
+        self.held_images
+            .get(usize::from(image) / 64)
+            .is_some_and(|w| w & (1 << (image % 64)) != 0)
+    }
+
+    fn add(&mut self, key: u64, n: u64) {
+        self.all += n;
+        if self.is_held(key_image(key)) {
+            self.held += n;
+        }
+    }
+
+    fn sub(&mut self, key: u64, n: u64) {
+        self.all -= n;
+        if self.is_held(key_image(key)) {
+            self.held -= n;
+        }
+    }
+
+    /// Holds `image` (whose lines have `dirty` dirty blocks now), or
+    /// releases it.
+    fn set_held(&mut self, image: u16, held: bool, dirty: u64) {
+        if self.held_images.is_empty() {
+            self.held_images = vec![0; (1 << 16) / 64];
+        }
+        let word = &mut self.held_images[usize::from(image) / 64];
+        if held {
+            *word |= 1 << (image % 64);
+            self.held += dirty;
+        } else {
+            *word &= !(1 << (image % 64));
+            self.held -= dirty;
+        }
+    }
 }
 
 impl std::fmt::Debug for Index {
@@ -352,7 +399,7 @@ impl std::fmt::Debug for Index {
         f.debug_struct("Index")
             .field("lines", &self.live_lines)
             .field("present_blocks", &self.present_blocks)
-            .field("dirty_blocks", &self.dirty_blocks)
+            .field("dirty_blocks", &self.dirty.all)
             .finish()
     }
 }
@@ -372,7 +419,7 @@ impl Index {
             summaries: Summaries::new(regions, blocks_per_region),
             sparse: SparseTable::new(data_blocks),
             live_lines: 0,
-            dirty_blocks: 0,
+            dirty: DirtyCount::default(),
             present_blocks: 0,
             fixed_bytes: 0,
         };
@@ -544,7 +591,7 @@ impl Index {
         let old = match self.sparse.upsert(e, SPARSE_MAX) {
             Upsert::Refused => return None,
             Upsert::Replaced(old, was_dirty) => {
-                self.dirty_blocks -= u64::from(was_dirty);
+                self.dirty.sub(e.key, u64::from(was_dirty));
                 Some((old, BlockRef::SPARSE))
             }
             Upsert::Added => {
@@ -552,7 +599,7 @@ impl Index {
                 None
             }
         };
-        self.dirty_blocks += u64::from(e.dirty);
+        self.dirty.add(e.key, u64::from(e.dirty));
         self.take_first_reference(e.cbn, e.key, e.slot);
         Some(old)
     }
@@ -665,7 +712,10 @@ impl Index {
             None
         };
         if line.dirty & bit != 0 {
-            self.dirty_blocks -= 1;
+            self.dirty.sub(key, 1);
+        }
+        if dirty {
+            self.dirty.add(key, 1);
         }
         let l = self.line_mut(idx);
         // A partially valid line keeps the guest cluster it was allocated
@@ -675,7 +725,6 @@ impl Index {
         }
         if dirty {
             l.dirty |= bit;
-            self.dirty_blocks += 1;
         } else {
             l.dirty &= !bit;
         }
@@ -683,7 +732,8 @@ impl Index {
         old
     }
 
-    fn is_referenced(&self, cbn: Cbn) -> bool {
+    /// Whether some slot references `cbn`.
+    pub fn is_referenced(&self, cbn: Cbn) -> bool {
         self.referenced[cbn as usize / 64] & (1 << (cbn % 64)) != 0
     }
 
@@ -758,7 +808,7 @@ impl Index {
         let Some(idx) = self.find(key) else {
             let (cbn, dirty) = self.sparse.remove(key, slot)?;
             self.present_blocks -= 1;
-            self.dirty_blocks -= u64::from(dirty);
+            self.dirty.sub(key, u64::from(dirty));
             self.resize_sparse();
             return Some((cbn, dirty, BlockRef::SPARSE));
         };
@@ -771,7 +821,7 @@ impl Index {
         self.line_mut(idx).dirty &= !bit;
         self.present_blocks -= 1;
         if dirty {
-            self.dirty_blocks -= 1;
+            self.dirty.sub(key, 1);
         }
         self.settle(idx);
         Some((cbn, dirty, BlockRef::new(idx, slot)))
@@ -781,7 +831,7 @@ impl Index {
     pub fn mark_clean(&mut self, key: u64, slot: usize, cbn: Cbn) -> bool {
         let Some(idx) = self.find(key) else {
             let cleaned = self.sparse.mark_clean(key, slot, cbn);
-            self.dirty_blocks -= u64::from(cleaned);
+            self.dirty.sub(key, u64::from(cleaned));
             return cleaned;
         };
         let bit = 1u16 << slot;
@@ -790,7 +840,7 @@ impl Index {
             return false;
         }
         self.line_mut(idx).dirty &= !bit;
-        self.dirty_blocks -= 1;
+        self.dirty.sub(key, 1);
         true
     }
 
@@ -844,7 +894,39 @@ impl Index {
     }
 
     pub fn dirty_blocks(&self) -> u64 {
-        self.dirty_blocks
+        self.dirty.all
+    }
+
+    /// Dirty blocks of held images: not counted against the write-back
+    /// watermarks.
+    pub fn held_dirty_blocks(&self) -> u64 {
+        self.dirty.held
+    }
+
+    /// Dirty blocks the background write-back is to bring down: those of
+    /// images that are not held.
+    pub fn writeback_dirty_blocks(&self) -> u64 {
+        self.dirty.all - self.dirty.held
+    }
+
+    /// Whether image `image`'s blocks are held (see [`Self::set_held`]).
+    pub fn is_held(&self, image: u16) -> bool {
+        self.dirty.is_held(image)
+    }
+
+    /// Marks image `image`'s blocks as held, or no longer: the cache is
+    /// their home (a guest's journal device, cache-only logging), so its
+    /// dirty blocks are counted apart from those write-back must bring down.
+    pub fn set_held(&mut self, image: u16, held: bool) {
+        if self.dirty.is_held(image) == held {
+            return;
+        }
+        let dirty: u64 = self
+            .lines()
+            .filter(|l| key_image(l.key) == image)
+            .map(|l| u64::from(l.dirty.count_ones()))
+            .sum();
+        self.dirty.set_held(image, held, dirty);
     }
 
     pub fn present_blocks(&self) -> u64 {

@@ -99,12 +99,25 @@ impl FlashCache {
     /// Blocks the cache holds of another file under the same name are
     /// dropped; if some of them hold data that file lacked, the image is
     /// refused instead, naming what happened.
+    /// A disk whose policy makes the cache its home (`cache_only`) gets its
+    /// image held (see [`crate::index::Index::set_held`]).
     pub(crate) fn attach_image(
         &self,
         image: &ImageHandle,
         disk: DiskId,
         found: &ImageIdentity,
     ) -> Result<u16> {
+        let id = self.bind_image(image, disk, found)?;
+        let mut st = self.lock();
+        let held = st
+            .catalog
+            .policy(disk, self.config.default_policy)
+            .cache_only;
+        st.index.set_held(id, held);
+        Ok(id)
+    }
+
+    fn bind_image(&self, image: &ImageHandle, disk: DiskId, found: &ImageIdentity) -> Result<u16> {
         let mut st = self.lock();
         let Some(id) = st.catalog.id_of(&image.name) else {
             return self.register_image(&mut st, image, disk, found);

@@ -22,6 +22,9 @@ pub(crate) struct DirtySet {
     pub writeback_busy: bool,
     /// How many callers wait for every dirty block to be written back.
     pub drain_requests: u64,
+    /// How many of them want held blocks written out too (see
+    /// [`crate::index::Index::set_held`]).
+    pub held_requests: u64,
 }
 
 impl DirtySet {
@@ -34,6 +37,11 @@ impl DirtySet {
     /// Whether anyone waits for the queue to empty.
     pub(crate) fn draining(&self) -> bool {
         self.drain_requests > 0
+    }
+
+    /// Whether held images' dirty blocks are to be written out now.
+    pub(crate) fn writing_out_held(&self) -> bool {
+        self.held_requests > 0
     }
 }
 

@@ -50,6 +50,7 @@ mod epochs;
 mod fills;
 mod history;
 mod ledger;
+mod logical;
 mod metastore;
 mod partial;
 mod ranges;
@@ -109,6 +110,8 @@ pub(crate) struct State {
     pub history: history::WriteHistory,
     /// Dirty metadata sectors (cow-aware write-back).
     pub meta: metastore::MetaStore,
+    /// Guests' journal devices and what their logs say (see `logical`).
+    pub guest_journals: crate::guest_journal::GuestJournals,
 }
 
 impl State {
@@ -149,10 +152,12 @@ impl State {
 
     /// Whether an open image has dirty blocks or metadata sectors: what a
     /// drain waits for. Dirty data of an image nobody opened stays in
-    /// flash until one does (or `recover --full`).
+    /// flash until one does (or `recover --full`), and so do held images'
+    /// blocks unless they are being written out.
     pub(crate) fn open_dirty(&self) -> bool {
         (0..self.catalog.images.len() as u16).any(|id| {
             self.is_open(id)
+                && self.writes_back(id)
                 && (self
                     .dirty
                     .lines
@@ -160,6 +165,12 @@ impl State {
                     .any(|&key| self.has_writable_dirty(key))
                     || self.meta.has_dirty_of(id))
         })
+    }
+
+    /// Whether write-back copies image `id`'s dirty blocks now: always,
+    /// but for a held image's, which only an explicit write-out copies.
+    pub(crate) fn writes_back(&self, id: u16) -> bool {
+        !self.index.is_held(id) || self.dirty.writing_out_held()
     }
 
     /// Whether line `key` has a dirty block that can still be written
@@ -288,6 +299,7 @@ impl FlashCache {
             dirty: dirty::DirtySet::default(),
             history: history::WriteHistory::default(),
             meta: metastore::MetaStore::default(),
+            guest_journals: Default::default(),
         }
     }
 

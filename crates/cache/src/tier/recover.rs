@@ -256,8 +256,7 @@ fn recover_state(
         for (slot, cbn, crc) in l.cbn {
             check_cbn(&layout, cbn)?;
             let dirty = l.dirty & (1 << slot) != 0;
-            st.map_block(l.key, l.guest, slot, cbn, dirty, crc);
-            st.regions.restore_block(cbn);
+            restore_mapping(&mut st, l.key, l.guest, slot, cbn, dirty, crc);
             if dirty {
                 st.dirty.lines.insert(l.key);
             }
@@ -298,6 +297,29 @@ fn recover_state(
         }
     }
     Ok((st, report))
+}
+
+/// Maps a slot as a checkpoint or a journal record says. A block counts
+/// as live in its region once, however many slots share it (journal-aware
+/// caching maps a file-system block onto its journal copy's block).
+fn restore_mapping(
+    st: &mut State,
+    key: u64,
+    guest: u64,
+    slot: usize,
+    cbn: u32,
+    dirty: bool,
+    crc: u32,
+) {
+    let newly_live = !st.index.is_referenced(cbn);
+    if let Some((old, r)) = st.map_block(key, guest, slot, cbn, dirty, crc)
+        && st.index.release(old, r)
+    {
+        st.regions.release_block(old);
+    }
+    if newly_live {
+        st.regions.restore_block(cbn);
+    }
 }
 
 /// A run of metadata sectors a record names must be plausible.
@@ -560,12 +582,7 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
         } => {
             check_cbn(layout, cbn)?;
             let slot = usize::from(slot) % crate::layout::LINE_BLOCKS as usize;
-            if let Some((old, r)) = st.map_block(key, guest, slot, cbn, dirty, crc)
-                && st.index.release(old, r)
-            {
-                st.regions.release_block(old);
-            }
-            st.regions.restore_block(cbn);
+            restore_mapping(st, key, guest, slot, cbn, dirty, crc);
             if dirty {
                 st.dirty.lines.insert(key);
             } else if st.index.get(key).is_none_or(|l| l.dirty == 0) {

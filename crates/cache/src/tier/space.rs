@@ -29,6 +29,15 @@ pub(crate) struct ReclaimCounts {
     pub by_scan: u64,
 }
 
+/// What came of moving a block within flash.
+enum Moved {
+    Yes,
+    /// Its copy no longer verifies (the device damaged it).
+    Damaged,
+    /// No free space in the promotion stream.
+    NoRoom,
+}
+
 /// Where a region's references were found.
 pub(crate) enum RefsFrom {
     /// It held nothing live.
@@ -263,6 +272,7 @@ impl FlashCache {
             crate::reinsertion::policy(self.config.relocate_hot).budget(&st.regions, victim);
         let mut dirty: Vec<DirtyBlock> = Vec::new();
         let mut relocate: Vec<DirtyBlock> = Vec::new();
+        let mut held: Vec<DirtyBlock> = Vec::new();
         let mut keys = Vec::new();
         for (key, slot, cbn) in refs {
             keys.push(key);
@@ -270,7 +280,9 @@ impl FlashCache {
                 .index
                 .get(key)
                 .is_some_and(|l| l.dirty & (1 << slot) != 0);
-            if is_dirty {
+            if is_dirty && st.index.is_held(crate::index::key_image(key)) {
+                held.push((key, slot, cbn));
+            } else if is_dirty {
                 dirty.push((key, slot, cbn));
             } else if (relocate.len() as u32) < budget {
                 relocate.push((key, slot, cbn));
@@ -278,6 +290,9 @@ impl FlashCache {
                 self.unmap_block(st, key, slot);
             }
         }
+        // Held blocks live only in flash: moved, while flash has room
+        // for them, else written out like any dirty block.
+        dirty.extend(self.relocate_held(st, &held)?);
         if !dirty.is_empty() {
             self.commit_before_bypass(st)?;
             let backends = self.backends_of(st, &dirty)?;
@@ -308,45 +323,89 @@ impl FlashCache {
     /// Copies hot clean blocks into the promotion stream (only into space
     /// that is already free: relocation never triggers another eviction).
     fn relocate(&self, st: &mut State, blocks: &[DirtyBlock]) -> Result<()> {
-        let mut buf = vec![0u8; BLOCK as usize];
         for &(key, slot, cbn) in blocks {
-            let Some((dst, 1)) = st.regions.allocate(Stream::Promote, 1) else {
-                self.unmap_block(st, key, slot);
-                continue;
-            };
-            self.device
-                .read_at(&mut buf, self.layout.block_offset(cbn))
-                .map_err(CacheError::device("read block"))?;
-            self.device
-                .write_at(&buf, self.layout.block_offset(dst))
-                .map_err(CacheError::device("write block"))?;
-            let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
-            let crc = crc32c::crc32c(&buf);
-            if st.integrity.crcs.get(cbn) != Some(crc) {
+            match self.move_block(st, key, slot, cbn, false)? {
+                Moved::Yes => st
+                    .ledger
+                    .clean_copy_needs_sync(crate::index::key_image(key)),
                 // The device damaged this clean copy: drop it, the image
                 // still has the bytes.
-                tracing::warn!(cbn, "a clean cache block does not verify: dropped");
-                self.unmap_block(st, key, slot);
-                st.regions.release_block(dst);
-                continue;
+                Moved::Damaged => {
+                    tracing::warn!(cbn, "a clean cache block does not verify: dropped");
+                    self.unmap_block(st, key, slot);
+                }
+                Moved::NoRoom => {
+                    self.unmap_block(st, key, slot);
+                }
             }
-            if let Some((old, r)) = st.map_block(key, guest, slot, dst, false, crc)
-                && st.index.release(old, r)
-            {
-                st.regions.release_block(old);
-            }
-            st.ledger
-                .clean_copy_needs_sync(crate::index::key_image(key));
-            st.journal.push(&Entry::Map {
-                key,
-                slot: slot as u8,
-                cbn: dst,
-                guest,
-                dirty: false,
-                crc,
-            });
         }
         Ok(())
+    }
+
+    /// Moves held dirty blocks (see [`crate::index::Index::set_held`]) into
+    /// the promotion stream, as long as held blocks take at most half of
+    /// flash and free space takes them; returns those that must be written
+    /// out instead.
+    fn relocate_held(&self, st: &mut State, blocks: &[DirtyBlock]) -> Result<Vec<DirtyBlock>> {
+        let mut out = Vec::new();
+        for &(key, slot, cbn) in blocks {
+            if st.index.held_dirty_blocks() * 2 > self.layout.cacheable_blocks() {
+                out.push((key, slot, cbn));
+                continue;
+            }
+            match self.move_block(st, key, slot, cbn, true)? {
+                Moved::Yes => {}
+                Moved::Damaged => {
+                    // Its content is lost: the region goes, the loss stays.
+                    self.lose_block(st, key, slot);
+                    self.unmap_block(st, key, slot);
+                }
+                Moved::NoRoom => out.push((key, slot, cbn)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Copies block `cbn` of (line `key`, `slot`) into free space of the
+    /// promotion stream and maps the slot there, `dirty` or clean.
+    fn move_block(
+        &self,
+        st: &mut State,
+        key: u64,
+        slot: usize,
+        cbn: Cbn,
+        dirty: bool,
+    ) -> Result<Moved> {
+        let Some((dst, 1)) = st.regions.allocate(Stream::Promote, 1) else {
+            return Ok(Moved::NoRoom);
+        };
+        let mut buf = vec![0u8; BLOCK as usize];
+        self.device
+            .read_at(&mut buf, self.layout.block_offset(cbn))
+            .map_err(CacheError::device("read block"))?;
+        let crc = crc32c::crc32c(&buf);
+        if st.integrity.crcs.get(cbn) != Some(crc) {
+            st.regions.release_block(dst);
+            return Ok(Moved::Damaged);
+        }
+        self.device
+            .write_at(&buf, self.layout.block_offset(dst))
+            .map_err(CacheError::device("write block"))?;
+        let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
+        if let Some((old, r)) = st.map_block(key, guest, slot, dst, dirty, crc)
+            && st.index.release(old, r)
+        {
+            st.regions.release_block(old);
+        }
+        st.journal.push(&Entry::Map {
+            key,
+            slot: slot as u8,
+            cbn: dst,
+            guest,
+            dirty,
+            crc,
+        });
+        Ok(Moved::Yes)
     }
 
     /// The stores of the images the blocks belong to.

@@ -10,6 +10,7 @@
 
 use super::commit::Unsynced;
 use super::ledger::UnjournaledClean;
+use super::logical::JournalCopy;
 use super::write::{Blocks, block_guests, sub_segments};
 use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
@@ -87,6 +88,23 @@ impl FlashCache {
         tag: IoTag,
         keep_copy: Keep,
     ) -> Result<()> {
+        self.write_through_sharing(image, id, off, len, segments, tag, keep_copy, &[])
+    }
+
+    /// [`Self::write_through`] where the clean copies of `shared` blocks
+    /// are their journal copies' cache blocks (see `logical`), not new ones.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn write_through_sharing(
+        &self,
+        image: &ImageHandle,
+        id: u16,
+        off: u64,
+        len: u64,
+        segments: &[WriteSegment<'_>],
+        tag: IoTag,
+        keep_copy: Keep,
+        shared: &[JournalCopy],
+    ) -> Result<()> {
         let first = off / BLOCK;
         let last = (off + len - 1) / BLOCK;
         let _range = self.ranges.lock(&[(id, first * BLOCK, (last + 1) * BLOCK)]);
@@ -139,7 +157,7 @@ impl FlashCache {
             self.update_dirty(image, id, s, e - s, &part, tag)?;
         }
         if !whole.is_empty() {
-            self.keep_clean_copies(id, off, segments, &whole, tag, mark)?;
+            self.keep_clean_copies(id, off, segments, &whole, tag, mark, shared)?;
         }
         Ok(())
     }
@@ -192,7 +210,10 @@ impl FlashCache {
     }
 
     /// Stores clean copies of whole written blocks (write-through), to be
-    /// journaled once the backend sync through `mark` ran.
+    /// journaled once the backend sync through `mark` ran. Blocks in
+    /// `shared` take their journal copy's cache block instead of a new one
+    /// (written anew if the copy moved meanwhile).
+    #[allow(clippy::too_many_arguments)]
     fn keep_clean_copies(
         &self,
         id: u16,
@@ -201,10 +222,35 @@ impl FlashCache {
         whole: &[u64],
         tag: IoTag,
         mark: u64,
+        shared: &[JournalCopy],
     ) -> Result<()> {
         let blocks = Blocks {
             pieces: segments.iter().map(|s| s.data).collect(),
         };
+        let first_block = whole.first().copied().unwrap_or(0);
+        let span = whole.last().map_or(0, |l| l - first_block + 1);
+        let guests = block_guests(off, segments, first_block, span);
+        let unshared: Vec<u64> = {
+            let mut st = self.lock();
+            let mut rest = Vec::with_capacity(whole.len());
+            let mut held = 0;
+            for &b in whole {
+                let guest = guests[(b - first_block) as usize];
+                match shared.iter().find(|c| c.block == b) {
+                    Some(c) if self.share_journal_copy(&mut st, id, c, guest, false) => {
+                        Self::hold_clean_copy(&mut st, id, b, c.cbn, guest, c.crc, mark);
+                        held += 1;
+                    }
+                    _ => rest.push(b),
+                }
+            }
+            bump(&self.stats.disk(tag.disk).journal_copies_shared, held);
+            rest
+        };
+        let whole = &unshared[..];
+        if whole.is_empty() {
+            return Ok(());
+        }
         let runs = {
             let mut st = self.lock();
             self.allocate(&mut st, Stream::Write, whole.len() as u32)?
@@ -240,9 +286,6 @@ impl FlashCache {
         }
         let mut st = self.lock();
         self.settle(&mut st, &runs);
-        let first_block = whole.first().copied().unwrap_or(0);
-        let span = whole.last().map_or(0, |l| l - first_block + 1);
-        let guests = block_guests(off, segments, first_block, span);
         for &(b, cbn) in &placed {
             let Some(&(_, _, crc)) = written.iter().find(|w| w.1 == cbn) else {
                 st.regions.release_block(cbn);
@@ -259,16 +302,7 @@ impl FlashCache {
             if st.index.get(key).is_none_or(|l| l.dirty == 0) {
                 st.dirty.lines.remove(&key);
             }
-            st.ledger.hold_clean(
-                (key, slot as u8),
-                UnjournaledClean {
-                    image: id,
-                    mark,
-                    cbn,
-                    guest,
-                    crc,
-                },
-            );
+            Self::hold_clean_copy(&mut st, id, b, cbn, guest, crc, mark);
         }
         self.keep_reserve(&mut st)?;
         if st.ledger.clean_over_limit() {
@@ -280,6 +314,21 @@ impl FlashCache {
             }
         }
         Ok(())
+    }
+
+    /// Holds the clean copy `cbn` of block `b` of image `id` out of the
+    /// journal until the backend sync through `mark` ran.
+    fn hold_clean_copy(st: &mut State, id: u16, b: u64, cbn: Cbn, guest: u64, crc: u32, mark: u64) {
+        st.ledger.hold_clean(
+            (line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as u8),
+            UnjournaledClean {
+                image: id,
+                mark,
+                cbn,
+                guest,
+                crc,
+            },
+        );
     }
 
     /// Before a write to the backend: forgets the clean flash copies of

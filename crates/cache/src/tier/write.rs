@@ -7,6 +7,7 @@
 //! Where a write goes is `routing`'s decision; writes to the backend are
 //! `through`'s.
 
+use super::logical::JournalCopy;
 use super::metastore::{overlay, table_sectors};
 use super::{FlashCache, State};
 use crate::admission::Run;
@@ -65,6 +66,14 @@ fn observe_write_run(
         st.write_streams
             .observe(tag.disk.0, low, high - low + 1, len),
     )
+}
+
+/// Whether a write's disk is a guest's journal device, or has one.
+#[derive(Debug, Clone, Copy)]
+struct JournalRole {
+    is_journal: bool,
+    /// And the write carries guest data that may equal a journal copy.
+    has_journal: bool,
 }
 
 /// What a write is made of, for [`route`].
@@ -161,8 +170,9 @@ impl FlashCache {
             bump(&counters.guest_write_bytes, guest_bytes);
             self.count_write_hits(id, off, segments, &counters);
         }
-        // One lock for the policy and the run detector: every write takes it.
-        let (policy, run) = {
+        // One lock for the policy, the run detector and the journal links:
+        // every write takes it.
+        let (policy, run, journal) = {
             let mut st = self.lock();
             let policy = st.catalog.policy(tag.disk, self.config.default_policy);
             let run = if policy.sequential_write_cutoff > 0 {
@@ -170,14 +180,51 @@ impl FlashCache {
             } else {
                 None
             };
-            (policy, run)
+            let journal = &st.guest_journals;
+            let role = JournalRole {
+                is_journal: journal.is_journal(tag.disk),
+                has_journal: guest_bytes > 0 && journal.has_journal(tag.disk),
+            };
+            (policy, run, role)
         };
-        match route(policy, write_class(off, len, segments), run) {
+        let route = route(policy, write_class(off, len, segments), run);
+        let copies = match route {
+            Route::WriteBack { sectors: false } | Route::WriteThrough(_) if journal.has_journal => {
+                self.journal_copies(tag.disk, off, segments)?
+            }
+            _ => Vec::new(),
+        };
+        self.write_routed(image, id, off, segments, route, &copies)?;
+        if journal.is_journal {
+            self.observe_journal_write(tag.disk, id, off, segments);
+        }
+        Ok(())
+    }
+
+    /// Writes where `route` says; `copies`: blocks whose bytes a journal
+    /// copy in flash holds (see `logical`).
+    fn write_routed(
+        &self,
+        image: &ImageHandle,
+        id: u16,
+        off: u64,
+        segments: &[WriteSegment<'_>],
+        route: Route,
+        copies: &[JournalCopy],
+    ) -> Result<()> {
+        let len = total_len(segments);
+        let tag = segments[0].tag;
+        match route {
             Route::WriteBack { sectors } => {
                 if sectors && self.write_sectors(id, off, segments, tag)? {
                     return Ok(());
                 }
-                if self.write_back_chunked(image, id, off, segments, tag)? {
+                let done = if copies.is_empty() {
+                    self.write_back_chunked(image, id, off, segments, tag)?
+                } else {
+                    self.write_back_sharing(image, id, off, segments, copies)?
+                };
+                if done {
                     return Ok(());
                 }
                 // No room in flash: fall back to writing through.
@@ -187,7 +234,7 @@ impl FlashCache {
                 self.write_through(image, id, off, len, segments, tag, Keep::Nothing)
             }
             Route::WriteThrough(keep) => {
-                self.write_through(image, id, off, len, segments, tag, keep)
+                self.write_through_sharing(image, id, off, len, segments, tag, keep, copies)
             }
         }
     }
@@ -328,7 +375,7 @@ impl FlashCache {
     /// large overwrite of cached blocks evicts nothing it does not replace.
     /// Returns false (nothing done) when flash has no room for the first
     /// piece; a later piece without room is written through.
-    fn write_back_chunked(
+    pub(super) fn write_back_chunked(
         &self,
         image: &ImageHandle,
         id: u16,
@@ -423,7 +470,8 @@ impl FlashCache {
         st.history.note(id, off, off + len);
         self.keep_reserve(&mut st)?;
         self.journal_buffer_check(&mut st)?;
-        let dirty = st.index.dirty_blocks() as f64 / self.layout.cacheable_blocks() as f64;
+        let dirty =
+            st.index.writeback_dirty_blocks() as f64 / self.layout.cacheable_blocks() as f64;
         if dirty > self.config.high_watermark {
             drop(st);
             if self.config.inline_background {
@@ -444,7 +492,7 @@ impl FlashCache {
 
     /// Maps freshly written blocks dirty and journals them; `guests`
     /// holds the guest cluster each block serves.
-    fn record_dirty(
+    pub(super) fn record_dirty(
         &self,
         st: &mut State,
         id: u16,

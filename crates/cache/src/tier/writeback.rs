@@ -185,7 +185,11 @@ impl FlashCache {
     fn writeback_round(&self, cursor: &mut u64, fill: bool) -> Result<bool> {
         let (collected, fills) = {
             let mut st = self.lock();
-            let dirty = st.index.dirty_blocks();
+            let dirty = if st.dirty.writing_out_held() {
+                st.index.dirty_blocks()
+            } else {
+                st.index.writeback_dirty_blocks()
+            };
             if !self.needs_writeback(dirty, st.dirty.draining(), st.dirty.writeback_busy) {
                 st.dirty.writeback_busy = false;
                 self.progress.notify_all();
@@ -300,8 +304,30 @@ impl FlashCache {
     /// in the cache. Other failures (a flush reporting writes that a
     /// dropped connection may have lost) are retried.
     pub fn drain(&self) -> Result<()> {
+        self.drain_with(false)
+    }
+
+    /// [`Self::drain`], and held images' blocks written out too (a guest
+    /// journal device's, which only lives in flash): what `recover --full`
+    /// and an operator's `vdcache flush` do. They stay cached, clean, until
+    /// written again.
+    pub fn write_out_held(&self) -> Result<()> {
+        self.drain_with(true)
+    }
+
+    fn drain_with(&self, held: bool) -> Result<()> {
         let mut st = self.lock();
         st.dirty.drain_requests += 1;
+        st.dirty.held_requests += u64::from(held);
+        let result = self.drain_locked(st);
+        let mut st = self.lock();
+        st.dirty.drain_requests -= 1;
+        st.dirty.held_requests -= u64::from(held);
+        drop(st);
+        result
+    }
+
+    fn drain_locked<'a>(&'a self, mut st: std::sync::MutexGuard<'a, super::State>) -> Result<()> {
         let seen = self.wake.failed_rounds();
         self.wake.notify();
         while st.open_dirty() {
@@ -311,7 +337,6 @@ impl FlashCache {
                 let result = self.writeback_inline();
                 st = self.lock();
                 if let Err(e) = result {
-                    st.dirty.drain_requests -= 1;
                     return Err(match e.unreachable_store() {
                         Some(fault) => CacheError::Unreachable {
                             fault: fault.clone(),
@@ -322,7 +347,6 @@ impl FlashCache {
                 break;
             }
             if let Some(fault) = self.wake.unreachable_since(seen) {
-                st.dirty.drain_requests -= 1;
                 return Err(CacheError::Unreachable { fault });
             }
             let (guard, timeout) = self
@@ -338,7 +362,6 @@ impl FlashCache {
                 );
             }
         }
-        st.dirty.drain_requests -= 1;
         self.commit(&mut st)
     }
 }
@@ -409,8 +432,10 @@ impl FlashCache {
 
 /// Whether line `key` has dirty blocks write-back may copy now.
 fn writable_line(st: &super::State, key: u64) -> bool {
+    let image = crate::index::key_image(key);
     st.dirty.lines.contains(&key)
-        && st.is_open(crate::index::key_image(key))
+        && st.is_open(image)
+        && st.writes_back(image)
         && st.has_writable_dirty(key)
 }
 

@@ -27,6 +27,7 @@ fn cache_config(mode: WriteMode, admission: Admission, replacement: Replacement)
             // The mixed test bypasses sequential writes.
             sequential_write_cutoff: 0,
             cow: CowMode::Stacked,
+            cache_only: false,
         },
         // Write-back only when a region is reclaimed or on a drain; the
         // mixed test lowers the watermarks. Write-back runs in the writing

@@ -28,6 +28,7 @@ fn cache_config(mode: WriteMode) -> CacheConfig {
             sequential_threshold: 1 << 20,
             sequential_write_cutoff: 1 << 20,
             cow: CowMode::CowAware,
+            cache_only: false,
         },
         high_watermark: 1.0,
         low_watermark: 1.0,

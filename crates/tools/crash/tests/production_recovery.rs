@@ -27,6 +27,7 @@ fn target() -> CacheTarget {
             sequential_threshold: 1 << 20,
             sequential_write_cutoff: 0,
             cow: CowMode::Stacked,
+            cache_only: false,
         },
         // Nothing is written back during the workload: after a crash the
         // flushed data is in flash only, so full recovery has work to do.

@@ -3,9 +3,10 @@
 //! cache device is opened and recovered), one VirtualDisk per export with
 //! its own policy, and an orderly stop that leaves every image clean.
 
-use super::config::{CacheSection, ExportConfig, ServerConfig};
+use super::config::{CacheSection, ExportConfig, ServerConfig, journal_marker};
 use crate::size::{human, parse_size};
 use anyhow::{Context, Result};
+use std::path::PathBuf;
 use std::sync::Arc;
 use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache};
 use vdcache_image::{
@@ -23,6 +24,8 @@ pub struct Disk {
 /// Everything a running server holds.
 pub struct Daemon {
     pub cache: Option<Arc<FlashCache>>,
+    /// Where the cache lives (journal devices' markers sit next to it).
+    pub cache_path: Option<PathBuf>,
     pub disks: Vec<Disk>,
     pub keep_dirty: bool,
 }
@@ -107,6 +110,24 @@ fn meta_cache(e: &ExportConfig, cow: Option<CowMode>) -> Result<MetaCacheConfig>
     Ok(m)
 }
 
+/// Where an external ext4 journal with 4 KiB blocks keeps its JBD2
+/// superblock: device block 1 (block 0 holds the device's own ext4
+/// superblock).
+const JBD2_BLOCK: usize = 4096;
+
+/// The policy of a journal-aware journal device: the cache is its home
+/// (cache-only logging), whatever the cache's mode; its sequential log
+/// never bypasses flash.
+fn journal_policy() -> DiskPolicy {
+    DiskPolicy {
+        mode: vdcache_cache::WriteMode::WriteBack,
+        cache_only: true,
+        sequential_write_cutoff: 0,
+        cow: CowMode::Stacked,
+        ..DiskPolicy::default()
+    }
+}
+
 fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
     let mut p = default;
     if let Some(m) = &e.cache_mode {
@@ -142,12 +163,26 @@ impl Daemon {
             }
             None => (None, false, false),
         };
+        if let (Some(c), true) = (&cfg.cache, created)
+            && let Err(e) = refuse_stale_journals(cfg, &c.path)
+        {
+            if let Some(cache) = &cache {
+                let _ = cache.shutdown(true);
+            }
+            drop(cache);
+            vdcache_host::remove_created_cache(&c.path);
+            return Err(e);
+        }
         let mut daemon = Daemon {
             cache,
+            cache_path: cfg.cache.as_ref().map(|c| c.path.clone()),
             disks: Vec::new(),
             keep_dirty,
         };
-        if let Err(e) = daemon.open_exports(cfg) {
+        if let Err(e) = daemon
+            .open_exports(cfg)
+            .and_then(|()| daemon.mark_journals(cfg))
+        {
             // Leave everything as it was: the exports opened so far are
             // closed (released from the cache), a cache file made for
             // this start is removed.
@@ -184,7 +219,11 @@ impl Daemon {
             let (io, cow): (Option<Arc<dyn HostIo>>, Option<CowMode>) =
                 match (&self.cache, e.no_cache) {
                     (Some(c), false) => {
-                        let policy = disk_policy(e, c.config().default_policy)?;
+                        let policy = if e.is_aware_journal() {
+                            journal_policy()
+                        } else {
+                            disk_policy(e, c.config().default_policy)?
+                        };
                         c.set_policy(id, policy);
                         (Some(c.clone()), Some(policy.cow))
                     }
@@ -227,7 +266,110 @@ impl Daemon {
                 disk,
             });
         }
+        for j in &journals {
+            self.check_journal_size(j, cfg)?;
+        }
+        self.link_journals();
         Ok(())
+    }
+
+    /// Marks every journal-aware journal device as living in the cache
+    /// (see [`journal_marker`]) before anything is served.
+    fn mark_journals(&self, cfg: &ServerConfig) -> Result<()> {
+        let Some(c) = &cfg.cache else { return Ok(()) };
+        for (data, marker) in journal_markers(cfg, &c.path) {
+            std::fs::write(
+                &marker,
+                format!(
+                    "The newest blocks of the journal device of export '{data}' may live only in the cache {}.\nvdcache removes this file once they are written out (a clean stop with nothing left in flash, `vdcache flush`, `vdcache recover --full`).\n",
+                    c.path.display()
+                ),
+            )
+            .with_context(|| format!("export '{data}': writing {}", marker.display()))?;
+        }
+        Ok(())
+    }
+
+    /// After the cache stopped: a journal device whose blocks the cache
+    /// still holds alone keeps its marker, and the log says so; the
+    /// others' markers go.
+    fn unmark_journals(&self, cache: &FlashCache, cache_path: &std::path::Path) {
+        let held = cache.images();
+        for j in self.disks.iter().filter(|d| d.config.is_aware_journal()) {
+            let Some(data) = j.config.journal_for.as_deref() else {
+                continue;
+            };
+            let name = j.disk.layers()[0].name();
+            let kept = held
+                .iter()
+                .find(|(n, _)| n.as_str() == name)
+                .map_or(0, |(_, dirty)| *dirty);
+            let marker = journal_marker(cache_path, data);
+            if kept > 0 {
+                tracing::info!(
+                    "export '{}': {} of the guest's journal kept in flash only (cache-only logging; `vdcache flush` or `vdcache recover --full` writes it to {})",
+                    j.config.name,
+                    human(kept),
+                    j.config.image
+                );
+            } else if let Err(e) = std::fs::remove_file(&marker)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!("cannot remove {}: {e}", marker.display());
+            }
+        }
+    }
+
+    /// A journal device's image must have the configured size (a file
+    /// created here does; an NBD export is whatever its server serves).
+    fn check_journal_size(&self, j: &ExportConfig, cfg: &ServerConfig) -> Result<()> {
+        let Some(size) = cfg
+            .exports
+            .iter()
+            .find(|e| Some(&e.name) == j.journal_for.as_ref())
+            .and_then(|e| e.journal_size.as_deref())
+        else {
+            return Ok(());
+        };
+        let want = parse_size(size)?;
+        match self.disks.iter().find(|d| d.config.name == j.name) {
+            Some(d) if d.disk.size() != want => anyhow::bail!(
+                "export '{}': {} holds {} bytes, not journal_size {size}",
+                j.name,
+                j.image,
+                d.disk.size()
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// Links every journal-aware journal device to its data disk in the
+    /// cache, with the JBD2 superblock the device holds now (if any).
+    fn link_journals(&self) {
+        let Some(cache) = &self.cache else { return };
+        for j in self.disks.iter().filter(|d| d.config.is_aware_journal()) {
+            let Some(data) = self
+                .disks
+                .iter()
+                .find(|d| Some(&d.config.name) == j.config.journal_for.as_ref())
+            else {
+                continue;
+            };
+            let mut sb = vec![0u8; JBD2_BLOCK];
+            let sb = j.disk.read(JBD2_BLOCK as u64, &mut sb).ok().map(|()| sb);
+            let bits = data.disk.cluster_size().trailing_zeros();
+            match cache.link_journal(j.id, data.id, bits, sb.as_deref()) {
+                Ok(()) => tracing::info!(
+                    "export '{}': journal-aware (cache-only logging, logical caching for '{}')",
+                    j.config.name,
+                    data.config.name
+                ),
+                Err(e) => tracing::warn!(
+                    "export '{}': cache-only logging on; logical caching waits for a usable journal superblock ({e})",
+                    j.config.name
+                ),
+            }
+        }
     }
 
     /// Closes every disk (flushing it and clearing its dirty bit), then the
@@ -268,7 +410,11 @@ impl Daemon {
         }
         if let Some(c) = &self.cache {
             let keep = self.keep_dirty || !kept.is_empty();
-            if let Err(e) = c.shutdown(keep) {
+            let shut = c.shutdown(keep);
+            if let Some(path) = &self.cache_path {
+                self.unmark_journals(c, path);
+            }
+            if let Err(e) = shut {
                 if keep {
                     return Err(e).context("stopping the cache");
                 }
@@ -345,8 +491,12 @@ fn log_opened(c: &CacheSection, cache: &FlashCache, created: bool) {
 }
 
 /// Creates the file behind a journal device, zero-filled, unless it
-/// exists already with the configured size.
+/// exists already with the configured size (an NBD export must exist:
+/// its size is checked once it is open).
 fn create_journal_file(j: &ExportConfig, size: &str) -> Result<()> {
+    if vdcache_backend::is_nbd_uri(&j.image) {
+        return Ok(());
+    }
     let bytes = parse_size(size).with_context(|| format!("export '{}': journal_size", j.name))?;
     let path = std::path::Path::new(&j.image);
     match std::fs::metadata(path) {
@@ -366,6 +516,33 @@ fn create_journal_file(j: &ExportConfig, size: &str) -> Result<()> {
         }
         Err(e) => Err(e).with_context(|| format!("export '{}': {}", j.name, path.display())),
     }
+}
+
+/// For each journal-aware journal device of `cfg`: the export it journals
+/// for and its marker file next to the cache at `cache`.
+fn journal_markers(cfg: &ServerConfig, cache: &std::path::Path) -> Vec<(String, PathBuf)> {
+    cfg.exports
+        .iter()
+        .filter(|e| e.journal_size.is_some() && e.journal_aware.unwrap_or(true))
+        .map(|e| (e.name.clone(), journal_marker(cache, &e.name)))
+        .collect()
+}
+
+/// A cache created anew cannot hold what a journal device's marker says
+/// only a cache held: its image is stale, and serving it would let the
+/// guest replay an old journal over newer data.
+fn refuse_stale_journals(cfg: &ServerConfig, cache: &std::path::Path) -> Result<()> {
+    for (data, marker) in journal_markers(cfg, cache) {
+        if marker.exists() {
+            anyhow::bail!(
+                "export '{data}': the newest blocks of its journal device lived only in the cache {}, which was just created anew (the old one is gone), so its journal image is stale. Put the old cache file back and run `vdcache recover --full --cache {}`; or, to serve the stale journal anyway, remove {} and check the guest's file system (`e2fsck -f` with the journal device) before mounting it",
+                cache.display(),
+                cache.display(),
+                marker.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Whether an image error comes from a storage server that could not be

@@ -31,7 +31,9 @@ impl Handler for Control {
                     d.disk.write_back(*fill)?;
                 }
                 if let Some(c) = &self.daemon.cache {
-                    c.drain()?;
+                    // Journal devices' blocks too: an operator's flush
+                    // leaves every image complete.
+                    c.write_out_held()?;
                 }
                 Ok(serde_json::json!({"flushed": true}))
             }
@@ -56,6 +58,7 @@ fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
                 "l2_zero_hits": meta.map(|m| m.l2.zero_hits),
                 "partially_valid_bytes": d.disk.partially_valid_bytes().ok(),
                 "meta_zero_map_bytes": meta.map(|m| m.zero_map_bytes),
+                "journal": daemon.cache.as_ref().and_then(|c| c.journal_counts(d.id)),
             })
         })
         .collect();
