@@ -458,6 +458,14 @@ fn example_config_man_pages_and_completions() {
         }
         let mut edited = lines.clone();
         edited[i] = rest;
+        // A journal device's settings need the device (journal_size).
+        if key.starts_with("journal_") && key != "journal_size" {
+            let size = lines
+                .iter()
+                .position(|l| l.starts_with("# journal_size = "))
+                .expect("the example shows journal_size");
+            edited[size] = &lines[size][2..];
+        }
         let value = edited.join("\n");
         vdcache::config::ServerConfig::parse(&value).unwrap_or_else(|e| {
             panic!(
