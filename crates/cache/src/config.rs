@@ -140,6 +140,21 @@ pub struct DiskPolicy {
     pub cache_only: bool,
 }
 
+impl DiskPolicy {
+    /// The policy of a guest's journal device cached journal-aware: the
+    /// cache is its home (cache-only logging), whatever the cache's mode,
+    /// and its sequential log never bypasses flash.
+    pub fn journal_device() -> DiskPolicy {
+        DiskPolicy {
+            mode: WriteMode::WriteBack,
+            cache_only: true,
+            sequential_write_cutoff: 0,
+            cow: CowMode::Stacked,
+            ..DiskPolicy::default()
+        }
+    }
+}
+
 impl Default for DiskPolicy {
     fn default() -> Self {
         DiskPolicy {

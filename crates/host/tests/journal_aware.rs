@@ -10,7 +10,7 @@ mod common;
 use common::cache_on;
 use std::sync::Arc;
 use vdcache_backend::MemBackend;
-use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache, WriteMode};
+use vdcache_cache::{CacheConfig, DiskPolicy, FlashCache, WriteMode};
 use vdcache_image::{DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain};
 use vdcache_jbd2::build::Writer;
 
@@ -34,17 +34,6 @@ fn config(mode: WriteMode) -> CacheConfig {
             ..DiskPolicy::default()
         },
         ..CacheConfig::default()
-    }
-}
-
-/// What the daemon gives a journal-aware journal device.
-fn journal_policy() -> DiskPolicy {
-    DiskPolicy {
-        mode: WriteMode::WriteBack,
-        cache_only: true,
-        sequential_write_cutoff: 0,
-        cow: CowMode::Stacked,
-        ..DiskPolicy::default()
     }
 }
 
@@ -95,7 +84,7 @@ impl Rig {
                 ..DiskPolicy::default()
             },
         );
-        cache.set_policy(JOURNAL_DISK, journal_policy());
+        cache.set_policy(JOURNAL_DISK, DiskPolicy::journal_device());
         let data = open(&files, &cache, DATA, DATA_DISK);
         let journal = open(&files, &cache, JOURNAL, JOURNAL_DISK);
         let mut sb = vec![0u8; BLOCK];

@@ -21,7 +21,7 @@ mod ext4;
 mod serving;
 
 use common::{Scratch, exec, ok};
-use ext4::{Loop, Mounted, fsck_clean, mkfs};
+use ext4::{Loop, Mounted, file_blocks, fsck_clean, mkfs};
 use serving::{Proc, pattern, qcow2, serve_config};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
@@ -409,25 +409,6 @@ fn kill_9_mid_workload(external: Option<&str>) {
     }
     server.stop_clean();
     setup.qemu_img_check();
-}
-
-/// The physical blocks of a file, from `filefrag -v` (in fs blocks).
-fn file_blocks(path: &Path) -> Vec<u64> {
-    let out = ok(Command::new("filefrag").args(["-v", "-b4096"]).arg(path));
-    let mut blocks = Vec::new();
-    for line in out.stdout.lines() {
-        let cols: Vec<&str> = line.split(':').map(str::trim).collect();
-        if cols.len() < 4 || cols[0].parse::<u32>().is_err() {
-            continue;
-        }
-        let range = |c: &str| -> (u64, u64) {
-            let (a, b) = c.split_once("..").unwrap();
-            (a.trim().parse().unwrap(), b.trim().parse().unwrap())
-        };
-        let (p0, p1) = range(cols[2]);
-        blocks.extend(p0..=p1);
-    }
-    blocks
 }
 
 /// Writes files of distinct 4 KiB blocks (one starting with the JBD2

@@ -17,14 +17,13 @@ mod common;
 mod ext4;
 mod serving;
 
-use common::{Scratch, ok};
-use ext4::{Loop, Mounted, mkfs};
+use common::Scratch;
+use ext4::{Loop, Mounted, file_blocks, mkfs};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use serving::pattern;
 use std::collections::BTreeSet;
 use std::io::Write as _;
-use std::process::Command;
 use vdcache_jbd2::{Superblock, scan};
 
 const BLOCK: usize = 4096;
@@ -35,21 +34,6 @@ struct Captured {
     sb: Superblock,
     /// (file-system block, its content) of every fsynced file block.
     blocks: Vec<(u64, Vec<u8>)>,
-}
-
-/// The physical blocks of a file, from `filefrag` (in 4 KiB blocks).
-fn file_blocks(path: &std::path::Path) -> Vec<u64> {
-    let out = ok(Command::new("filefrag").args(["-v", "-b4096"]).arg(path));
-    let mut blocks = Vec::new();
-    for line in out.stdout.lines() {
-        let cols: Vec<&str> = line.split(':').map(str::trim).collect();
-        if cols.len() < 4 || cols[0].parse::<u32>().is_err() {
-            continue;
-        }
-        let (a, b) = cols[2].split_once("..").unwrap();
-        blocks.extend(a.trim().parse::<u64>().unwrap()..=b.trim().parse::<u64>().unwrap());
-    }
-    blocks
 }
 
 /// Makes the file system with `features` (mkfs.ext4 -O), writes and

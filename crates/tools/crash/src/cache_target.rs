@@ -29,13 +29,24 @@ pub fn open_raw_through(
     cache: &Arc<FlashCache>,
     name: &str,
 ) -> Result<VirtualDisk, BoxError> {
+    open_raw_disk(opener, cache, name, DiskId(1))
+}
+
+/// Opens raw image `name` as disk `disk` through `cache` (tests with more
+/// than one disk on a cache).
+pub fn open_raw_disk(
+    opener: Arc<dyn StoreOpener>,
+    cache: &Arc<FlashCache>,
+    name: &str,
+    disk: DiskId,
+) -> Result<VirtualDisk, BoxError> {
     let io: Arc<dyn HostIo> = cache.clone();
     Ok(open_chain(
         name,
         &OpenOptions {
             opener,
             io: Some(io),
-            disk: DiskId(1),
+            disk,
             format: Some(ImageFormat::Raw),
             ..OpenOptions::default()
         },

@@ -14,11 +14,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use vdcache_backend::BackendRef;
-use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache, WriteMode};
-use vdcache_crash::{Log, RecordingFiles, StateKind, mem_files};
-use vdcache_image::{
-    DiskId, HostIo, ImageFormat, OpenOptions, StoreOpener, VirtualDisk, open_chain,
-};
+use vdcache_cache::{CacheConfig, DiskPolicy, FlashCache, WriteMode};
+use vdcache_crash::{Log, RecordingFiles, StateKind, mem_files, open_raw_disk};
+use vdcache_image::{DiskId, StoreOpener, VirtualDisk};
 use vdcache_jbd2::build::Writer;
 
 const BLOCK: usize = 4096;
@@ -41,26 +39,6 @@ fn config() -> CacheConfig {
     }
 }
 
-fn open(
-    opener: Arc<dyn StoreOpener>,
-    cache: &Arc<FlashCache>,
-    name: &str,
-    disk: DiskId,
-) -> VirtualDisk {
-    let io: Arc<dyn HostIo> = cache.clone();
-    open_chain(
-        name,
-        &OpenOptions {
-            opener,
-            io: Some(io),
-            disk,
-            format: Some(ImageFormat::Raw),
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open disk")
-}
-
 /// Both disks through `cache`, the journal device held and linked.
 fn attach(opener: Arc<dyn StoreOpener>, cache: &Arc<FlashCache>) -> (VirtualDisk, VirtualDisk) {
     cache.set_policy(
@@ -71,18 +49,9 @@ fn attach(opener: Arc<dyn StoreOpener>, cache: &Arc<FlashCache>) -> (VirtualDisk
             ..DiskPolicy::default()
         },
     );
-    cache.set_policy(
-        JOURNAL_DISK,
-        DiskPolicy {
-            mode: WriteMode::WriteBack,
-            cache_only: true,
-            sequential_write_cutoff: 0,
-            cow: CowMode::Stacked,
-            ..DiskPolicy::default()
-        },
-    );
-    let data = open(opener.clone(), cache, DATA, DATA_DISK);
-    let journal = open(opener, cache, JOURNAL, JOURNAL_DISK);
+    cache.set_policy(JOURNAL_DISK, DiskPolicy::journal_device());
+    let data = open_raw_disk(opener.clone(), cache, DATA, DATA_DISK).expect("open data disk");
+    let journal = open_raw_disk(opener, cache, JOURNAL, JOURNAL_DISK).expect("open journal");
     let mut sb = vec![0u8; BLOCK];
     journal.read(0, &mut sb).expect("superblock");
     let bits = data.cluster_size().trailing_zeros();

@@ -115,19 +115,6 @@ fn meta_cache(e: &ExportConfig, cow: Option<CowMode>) -> Result<MetaCacheConfig>
 /// superblock).
 const JBD2_BLOCK: usize = 4096;
 
-/// The policy of a journal-aware journal device: the cache is its home
-/// (cache-only logging), whatever the cache's mode; its sequential log
-/// never bypasses flash.
-fn journal_policy() -> DiskPolicy {
-    DiskPolicy {
-        mode: vdcache_cache::WriteMode::WriteBack,
-        cache_only: true,
-        sequential_write_cutoff: 0,
-        cow: CowMode::Stacked,
-        ..DiskPolicy::default()
-    }
-}
-
 fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
     let mut p = default;
     if let Some(m) = &e.cache_mode {
@@ -220,7 +207,7 @@ impl Daemon {
                 match (&self.cache, e.no_cache) {
                     (Some(c), false) => {
                         let policy = if e.is_aware_journal() {
-                            journal_policy()
+                            DiskPolicy::journal_device()
                         } else {
                             disk_policy(e, c.config().default_policy)?
                         };

@@ -108,3 +108,22 @@ pub fn fsck_clean(dev: &str, journal: Option<&str>) {
         out.report()
     );
 }
+
+/// The physical blocks of a file, from `filefrag -v` (in fs blocks).
+pub fn file_blocks(path: &Path) -> Vec<u64> {
+    let out = ok(Command::new("filefrag").args(["-v", "-b4096"]).arg(path));
+    let mut blocks = Vec::new();
+    for line in out.stdout.lines() {
+        let cols: Vec<&str> = line.split(':').map(str::trim).collect();
+        if cols.len() < 4 || cols[0].parse::<u32>().is_err() {
+            continue;
+        }
+        let range = |c: &str| -> (u64, u64) {
+            let (a, b) = c.split_once("..").unwrap();
+            (a.trim().parse().unwrap(), b.trim().parse().unwrap())
+        };
+        let (p0, p1) = range(cols[2]);
+        blocks.extend(p0..=p1);
+    }
+    blocks
+}
