@@ -142,6 +142,12 @@ fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
 impl Daemon {
     /// Opens the cache and every export's chain.
     pub fn build(cfg: &ServerConfig, format_cache: bool) -> Result<Daemon> {
+        if let Some(c) = &cfg.cache
+            && !c.path.exists()
+        {
+            // Refused before a new cache file is made for nothing.
+            refuse_stale_journals(cfg, &c.path)?;
+        }
         let (cache, created, keep_dirty) = match &cfg.cache {
             Some(c) => {
                 let (cache, created) = open_cache(c, cache_config(c)?, format_cache)?;

@@ -275,7 +275,11 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     );
     let unmounted = fuse.map(|f| f.unmount()).transpose();
     server.shutdown();
-    let dirty_before = daemon.cache.as_ref().map(|c| c.report().dirty_bytes);
+    // Held blocks (guests' journal devices) are not written back at a stop.
+    let dirty_before = daemon.cache.as_ref().map(|c| {
+        let r = c.report();
+        (r.dirty_bytes - r.held_bytes, r.held_bytes)
+    });
     let stopped = daemon.stop();
     if let Some(p) = &cfg.server.socket {
         let _ = std::fs::remove_file(p);
@@ -283,13 +287,18 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     stopped?;
     unmounted?;
     match (dirty_before, daemon.keep_dirty) {
-        (Some(dirty), false) => tracing::info!(
+        (Some((dirty, 0)), false) => tracing::info!(
             "stopped cleanly: {} written back from the cache, the images are complete without it",
             crate::size::human(dirty)
         ),
-        (Some(dirty), true) => tracing::info!(
+        (Some((dirty, held)), false) => tracing::info!(
+            "stopped cleanly: {} written back from the cache, the disk images are complete without it; {} of journal devices stays in it (cache-only logging)",
+            crate::size::human(dirty),
+            crate::size::human(held)
+        ),
+        (Some((dirty, held)), true) => tracing::info!(
             "stopped cleanly: {} of dirty data kept in the cache for a fast restart on this host (--keep-dirty)",
-            crate::size::human(dirty)
+            crate::size::human(dirty + held)
         ),
         (None, _) => tracing::info!("stopped cleanly"),
     }
