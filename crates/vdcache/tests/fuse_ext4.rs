@@ -329,15 +329,15 @@ fn ext4_with_an_external_journal_keeps_every_fsynced_file_across_kill_9() {
     kill_9_mid_workload(Some("journal"));
 }
 
-/// Runs a workload, kills the server with SIGKILL once 150 steps are
+/// Runs a workload, kills the server with SIGKILL once 1000 steps are
 /// durable, restarts it, mounts (journal replay) and checks every step
 /// that completed. `external` is the data= mode of an ext4 whose journal is
 /// on the virtual journal device; None: an ordinary ext4.
 fn kill_9_mid_workload(external: Option<&str>) {
     let setup = Setup::new(external.is_some());
     let server = setup.serve();
-    let ops = plan(400, 2, "k");
-    let kill_after = 150;
+    let ops = plan(2000, 2, "k");
+    let kill_after = 1000;
     let mnt = setup.s.path("mnt");
     let attach = || {
         let jdev = external.map(|_| Loop::attach(&setup.file("vm-journal")));
@@ -497,7 +497,7 @@ fn ext4_with_its_journal_on_the_virtual_journal_device() {
         vdcache_jbd2::FEATURE_CSUM_V3 | vdcache_jbd2::FEATURE_64BIT,
         "mkfs.ext4's defaults: csum v3 tags with 64-bit block numbers"
     );
-    let ops = plan(300, 3, "e");
+    let ops = plan(1500, 3, "e");
     make_dirs(&mnt, "e");
     for op in &ops {
         apply(&mnt, op).unwrap();
@@ -529,7 +529,7 @@ fn ext4_with_its_journal_on_the_virtual_journal_device() {
     fsck_clean(&dev.0, Some(&jdev.0));
     // data=ordered: metadata only in the journal.
     let m = Mounted::mount(&dev.0, &mnt, &opts("ordered"));
-    let ops2 = plan(300, 4, "o");
+    let ops2 = plan(1500, 4, "o");
     make_dirs(&mnt, "o");
     for op in &ops2 {
         apply(&mnt, op).unwrap();
