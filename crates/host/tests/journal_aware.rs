@@ -341,3 +341,46 @@ fn reclaim_moves_held_blocks_instead_of_writing_them_out() {
         );
     }
 }
+
+#[test]
+fn a_journal_taking_most_of_flash_is_written_out_when_space_runs_short() {
+    // 16 MiB of cache, a journal of twice that: once held blocks would
+    // take more than half of flash, reclaim writes them to their file
+    // instead of moving them, so nothing is lost and flash keeps room.
+    let files = MemFiles::new();
+    files.insert(DATA, vec![0u8; 64 << 20]);
+    files.insert(JOURNAL, vec![0u8; 32 << 20]);
+    let device = Arc::new(MemBackend::fixed("cache", 16 << 20));
+    let cache = cache_on(&device, &config(WriteMode::WriteBack), true);
+    let rig = Rig::attach(files, device, cache, WriteMode::WriteBack);
+    let blocks = (32 << 20) / BLOCK as u64;
+    for b in 0..blocks {
+        let value = content(b, 4);
+        rig.journal
+            .write(b * BLOCK as u64, &value, false)
+            .expect("journal write");
+    }
+    let report = rig.cache.report();
+    assert!(
+        report.held_bytes <= report.data_bytes / 2 + (4 << 20),
+        "held {} of {} bytes of flash",
+        report.held_bytes,
+        report.data_bytes
+    );
+    rig.cache.audit_regions().expect("regions");
+    let stored = rig.file(JOURNAL);
+    let written_out = (0..blocks)
+        .filter(|&b| stored[b as usize * BLOCK..(b as usize + 1) * BLOCK] == content(b, 4)[..])
+        .count() as u64;
+    assert!(
+        written_out >= blocks / 3,
+        "only {written_out} of {blocks} journal blocks reached their file"
+    );
+    for b in (0..blocks).step_by(97) {
+        assert_eq!(
+            read_block(&rig.journal, b),
+            content(b, 4),
+            "journal block {b}"
+        );
+    }
+}

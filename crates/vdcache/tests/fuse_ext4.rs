@@ -329,6 +329,14 @@ fn ext4_with_an_external_journal_keeps_every_fsynced_file_across_kill_9() {
     kill_9_mid_workload(Some("journal"));
 }
 
+/// The same with data=ordered: only metadata is logged, file data goes in
+/// place before each commit.
+#[test]
+fn ext4_with_an_ordered_external_journal_keeps_every_fsynced_file_across_kill_9() {
+    require_fuse_and_loop!();
+    kill_9_mid_workload(Some("ordered"));
+}
+
 /// Runs a workload, kills the server with SIGKILL once 1000 steps are
 /// durable, restarts it, mounts (journal replay) and checks every step
 /// that completed. `external` is the data= mode of an ext4 whose journal is

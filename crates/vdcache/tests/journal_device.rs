@@ -6,6 +6,8 @@
 //! lives there, and a cache created anew under it is refused until the
 //! operator decides. With `journal_aware = false` the device is cached
 //! like any disk and written through.
+// Test setup unwraps freely: a failure there is the test's own.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 mod serving;
