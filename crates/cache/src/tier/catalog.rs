@@ -238,3 +238,26 @@ impl FlashCache {
                 .any(|l| l.partial != 0 && crate::index::key_image(l.key) == id)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::WriteMode;
+
+    #[test]
+    fn names_find_ids_and_disks_without_a_policy_take_the_default() {
+        let mut c = Catalog::default();
+        assert_eq!(c.id_of("a.qcow2"), None);
+        c.by_name.insert("a.qcow2".into(), 0);
+        c.by_name.insert("b.qcow2".into(), 1);
+        assert_eq!(c.id_of("b.qcow2"), Some(1));
+        let default = DiskPolicy::default();
+        let own = DiskPolicy {
+            mode: WriteMode::WriteThrough,
+            ..DiskPolicy::default()
+        };
+        c.policies.insert(7, own);
+        assert_eq!(c.policy(DiskId(7), default), own);
+        assert_eq!(c.policy(DiskId(8), default), default);
+    }
+}
