@@ -168,6 +168,48 @@ impl Default for DiskPolicy {
     }
 }
 
+/// Deduplication of the blocks that enter flash (see `crate::dedup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Dedup {
+    /// Every address gets its own copy.
+    #[default]
+    Off,
+    /// A block whose fingerprint is already in flash shares that block.
+    On,
+    /// The same, after comparing every byte (one flash read per shared
+    /// block): for those who will not trust a 128-bit hash.
+    Verify,
+}
+
+impl Dedup {
+    pub fn name(self) -> &'static str {
+        match self {
+            Dedup::Off => "off",
+            Dedup::On => "on",
+            Dedup::Verify => "verify",
+        }
+    }
+
+    pub fn enabled(self) -> bool {
+        self != Dedup::Off
+    }
+}
+
+impl std::str::FromStr for Dedup {
+    type Err = CacheError;
+
+    fn from_str(s: &str) -> Result<Dedup> {
+        match s {
+            "off" => Ok(Dedup::Off),
+            "on" => Ok(Dedup::On),
+            "verify" => Ok(Dedup::Verify),
+            other => Err(CacheError::Config(format!(
+                "unknown dedup mode '{other}' (off, on, verify)"
+            ))),
+        }
+    }
+}
+
 /// Cache-wide settings.
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
@@ -214,6 +256,12 @@ pub struct CacheConfig {
     /// Test only: persist index records before the data they describe and
     /// trust them on replay, to prove the crash harness catches it.
     pub test_index_before_data: bool,
+    /// Deduplicate blocks entering flash, across every disk of the cache.
+    pub dedup: Dedup,
+    /// Test only: fingerprints keep one byte of the hash, so different
+    /// blocks collide; proves that `Dedup::Verify` never shares a block
+    /// with other bytes (and that `Dedup::On` trusts its hash).
+    pub test_weak_fingerprints: bool,
 }
 
 impl Default for CacheConfig {
@@ -234,6 +282,8 @@ impl Default for CacheConfig {
             host: None,
             salvage: false,
             test_index_before_data: false,
+            dedup: Dedup::Off,
+            test_weak_fingerprints: false,
         }
     }
 }

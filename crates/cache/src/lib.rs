@@ -11,6 +11,7 @@
 pub mod admission;
 mod checksums;
 pub mod config;
+pub mod dedup;
 pub mod error;
 pub mod group_sync;
 mod guest_journal;
@@ -26,9 +27,9 @@ pub mod stats;
 pub mod summary;
 mod tier;
 
-pub use config::{Admission, CacheConfig, CowMode, DiskPolicy, WriteMode};
+pub use config::{Admission, CacheConfig, CowMode, Dedup, DiskPolicy, WriteMode};
 pub use error::{CacheError, Result};
 pub use guest_journal::JournalCounts;
 pub use region::Replacement;
 pub use stats::{DeviceStats, DiskStats};
-pub use tier::{CacheReport, FlashCache, ImageReport, RecoveryReport};
+pub use tier::{CacheReport, DedupReport, FlashCache, ImageReport, RecoveryReport};

@@ -48,6 +48,12 @@ pub struct DiskCounters {
     /// Journal copies the log named for an in-place write whose bytes
     /// turned out to differ (nothing shared).
     pub journal_copy_mismatches: AtomicU64,
+    /// 4 KiB blocks (written, or read and promoted) mapped onto a cache
+    /// block with the same content instead of written to flash (dedup).
+    pub dedup_blocks_shared: AtomicU64,
+    /// Nanoseconds spent fingerprinting blocks, and blocks fingerprinted.
+    pub hash_nanos: AtomicU64,
+    pub hashed_blocks: AtomicU64,
 }
 
 /// A plain copy of one disk's counters.
@@ -76,6 +82,9 @@ pub struct DiskStats {
     pub writeback_filled_bytes: u64,
     pub journal_copies_shared: u64,
     pub journal_copy_mismatches: u64,
+    pub dedup_blocks_shared: u64,
+    pub hash_nanos: u64,
+    pub hashed_blocks: u64,
     pub dirty_bytes: u64,
 }
 
@@ -113,6 +122,9 @@ impl DiskStats {
         self.writeback_filled_bytes += o.writeback_filled_bytes;
         self.journal_copies_shared += o.journal_copies_shared;
         self.journal_copy_mismatches += o.journal_copy_mismatches;
+        self.dedup_blocks_shared += o.dedup_blocks_shared;
+        self.hash_nanos += o.hash_nanos;
+        self.hashed_blocks += o.hashed_blocks;
         self.dirty_bytes += o.dirty_bytes;
     }
 }
@@ -153,6 +165,9 @@ impl DiskCounters {
             writeback_filled_bytes: l(&self.writeback_filled_bytes),
             journal_copies_shared: l(&self.journal_copies_shared),
             journal_copy_mismatches: l(&self.journal_copy_mismatches),
+            dedup_blocks_shared: l(&self.dedup_blocks_shared),
+            hash_nanos: l(&self.hash_nanos),
+            hashed_blocks: l(&self.hashed_blocks),
             dirty_bytes: 0,
         }
     }

@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::cache_on;
+use common::{cache_on, disk_as};
 use std::sync::Arc;
 use vdcache_backend::MemBackend;
 use vdcache_cache::{CacheConfig, DiskPolicy, FlashCache, WriteMode};
-use vdcache_image::{DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain};
+use vdcache_image::{DiskId, ImageFormat, MemFiles, VirtualDisk};
 use vdcache_jbd2::build::Writer;
 
 const BLOCK: usize = 4096;
@@ -45,21 +45,6 @@ struct Rig {
     journal: VirtualDisk,
 }
 
-fn open(files: &Arc<MemFiles>, cache: &Arc<FlashCache>, name: &str, disk: DiskId) -> VirtualDisk {
-    let io: Arc<dyn HostIo> = cache.clone();
-    open_chain(
-        name,
-        &OpenOptions {
-            opener: files.clone(),
-            io: Some(io),
-            disk,
-            format: Some(ImageFormat::Raw),
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open disk")
-}
-
 impl Rig {
     fn new(mode: WriteMode, cache_mib: usize) -> Rig {
         let files = MemFiles::new();
@@ -85,8 +70,14 @@ impl Rig {
             },
         );
         cache.set_policy(JOURNAL_DISK, DiskPolicy::journal_device());
-        let data = open(&files, &cache, DATA, DATA_DISK);
-        let journal = open(&files, &cache, JOURNAL, JOURNAL_DISK);
+        let data = disk_as(files.clone(), &cache, DATA, ImageFormat::Raw, DATA_DISK);
+        let journal = disk_as(
+            files.clone(),
+            &cache,
+            JOURNAL,
+            ImageFormat::Raw,
+            JOURNAL_DISK,
+        );
         let mut sb = vec![0u8; BLOCK];
         journal.read(0, &mut sb).expect("read superblock");
         let bits = data.cluster_size().trailing_zeros();

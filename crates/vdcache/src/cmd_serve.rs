@@ -84,6 +84,19 @@ pub struct ServeArgs {
     /// this host instead of writing it back.
     #[arg(long, requires = "cache", conflicts_with = "config")]
     keep_dirty: bool,
+    /// on: blocks entering flash that it already holds (in any disk) share
+    /// the block instead of being written again; off (default).
+    #[arg(
+        long,
+        requires = "cache",
+        conflicts_with = "config",
+        value_name = "on|off"
+    )]
+    dedup: Option<String>,
+    /// With --dedup on, compare every byte before sharing a block (one
+    /// flash read per shared block) instead of trusting the fingerprint.
+    #[arg(long, requires = "cache", conflicts_with = "config")]
+    dedup_verify: bool,
     /// Do not fill partially valid clusters from their backing files while
     /// the server is idle (`vdcache flush --fill` and a clean stop still do).
     #[arg(long, requires = "cache", conflicts_with = "config")]
@@ -143,6 +156,8 @@ impl ServeArgs {
             cow: self.cow,
             keep_dirty: Some(self.keep_dirty),
             idle_fill: Some(!self.no_idle_fill),
+            dedup: self.dedup,
+            dedup_verify: Some(self.dedup_verify),
             from_command_line: true,
             ..CacheSection::default()
         });

@@ -112,6 +112,12 @@ pub struct CacheSection {
     /// Most write-back requests in flight (default 64; fewer when the
     /// storage server's latency says they only queue).
     pub writeback_depth: Option<usize>,
+    /// Deduplicate blocks entering flash, across every disk: "on" or
+    /// "off" (the default).
+    pub dedup: Option<String>,
+    /// With dedup on, compare every byte before sharing a block (default
+    /// false: a 128-bit BLAKE3 prefix and the block's CRC-32C must match).
+    pub dedup_verify: Option<bool>,
     /// Built from `vdcache serve` options rather than read from a file:
     /// errors then name the option (`--cache-size`), not the key.
     #[serde(skip)]

@@ -929,6 +929,14 @@ impl Index {
         self.dirty.set_held(image, held, dirty);
     }
 
+    /// Distinct cache blocks referenced (a shared block counts once).
+    pub fn referenced_blocks(&self) -> u64 {
+        self.referenced
+            .iter()
+            .map(|w| u64::from(w.count_ones()))
+            .sum()
+    }
+
     pub fn present_blocks(&self) -> u64 {
         self.present_blocks
     }

@@ -18,31 +18,19 @@
 //! not: share a block whose bytes it did not compare, or keep a region
 //! pinned past a request.
 
-use super::write::{Blocks, block_guests, sub_segments};
+use super::sharing::{SharedCopy, Source};
+use super::write::Blocks;
 use super::{FlashCache, State};
-use crate::error::{CacheError, Result};
+use crate::error::Result;
 use crate::guest_journal::{FS_BLOCK, JournalCounts};
-use crate::index::{Cbn, line_key};
+use crate::index::line_key;
 use crate::layout::{BLOCK, LINE_BLOCKS};
-use crate::routing::Keep;
 use crate::stats::bump;
 use vdcache_contract::{DiskId, IoClass, WriteSegment};
 
 /// Journal parse errors logged as warnings per device; later ones at debug
 /// level (they are counted either way).
 const WARNED_ERRORS: u64 = 8;
-
-/// A block of an in-place write whose bytes a cache block already holds
-/// as a journal copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct JournalCopy {
-    /// Block number in the written image.
-    pub block: u64,
-    /// The journal copy's address (line key, slot) and block.
-    pub copy: (u64, usize),
-    pub cbn: Cbn,
-    pub crc: u32,
-}
 
 impl FlashCache {
     /// Links journal device `journal` to data disk `data` (whose top image
@@ -118,30 +106,18 @@ impl FlashCache {
         disk: DiskId,
         off: u64,
         segments: &[WriteSegment<'_>],
-    ) -> Result<Vec<JournalCopy>> {
+    ) -> Result<Vec<SharedCopy>> {
         let candidates = {
-            let mut st = self.lock();
+            let st = self.lock();
             if !st.guest_journals.has_journal(disk) {
                 return Ok(Vec::new());
             }
-            let found = candidates(&st, disk, off, segments);
-            for c in &found {
-                let r = st.regions.region_of(c.cbn);
-                st.regions.pin(r);
-            }
-            found
+            candidates(&st, disk, off, segments)
         };
-        if candidates.is_empty() {
-            return Ok(Vec::new());
-        }
-        let verified = self.verify_copies(off, segments, &candidates);
-        let mut st = self.lock();
-        for c in &candidates {
-            let r = st.regions.region_of(c.cbn);
-            st.regions.unpin(r);
-        }
-        drop(st);
-        let (verified, read) = verified?;
+        let pieces: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
+        // A journal's log names blocks, it does not vouch for bytes: every
+        // byte is compared.
+        let (verified, read) = self.compare_copies(off, &pieces, &candidates, true)?;
         let counters = self.stats.disk(disk);
         bump(&counters.flash_bytes_read, read * BLOCK);
         bump(
@@ -149,132 +125,6 @@ impl FlashCache {
             (candidates.len() - verified.len()) as u64,
         );
         Ok(verified)
-    }
-
-    /// The candidates whose bytes equal the write's: checksum first (known
-    /// for both), then every byte (the copy read back from flash). Also
-    /// how many copies were read.
-    fn verify_copies(
-        &self,
-        off: u64,
-        segments: &[WriteSegment<'_>],
-        candidates: &[JournalCopy],
-    ) -> Result<(Vec<JournalCopy>, u64)> {
-        let blocks = Blocks {
-            pieces: segments.iter().map(|s| s.data).collect(),
-        };
-        let mut copy = vec![0u8; BLOCK as usize];
-        let mut out = Vec::new();
-        let mut read = 0;
-        for c in candidates {
-            let start = (c.block * BLOCK - off) as usize;
-            let end = start + BLOCK as usize;
-            if blocks.crc(start, end) != c.crc {
-                continue;
-            }
-            self.device
-                .read_at(&mut copy, self.layout.block_offset(c.cbn))
-                .map_err(CacheError::device("read journal copy"))?;
-            read += 1;
-            let mut at = 0;
-            let same = blocks.slices(start, end).iter().all(|piece| {
-                let eq = copy[at..at + piece.len()] == **piece;
-                at += piece.len();
-                eq
-            });
-            if same {
-                out.push(*c);
-            }
-        }
-        Ok((out, read))
-    }
-
-    /// Maps in-place block `c.block` of image `id` onto its journal copy's
-    /// cache block, dirty or clean, if the copy's address still maps to
-    /// it (the block is then live, and holds the bytes compared); false
-    /// when it no longer does.
-    pub(super) fn share_journal_copy(
-        &self,
-        st: &mut State,
-        id: u16,
-        c: &JournalCopy,
-        guest: u64,
-        dirty: bool,
-    ) -> bool {
-        if st.index.block(c.copy.0, c.copy.1) != Some(c.cbn) {
-            return false;
-        }
-        let (key, slot) = (
-            line_key(id, c.block / LINE_BLOCKS),
-            (c.block % LINE_BLOCKS) as usize,
-        );
-        if dirty {
-            self.record_dirty(st, id, c.block, &[(c.cbn, 1)], &[c.crc], &[guest]);
-            self.validate_written(st, id, c.block * BLOCK, BLOCK);
-        } else {
-            if let Some((old, r)) = st.map_block(key, guest, slot, c.cbn, false, c.crc)
-                && st.index.release(old, r)
-            {
-                st.regions.release_block(old);
-            }
-            if st.index.get(key).is_none_or(|l| l.dirty == 0) {
-                st.dirty.lines.remove(&key);
-            }
-        }
-        true
-    }
-
-    /// Write-back of a write some of whose blocks share journal copies:
-    /// the others are written as usual, those are mapped onto the copies
-    /// (or written too, if a copy moved meanwhile). Returns false when
-    /// flash has no room for the first piece (nothing was done).
-    pub(super) fn write_back_sharing(
-        &self,
-        image: &vdcache_contract::ImageHandle,
-        id: u16,
-        off: u64,
-        segments: &[WriteSegment<'_>],
-        copies: &[JournalCopy],
-    ) -> Result<bool> {
-        let len: u64 = segments.iter().map(|s| s.data.len() as u64).sum();
-        let shared: Vec<u64> = copies.iter().map(|c| c.block).collect();
-        let tag = segments[0].tag;
-        let mut wrote_any = false;
-        for (s, e) in unshared_ranges(off, off + len, &shared) {
-            let part = sub_segments(off, segments, s, e);
-            if !self.write_back_chunked(image, id, s, &part, tag)? {
-                if !wrote_any {
-                    return Ok(false);
-                }
-                self.write_through(image, id, s, e - s, &part, tag, Keep::Nothing)?;
-            }
-            wrote_any = true;
-        }
-        let guests = block_guests(off, segments, off / BLOCK, len.div_ceil(BLOCK));
-        let mut moved = Vec::new();
-        {
-            let mut st = self.lock();
-            for c in copies {
-                let guest = guests[(c.block - off / BLOCK) as usize];
-                if !self.share_journal_copy(&mut st, id, c, guest, true) {
-                    moved.push(c.block);
-                }
-            }
-            st.history.note(id, off, off + len);
-            self.journal_buffer_check(&mut st)?;
-        }
-        bump(
-            &self.stats.disk(tag.disk).journal_copies_shared,
-            (copies.len() - moved.len()) as u64,
-        );
-        for b in moved {
-            let (s, e) = (b * BLOCK, (b + 1) * BLOCK);
-            let part = sub_segments(off, segments, s, e);
-            if !self.write_back_chunked(image, id, s, &part, tag)? {
-                self.write_through(image, id, s, BLOCK, &part, tag, Keep::Nothing)?;
-            }
-        }
-        Ok(true)
     }
 }
 
@@ -285,7 +135,7 @@ fn candidates(
     disk: DiskId,
     off: u64,
     segments: &[WriteSegment<'_>],
-) -> Vec<JournalCopy> {
+) -> Vec<SharedCopy> {
     let mut out = Vec::new();
     let mut at = off;
     for s in segments {
@@ -305,7 +155,7 @@ fn candidates(
 /// The journal copy of block `b` of a segment starting at host offset
 /// `start` that serves guest cluster `cluster`, if the log names one
 /// that flash holds readable.
-fn candidate(st: &State, disk: DiskId, cluster: u64, start: u64, b: u64) -> Option<JournalCopy> {
+fn candidate(st: &State, disk: DiskId, cluster: u64, start: u64, b: u64) -> Option<SharedCopy> {
     let journals = &st.guest_journals;
     let fs_block = journals.fs_block(disk, cluster, start, b * BLOCK)?;
     let c = journals.candidate(disk, fs_block)?;
@@ -319,43 +169,10 @@ fn candidate(st: &State, disk: DiskId, cluster: u64, start: u64, b: u64) -> Opti
         return None;
     }
     let crc = st.integrity.crcs.get(cbn)?;
-    Some(JournalCopy {
+    Some(SharedCopy {
         block: b,
-        copy,
         cbn,
         crc,
+        source: Source::Journal { copy },
     })
-}
-
-/// The byte ranges of `[start, end)` outside the blocks in `shared`
-/// (ascending).
-fn unshared_ranges(start: u64, end: u64, shared: &[u64]) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    let mut at = start;
-    for &b in shared {
-        if b * BLOCK > at {
-            out.push((at, b * BLOCK));
-        }
-        at = at.max((b + 1) * BLOCK);
-    }
-    if at < end {
-        out.push((at, end));
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::unshared_ranges;
-
-    #[test]
-    fn ranges_around_shared_blocks() {
-        assert_eq!(unshared_ranges(0, 16384, &[]), vec![(0, 16384)]);
-        assert_eq!(
-            unshared_ranges(100, 16384, &[1, 2]),
-            vec![(100, 4096), (12288, 16384)]
-        );
-        assert_eq!(unshared_ranges(4096, 12288, &[1, 2]), vec![]);
-        assert_eq!(unshared_ranges(0, 8192, &[0]), vec![(4096, 8192)]);
-    }
 }

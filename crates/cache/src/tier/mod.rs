@@ -58,7 +58,9 @@ mod read;
 mod recover;
 pub use recover::RecoveryReport;
 mod report;
-pub use report::{CacheReport, ImageReport};
+pub use report::{CacheReport, DedupReport, ImageReport};
+mod sharing;
+mod signatures;
 mod space;
 mod through;
 mod write;
@@ -112,6 +114,8 @@ pub(crate) struct State {
     pub meta: metastore::MetaStore,
     /// Guests' journal devices and what their logs say (see `logical`).
     pub guest_journals: crate::guest_journal::GuestJournals,
+    /// Fingerprint to cache block (dedup, see `signatures`).
+    pub signatures: crate::dedup::Signatures,
 }
 
 impl State {
@@ -300,6 +304,7 @@ impl FlashCache {
             history: history::WriteHistory::default(),
             meta: metastore::MetaStore::default(),
             guest_journals: Default::default(),
+            signatures: Default::default(),
         }
     }
 

@@ -4,6 +4,7 @@
 //! policy says so and no write overtook the read.
 
 use super::metastore::overlay;
+use super::sharing::SharedCopy;
 use super::{FlashCache, State};
 use crate::config::DiskPolicy;
 use crate::error::{CacheError, Result};
@@ -333,7 +334,8 @@ impl FlashCache {
     }
 
     /// Admits blocks read from the backend, unless a write to them
-    /// completed since the read started (its data would be newer).
+    /// completed since the read started (its data would be newer). With
+    /// dedup, a block whose bytes flash already holds shares that block.
     fn promote(
         &self,
         id: u16,
@@ -342,10 +344,9 @@ impl FlashCache {
         read_seq: u64,
         fetched: Vec<(u64, Vec<u8>)>,
     ) -> Result<()> {
-        let counters = self.stats.disk(tag.disk);
         for (first, data) in fetched {
             let n = data.len() as u64 / BLOCK;
-            let runs = {
+            {
                 let mut st = self.lock();
                 let table = tag.unit.is_some()
                     && policy.cow == crate::config::CowMode::CowAware
@@ -353,69 +354,144 @@ impl FlashCache {
                 if !table && !self.admits_read(&mut st, policy, tag, first, n) {
                     continue;
                 }
-                self.allocate(&mut st, Stream::Promote, n as u32)?
+            }
+            let fps = if matches!(tag.class, IoClass::Metadata(_)) {
+                Vec::new()
+            } else {
+                self.read_fingerprints(tag.disk, first, &data)
             };
-            let mut done = 0u64;
-            let mut written = Vec::new();
-            let mut failed = None;
-            for &(cbn, k) in &runs {
-                let part = &data[(done * BLOCK) as usize..((done + u64::from(k)) * BLOCK) as usize];
-                if let Err(e) = self.device.write_at(part, self.layout.block_offset(cbn)) {
-                    failed = Some(e);
-                    break;
+            let shared = self.dedup_copies(tag.disk, first * BLOCK, &[&data], &fps, &[])?;
+            self.promote_shared(id, tag, read_seq, &shared);
+            let mut at = first;
+            for c in shared.iter().map(|c| c.block).chain([first + n]) {
+                if c > at {
+                    let part =
+                        &data[((at - first) * BLOCK) as usize..((c - first) * BLOCK) as usize];
+                    self.promote_run(id, tag, read_seq, at, part)?;
                 }
-                written.push((first + done, cbn, k));
-                done += u64::from(k);
+                at = c + 1;
             }
-            bump(&counters.flash_bytes_written, done * BLOCK);
-            if matches!(tag.class, IoClass::Metadata(_)) {
-                bump(&counters.meta_flash_bytes_written, done * BLOCK);
-            }
-            // Checksums before the lock: the state lock is held for the
-            // index only.
-            let crcs: Vec<u32> = data[..(done * BLOCK) as usize]
-                .chunks(BLOCK as usize)
-                .map(crc32c::crc32c)
-                .collect();
-            let mut st = self.lock();
-            if let Some(e) = failed {
-                self.give_back(&mut st, &runs);
-                return Err(CacheError::device("write block")(e));
-            }
-            self.settle(&mut st, &runs);
-            for (block0, cbn0, k) in written {
-                for i in 0..u64::from(k) {
-                    let block = block0 + i;
-                    let cbn = cbn0 + i as u32;
-                    let key = line_key(id, block / LINE_BLOCKS);
-                    let slot = (block % LINE_BLOCKS) as usize;
-                    let stale =
-                        st.history
-                            .written_since(read_seq, id, block * BLOCK, (block + 1) * BLOCK)
-                            || st.index.block(key, slot).is_some();
-                    if stale {
-                        st.regions.release_block(cbn);
-                        continue;
-                    }
-                    let guest = tag.guest_cluster.map_or(u64::MAX, u64::from);
-                    let crc = crcs[(block - first) as usize];
-                    st.map_block(key, guest, slot, cbn, false, crc);
-                    st.ledger.clean_copy_needs_sync(id);
-                    st.journal.push(&Entry::Map {
-                        key,
-                        slot: slot as u8,
-                        cbn,
-                        guest,
-                        dirty: false,
-                        crc,
-                    });
-                }
-            }
-            // Only now that the blocks are mapped: before, their regions
-            // would look empty to the eviction.
-            self.keep_reserve(&mut st)?;
-            self.journal_buffer_check(&mut st)?;
+            self.remember_signatures(id, &fps);
         }
         Ok(())
+    }
+
+    /// Whether block `block` of image `id` must not be promoted: a write
+    /// to it completed since the read (`read_seq`) or it is cached already.
+    fn promotion_stale(st: &State, id: u16, read_seq: u64, block: u64) -> bool {
+        st.history
+            .written_since(read_seq, id, block * BLOCK, (block + 1) * BLOCK)
+            || st
+                .index
+                .block(
+                    line_key(id, block / LINE_BLOCKS),
+                    (block % LINE_BLOCKS) as usize,
+                )
+                .is_some()
+    }
+
+    /// A promoted block mapped clean: journaled once its backend is synced.
+    fn journal_promoted(st: &mut State, id: u16, block: u64, cbn: Cbn, guest: u64, crc: u32) {
+        st.ledger.clean_copy_needs_sync(id);
+        st.journal.push(&Entry::Map {
+            key: line_key(id, block / LINE_BLOCKS),
+            slot: (block % LINE_BLOCKS) as u8,
+            cbn,
+            guest,
+            dirty: false,
+            crc,
+        });
+    }
+
+    /// Promotes blocks whose bytes flash already holds by sharing them.
+    fn promote_shared(&self, id: u16, tag: IoTag, read_seq: u64, shared: &[SharedCopy]) {
+        if shared.is_empty() {
+            return;
+        }
+        let guest = tag.guest_cluster.map_or(u64::MAX, u64::from);
+        let mut done = Vec::new();
+        let mut st = self.lock();
+        for c in shared {
+            if Self::promotion_stale(&st, id, read_seq, c.block)
+                || !self.share_copy(&mut st, id, c, guest, false)
+            {
+                continue;
+            }
+            Self::journal_promoted(&mut st, id, c.block, c.cbn, guest, c.crc);
+            done.push(*c);
+        }
+        drop(st);
+        self.count_shared(tag.disk, &done);
+    }
+
+    /// Admits `data`, blocks from `first` of image `id`, into the
+    /// promotion stream.
+    fn promote_run(
+        &self,
+        id: u16,
+        tag: IoTag,
+        read_seq: u64,
+        first: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        let counters = self.stats.disk(tag.disk);
+        let n = data.len() as u64 / BLOCK;
+        let runs = {
+            let mut st = self.lock();
+            self.allocate(&mut st, Stream::Promote, n as u32)?
+        };
+        let mut done = 0u64;
+        let mut written = Vec::new();
+        let mut failed = None;
+        for &(cbn, k) in &runs {
+            let part = &data[(done * BLOCK) as usize..((done + u64::from(k)) * BLOCK) as usize];
+            if let Err(e) = self.device.write_at(part, self.layout.block_offset(cbn)) {
+                failed = Some(e);
+                break;
+            }
+            written.push((first + done, cbn, k));
+            done += u64::from(k);
+        }
+        bump(&counters.flash_bytes_written, done * BLOCK);
+        if matches!(tag.class, IoClass::Metadata(_)) {
+            bump(&counters.meta_flash_bytes_written, done * BLOCK);
+        }
+        // Checksums before the lock: the state lock is held for the
+        // index only.
+        let crcs: Vec<u32> = data[..(done * BLOCK) as usize]
+            .chunks(BLOCK as usize)
+            .map(crc32c::crc32c)
+            .collect();
+        let mut st = self.lock();
+        if let Some(e) = failed {
+            self.give_back(&mut st, &runs);
+            return Err(CacheError::device("write block")(e));
+        }
+        self.settle(&mut st, &runs);
+        let guest = tag.guest_cluster.map_or(u64::MAX, u64::from);
+        for (block0, cbn0, k) in written {
+            for i in 0..u64::from(k) {
+                let block = block0 + i;
+                let cbn = cbn0 + i as u32;
+                if Self::promotion_stale(&st, id, read_seq, block) {
+                    st.regions.release_block(cbn);
+                    continue;
+                }
+                let crc = crcs[(block - first) as usize];
+                st.map_block(
+                    line_key(id, block / LINE_BLOCKS),
+                    guest,
+                    (block % LINE_BLOCKS) as usize,
+                    cbn,
+                    false,
+                    crc,
+                );
+                Self::journal_promoted(&mut st, id, block, cbn, guest, crc);
+            }
+        }
+        // Only now that the blocks are mapped: before, their regions
+        // would look empty to the eviction.
+        self.keep_reserve(&mut st)?;
+        self.journal_buffer_check(&mut st)
     }
 }

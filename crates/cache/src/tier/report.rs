@@ -33,6 +33,8 @@ pub struct CacheReport {
     pub index_memory_ratio: f64,
     /// Memory of the checksums of cached blocks.
     pub checksum_memory_bytes: u64,
+    /// Deduplication, when the cache deduplicates.
+    pub dedup: Option<DedupReport>,
     /// Dirty blocks whose only copy the device damaged (reads fail).
     pub unreadable_blocks: u64,
     /// Dirty metadata sectors held (cow-aware write-back), and their memory.
@@ -51,6 +53,22 @@ pub struct CacheReport {
     pub total: DiskStats,
     pub disks: Vec<(u32, DiskStats)>,
     pub images: Vec<ImageReport>,
+}
+
+/// What deduplication does for the cache.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DedupReport {
+    /// off, on or verify.
+    pub mode: &'static str,
+    /// Distinct cache blocks the cached addresses map to.
+    pub unique_blocks: u64,
+    /// Cached addresses per distinct block (1.0: nothing shared).
+    pub ratio: f64,
+    /// Fingerprints in the signature table, and its memory (counted in
+    /// `index_memory_bytes` too).
+    pub signatures: u64,
+    pub table_memory_bytes: u64,
+    pub counts: crate::dedup::DedupCounts,
 }
 
 /// One image the cache holds blocks of.
@@ -75,7 +93,22 @@ impl FlashCache {
         let st = self.lock();
         let counts: RegionCounts = st.regions.counts();
         let cached = st.index.present_blocks() * BLOCK;
-        let memory = st.index.memory_bytes();
+        let memory = st.index.memory_bytes() + st.signatures.memory_bytes();
+        let dedup = self.config.dedup.enabled().then(|| {
+            let unique = st.index.referenced_blocks();
+            DedupReport {
+                mode: self.config.dedup.name(),
+                unique_blocks: unique,
+                ratio: if unique == 0 {
+                    1.0
+                } else {
+                    st.index.present_blocks() as f64 / unique as f64
+                },
+                signatures: st.signatures.len() as u64,
+                table_memory_bytes: st.signatures.memory_bytes(),
+                counts: st.signatures.counts(),
+            }
+        });
         let fixed = st.index.fixed_memory_bytes();
         let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.catalog.images.len()];
         let mut dirty_by_disk: HashMap<u32, u64> = HashMap::new();
@@ -134,6 +167,7 @@ impl FlashCache {
                 memory.saturating_sub(fixed) as f64 / cached as f64
             },
             checksum_memory_bytes,
+            dedup,
             unreadable_blocks,
             meta_sectors,
             meta_sector_memory_bytes,

@@ -405,6 +405,12 @@ impl FlashCache {
             dirty,
             crc,
         });
+        if self.dedups() {
+            let epoch = st.regions.epoch(st.regions.region_of(dst));
+            let fp = self.fingerprint_of(&[&buf]);
+            st.signatures
+                .remember(fp, crate::dedup::Place { cbn: dst, epoch });
+        }
         Ok(Moved::Yes)
     }
 

@@ -10,7 +10,7 @@
 
 use super::commit::Unsynced;
 use super::ledger::UnjournaledClean;
-use super::logical::JournalCopy;
+use super::sharing::SharedCopy;
 use super::write::{Blocks, block_guests, sub_segments};
 use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
@@ -103,7 +103,7 @@ impl FlashCache {
         segments: &[WriteSegment<'_>],
         tag: IoTag,
         keep_copy: Keep,
-        shared: &[JournalCopy],
+        shared: &[SharedCopy],
     ) -> Result<()> {
         let first = off / BLOCK;
         let last = (off + len - 1) / BLOCK;
@@ -222,7 +222,7 @@ impl FlashCache {
         whole: &[u64],
         tag: IoTag,
         mark: u64,
-        shared: &[JournalCopy],
+        shared: &[SharedCopy],
     ) -> Result<()> {
         let blocks = Blocks {
             pieces: segments.iter().map(|s| s.data).collect(),
@@ -233,18 +233,19 @@ impl FlashCache {
         let unshared: Vec<u64> = {
             let mut st = self.lock();
             let mut rest = Vec::with_capacity(whole.len());
-            let mut held = 0;
+            let mut done = Vec::new();
             for &b in whole {
                 let guest = guests[(b - first_block) as usize];
                 match shared.iter().find(|c| c.block == b) {
-                    Some(c) if self.share_journal_copy(&mut st, id, c, guest, false) => {
+                    Some(c) if self.share_copy(&mut st, id, c, guest, false) => {
                         Self::hold_clean_copy(&mut st, id, b, c.cbn, guest, c.crc, mark);
-                        held += 1;
+                        done.push(*c);
                     }
                     _ => rest.push(b),
                 }
             }
-            bump(&self.stats.disk(tag.disk).journal_copies_shared, held);
+            drop(st);
+            self.count_shared(tag.disk, &done);
             rest
         };
         let whole = &unshared[..];

@@ -7,8 +7,8 @@
 //! Where a write goes is `routing`'s decision; writes to the backend are
 //! `through`'s.
 
-use super::logical::JournalCopy;
 use super::metastore::{overlay, table_sectors};
+use super::sharing::SharedCopy;
 use super::{FlashCache, State};
 use crate::admission::Run;
 use crate::error::{CacheError, Result};
@@ -188,13 +188,29 @@ impl FlashCache {
             (policy, run, role)
         };
         let route = route(policy, write_class(off, len, segments), run);
-        let copies = match route {
-            Route::WriteBack { sectors: false } | Route::WriteThrough(_) if journal.has_journal => {
-                self.journal_copies(tag.disk, off, segments)?
-            }
-            _ => Vec::new(),
+        // Blocks entering flash may share a block that holds their bytes.
+        let enters_flash = matches!(
+            route,
+            Route::WriteBack { sectors: false } | Route::WriteThrough(_)
+        );
+        let mut copies = if enters_flash && journal.has_journal {
+            self.journal_copies(tag.disk, off, segments)?
+        } else {
+            Vec::new()
         };
+        let fps = if enters_flash && self.dedups() {
+            self.write_fingerprints(tag.disk, off, segments)
+        } else {
+            Vec::new()
+        };
+        if !fps.is_empty() {
+            let taken: Vec<u64> = copies.iter().map(|c| c.block).collect();
+            let pieces: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
+            copies.extend(self.dedup_copies(tag.disk, off, &pieces, &fps, &taken)?);
+            copies.sort_unstable_by_key(|c| c.block);
+        }
         self.write_routed(image, id, off, segments, route, &copies)?;
+        self.remember_signatures(id, &fps);
         if journal.is_journal {
             self.observe_journal_write(tag.disk, id, off, segments);
         }
@@ -210,7 +226,7 @@ impl FlashCache {
         off: u64,
         segments: &[WriteSegment<'_>],
         route: Route,
-        copies: &[JournalCopy],
+        copies: &[SharedCopy],
     ) -> Result<()> {
         let len = total_len(segments);
         let tag = segments[0].tag;

@@ -30,13 +30,24 @@ pub fn disk_through(
     name: &str,
     format: ImageFormat,
 ) -> VirtualDisk {
+    disk_as(opener, cache, name, format, DiskId(1))
+}
+
+/// Disk `disk`: the image `name` of `opener`, through `cache`.
+pub fn disk_as(
+    opener: Arc<dyn StoreOpener>,
+    cache: &Arc<FlashCache>,
+    name: &str,
+    format: ImageFormat,
+    disk: DiskId,
+) -> VirtualDisk {
     let io: Arc<dyn HostIo> = cache.clone();
     open_chain(
         name,
         &OpenOptions {
             opener,
             io: Some(io),
-            disk: DiskId(1),
+            disk,
             format: Some(format),
             ..OpenOptions::default()
         },

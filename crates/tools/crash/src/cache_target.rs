@@ -75,6 +75,13 @@ impl CacheTarget {
         }
     }
 
+    /// What the cache the live workload ran through reports (none before
+    /// a run): for tests that check the workload exercised a mechanism.
+    pub fn live_report(&self) -> Option<vdcache_cache::CacheReport> {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.0.as_ref().map(|c| c.report())
+    }
+
     fn options(&self, opener: Arc<dyn StoreOpener>, io: Option<Arc<dyn HostIo>>) -> OpenOptions {
         OpenOptions {
             format: Some(ImageFormat::Qcow2),

@@ -34,6 +34,10 @@ pub struct WorkloadConfig {
     pub hot_percent: u64,
     /// Longest write; `None` is three clusters (at least 4 KiB).
     pub max_len: Option<u64>,
+    /// When non-zero, writes are made of 4 KiB guest blocks drawn from this
+    /// many patterns, so the same bytes land at many addresses (for a
+    /// deduplicating cache); zero: every write's bytes are its own.
+    pub duplicate_patterns: u32,
 }
 
 impl Default for WorkloadConfig {
@@ -48,6 +52,7 @@ impl Default for WorkloadConfig {
             close_at_end: true,
             hot_percent: 70,
             max_len: None,
+            duplicate_patterns: 0,
         }
     }
 }
@@ -65,6 +70,37 @@ struct Planned {
     offset: u64,
     len: u64,
     fua: bool,
+}
+
+/// Pattern block `k` of the workload seeded `seed`: 4 KiB of its own.
+fn pattern_block(seed: u64, k: u32) -> Vec<u8> {
+    let mut b = vec![0u8; PATTERN_BLOCK as usize];
+    Rng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15 ^ u64::from(k)).fill_bytes(&mut b);
+    b
+}
+
+const PATTERN_BLOCK: u64 = 4096;
+
+/// Fills `data` (written at guest offset `off`) block by block, each
+/// 4 KiB-aligned guest block from a pattern drawn with `rng`, so equal
+/// blocks land at many addresses.
+fn fill_from_patterns(rng: &mut Rng, cfg: &WorkloadConfig, off: u64, data: &mut [u8]) {
+    let end = off + data.len() as u64;
+    let mut b = off / PATTERN_BLOCK;
+    while b * PATTERN_BLOCK < end {
+        let block = pattern_block(
+            cfg.seed,
+            rng.below(u64::from(cfg.duplicate_patterns)) as u32,
+        );
+        let (s, e) = (
+            (b * PATTERN_BLOCK).max(off),
+            ((b + 1) * PATTERN_BLOCK).min(end),
+        );
+        let from = (s - b * PATTERN_BLOCK) as usize;
+        data[(s - off) as usize..(e - off) as usize]
+            .copy_from_slice(&block[from..from + (e - s) as usize]);
+        b += 1;
+    }
 }
 
 fn plan(rng: &mut Rng, cfg: &WorkloadConfig, size: u64, cluster: u64) -> Planned {
@@ -204,8 +240,13 @@ pub fn run_workload(
         match p.kind {
             GuestOpKind::Write => {
                 let mut data = vec![0u8; len as usize];
-                Rng::seed_from_u64(cfg.seed ^ (i as u64).wrapping_mul(0x2545_f491_4f6c_dd1d))
-                    .fill_bytes(&mut data);
+                let mut op_rng =
+                    Rng::seed_from_u64(cfg.seed ^ (i as u64).wrapping_mul(0x2545_f491_4f6c_dd1d));
+                if cfg.duplicate_patterns == 0 {
+                    op_rng.fill_bytes(&mut data);
+                } else {
+                    fill_from_patterns(&mut op_rng, cfg, off, &mut data);
+                }
                 disk.write(off, &data, p.fua)
                     .map_err(|e| fail(i, desc.clone(), e))?;
                 model.apply(i, off, &data);

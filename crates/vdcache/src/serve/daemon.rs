@@ -68,8 +68,31 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     if let Some(d) = c.writeback_depth {
         cfg.writeback_depth = d;
     }
+    cfg.dedup = dedup_mode(c)?;
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// The dedup mode `dedup` and `dedup_verify` of a `[cache]` section say.
+fn dedup_mode(c: &CacheSection) -> Result<vdcache_cache::Dedup> {
+    use vdcache_cache::Dedup;
+    let on = match c.dedup.as_deref() {
+        None | Some("off") => false,
+        Some("on") => true,
+        Some(other) => anyhow::bail!(
+            "{}: '{other}' is not on or off",
+            c.setting("dedup", "--dedup")
+        ),
+    };
+    match (on, c.dedup_verify.unwrap_or(false)) {
+        (false, false) => Ok(Dedup::Off),
+        (false, true) => anyhow::bail!(
+            "{} needs dedup on",
+            c.setting("dedup_verify", "--dedup-verify")
+        ),
+        (true, false) => Ok(Dedup::On),
+        (true, true) => Ok(Dedup::Verify),
+    }
 }
 
 /// Opens the cache device of a `[cache]` section for serving, or creates
@@ -445,13 +468,14 @@ fn log_opened(c: &CacheSection, cache: &FlashCache, created: bool) {
     let r = cache.report();
     let cfg = cache.config();
     let what = format!(
-        "cache {}: {} for data, {} {}, {} admission, {} replacement",
+        "cache {}: {} for data, {} {}, {} admission, {} replacement, dedup {}",
         c.path.display(),
         human(r.data_bytes),
         cfg.default_policy.mode.name(),
         cfg.default_policy.cow.name(),
         cfg.default_policy.admission.name(),
-        r.replacement
+        r.replacement,
+        cfg.dedup.name()
     );
     if created {
         tracing::info!(
