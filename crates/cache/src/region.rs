@@ -238,8 +238,10 @@ impl Regions {
         r.state == State::Full && r.pins == 0
     }
 
-    /// Chooses the full region to reclaim next.
-    pub fn choose_victim(&mut self) -> Option<u32> {
+    /// Chooses the full region to reclaim next; `extra_refs`: per region,
+    /// references to its blocks beyond each block's first (see
+    /// [`crate::index::Index::extra_refs`]).
+    pub fn choose_victim(&mut self, extra_refs: &[u32]) -> Option<u32> {
         // A full region with nothing live costs nothing to reclaim.
         if let Some(i) =
             (0..self.regions.len()).find(|&i| self.evictable(i) && self.regions[i].live == 0)
@@ -254,6 +256,8 @@ impl Regions {
                     last_access: r.last_access,
                     referenced: r.referenced,
                     accesses: r.accesses,
+                    live: r.live,
+                    extra_refs: extra_refs.get(i).copied().unwrap_or(0),
                 }
             })
             .collect();
@@ -362,9 +366,9 @@ mod tests {
             }
             r.touch(0);
             r.touch(2);
-            assert_eq!(r.choose_victim(), Some(1), "{policy:?}");
+            assert_eq!(r.choose_victim(&[]), Some(1), "{policy:?}");
             r.pin(1);
-            assert_ne!(r.choose_victim(), Some(1));
+            assert_ne!(r.choose_victim(&[]), Some(1));
         }
     }
 }

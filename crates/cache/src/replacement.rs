@@ -20,6 +20,14 @@ pub enum Replacement {
     /// Adaptive replacement: regions hit once (recency) versus more often
     /// (frequency), the split tuned by misses on recently evicted lines.
     Arc,
+    /// Dedup-aware LRU: among the least recently accessed regions, the one
+    /// serving the fewest addresses (a block shared by many addresses is
+    /// worth as many blocks: DASH's reference-count weighting, after
+    /// CacheDedup's D-LRU).
+    DedupLru,
+    /// ARC choosing its side as ARC does, then weighing sharing as
+    /// `DedupLru` among that side's oldest regions (after D-ARC).
+    DedupArc,
 }
 
 impl FromStr for Replacement {
@@ -29,8 +37,10 @@ impl FromStr for Replacement {
             "lru" => Ok(Replacement::Lru),
             "clock" => Ok(Replacement::Clock),
             "arc" => Ok(Replacement::Arc),
+            "d-lru" => Ok(Replacement::DedupLru),
+            "d-arc" => Ok(Replacement::DedupArc),
             _ => Err(format!(
-                "unknown replacement policy '{s}' (lru, clock, arc)"
+                "unknown replacement policy '{s}' (lru, clock, arc, d-lru, d-arc)"
             )),
         }
     }
@@ -42,6 +52,8 @@ impl Replacement {
             Replacement::Lru => "lru",
             Replacement::Clock => "clock",
             Replacement::Arc => "arc",
+            Replacement::DedupLru => "d-lru",
+            Replacement::DedupArc => "d-arc",
         }
     }
 
@@ -51,14 +63,9 @@ impl Replacement {
         match self {
             Replacement::Lru => Box::new(Lru),
             Replacement::Clock => Box::new(Clock { hand: 0 }),
-            Replacement::Arc => Box::new(Arc {
-                target: f64::from(regions) / 2.0,
-                ghosts: Ghosts {
-                    capacity: (regions as usize * blocks_per_region as usize / 4)
-                        .clamp(1024, 1 << 20),
-                    ..Ghosts::default()
-                },
-            }),
+            Replacement::Arc => Box::new(Arc::new(regions, blocks_per_region, false)),
+            Replacement::DedupLru => Box::new(DedupLru),
+            Replacement::DedupArc => Box::new(Arc::new(regions, blocks_per_region, true)),
         }
     }
 }
@@ -73,6 +80,42 @@ pub(crate) struct Recency {
     pub referenced: bool,
     /// Accesses since the region was filled.
     pub accesses: u32,
+    /// Live blocks, and references to them beyond each one's first: the
+    /// region serves `live + extra_refs` addresses.
+    pub live: u32,
+    pub extra_refs: u32,
+}
+
+/// How many of the oldest regions a dedup-aware policy weighs.
+const WEIGHED: usize = 8;
+
+/// Among the `WEIGHED` least recently accessed evictable regions passing
+/// `filter`, the one serving the fewest addresses (the oldest on a tie).
+fn fewest_addresses(regions: &[Recency], filter: impl Fn(&Recency) -> bool) -> Option<u32> {
+    let mut oldest: Vec<usize> = (0..regions.len())
+        .filter(|&i| regions[i].evictable && filter(&regions[i]))
+        .collect();
+    let key = |&i: &usize| regions[i].last_access;
+    if oldest.len() > WEIGHED {
+        oldest.select_nth_unstable_by_key(WEIGHED - 1, key);
+        oldest.truncate(WEIGHED);
+    }
+    oldest
+        .into_iter()
+        .min_by_key(|&i| {
+            let r = &regions[i];
+            (u64::from(r.live) + u64::from(r.extra_refs), r.last_access)
+        })
+        .map(|i| i as u32)
+}
+
+#[derive(Debug)]
+struct DedupLru;
+
+impl ReplacementPolicy for DedupLru {
+    fn choose(&mut self, regions: &mut [Recency]) -> Option<u32> {
+        fewest_addresses(regions, |_| true)
+    }
 }
 
 /// Chooses victims among regions.
@@ -144,6 +187,29 @@ struct Arc {
     /// Target share of recency regions (0..=regions).
     target: f64,
     ghosts: Ghosts,
+    /// Within the side chosen, weigh sharing (D-ARC) rather than age alone.
+    dedup: bool,
+}
+
+impl Arc {
+    fn new(regions: u32, blocks_per_region: u32, dedup: bool) -> Arc {
+        Arc {
+            target: f64::from(regions) / 2.0,
+            ghosts: Ghosts {
+                capacity: (regions as usize * blocks_per_region as usize / 4).clamp(1024, 1 << 20),
+                ..Ghosts::default()
+            },
+            dedup,
+        }
+    }
+
+    fn pick(&self, regions: &[Recency], filter: impl Fn(&Recency) -> bool) -> Option<u32> {
+        if self.dedup {
+            fewest_addresses(regions, filter)
+        } else {
+            oldest(regions, filter)
+        }
+    }
 }
 
 impl ReplacementPolicy for Arc {
@@ -154,11 +220,11 @@ impl ReplacementPolicy for Arc {
             .count();
         let from_recency = recency as f64 > self.target || recency == regions.len();
         let pick = if from_recency {
-            oldest(regions, |r| r.accesses < 2)
+            self.pick(regions, |r| r.accesses < 2)
         } else {
-            oldest(regions, |r| r.accesses >= 2)
+            self.pick(regions, |r| r.accesses >= 2)
         };
-        pick.or_else(|| oldest(regions, |_| true))
+        pick.or_else(|| self.pick(regions, |_| true))
     }
 
     fn evicted(&mut self, frequent: bool, keys: &mut dyn Iterator<Item = u64>) {
@@ -198,7 +264,39 @@ mod tests {
             last_access,
             referenced,
             accesses,
+            live: 8,
+            extra_refs: 0,
         }
+    }
+
+    #[test]
+    fn dedup_aware_policies_spare_the_most_shared_of_the_oldest() {
+        // Region 1 is the oldest but its blocks serve 30 addresses.
+        let mut regions = [
+            region(5, false, 0),
+            region(1, false, 0),
+            region(3, false, 0),
+            region(90, false, 0),
+        ];
+        regions[1].extra_refs = 22;
+        let mut lru = Replacement::Lru.build(4, 8);
+        assert_eq!(lru.choose(&mut regions), Some(1));
+        let mut dlru = Replacement::DedupLru.build(4, 8);
+        assert_eq!(dlru.choose(&mut regions), Some(2), "next oldest, unshared");
+        // Fewer live blocks count as fewer addresses too.
+        regions[0].live = 2;
+        assert_eq!(dlru.choose(&mut regions), Some(0));
+        // Beyond the oldest WEIGHED regions nothing is weighed.
+        let mut many: Vec<Recency> = (0..20).map(|i| region(i, false, 0)).collect();
+        for r in many.iter_mut().take(WEIGHED) {
+            r.extra_refs = 100;
+        }
+        many[19].live = 0;
+        assert_eq!(dlru.choose(&mut many), Some(0), "the oldest of equals");
+        let mut darc = Replacement::DedupArc.build(4, 8);
+        assert_eq!(darc.choose(&mut regions), Some(0));
+        assert_eq!("d-lru".parse::<Replacement>(), Ok(Replacement::DedupLru));
+        assert_eq!(Replacement::DedupArc.name(), "d-arc");
     }
 
     #[test]

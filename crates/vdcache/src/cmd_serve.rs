@@ -70,7 +70,8 @@ pub struct ServeArgs {
     /// backend (default 4M; 0: cache every write).
     #[arg(long, requires = "cache", conflicts_with = "config")]
     sequential_write_cutoff: Option<String>,
-    /// lru (default), clock or arc.
+    /// lru (default), clock, arc, or the dedup-aware d-lru and d-arc (which
+    /// spare regions whose blocks many addresses share).
     #[arg(long, requires = "cache", conflicts_with = "config")]
     replacement: Option<String>,
     /// Region (erase block) size, fixed when the cache is formatted (default 2M).

@@ -343,6 +343,11 @@ pub struct Index {
     live_lines: usize,
     dirty: DirtyCount,
     present_blocks: u64,
+    /// Per region, references to its blocks beyond each block's first:
+    /// how many more addresses the region serves than it holds blocks
+    /// (dedup-aware replacement weighs it).
+    extra_refs: Vec<u32>,
+    blocks_per_region: u32,
     /// Memory sized by the device, held however little is cached.
     fixed_bytes: u64,
 }
@@ -421,6 +426,8 @@ impl Index {
             live_lines: 0,
             dirty: DirtyCount::default(),
             present_blocks: 0,
+            extra_refs: vec![0; regions as usize],
+            blocks_per_region: blocks_per_region.max(1),
             fixed_bytes: 0,
         };
         index.fixed_bytes = index.memory_bytes();
@@ -762,6 +769,26 @@ impl Index {
             others: Vec::new(),
         });
         shared.others.push(r);
+        self.count_extra(cbn, true);
+    }
+
+    /// One more (or one fewer) reference to `cbn` beyond its first.
+    fn count_extra(&mut self, cbn: Cbn, more: bool) {
+        if let Some(n) = self
+            .extra_refs
+            .get_mut((cbn / self.blocks_per_region) as usize)
+        {
+            *n = if more {
+                n.saturating_add(1)
+            } else {
+                n.saturating_sub(1)
+            };
+        }
+    }
+
+    /// Per region, the references to its blocks beyond each block's first.
+    pub fn extra_refs(&self) -> &[u32] {
+        &self.extra_refs
     }
 
     /// Drops one reference to a block; true when the block is now free.
@@ -784,6 +811,8 @@ impl Index {
                 return true;
             }
         }
+        // Still referenced: one reference fewer beyond the first.
+        self.count_extra(cbn, false);
         false
     }
 
@@ -1041,26 +1070,35 @@ mod tests {
 
     #[test]
     fn shared_blocks_count_references() {
-        let mut ix = Index::new(1, 8);
+        let mut ix = Index::new(2, 8);
         let (a, b, c) = (line_key(1, 0), line_key(2, 0), line_key(3, 0));
         ix.map(a, 0, 0, 4, false);
         ix.map(b, 0, 0, 4, false);
         assert!(ix.is_shared(4));
         assert_eq!(ix.other_references(4), vec![(b, 0)]);
+        assert_eq!(ix.extra_refs(), &[1, 0], "region 0 serves one address more");
         // The first reference goes: the other one keeps the block.
         let (_, _, ra) = ix.unmap(a, 0).unwrap();
         assert!(!ix.release(4, ra));
         assert_eq!(ix.other_references(4), vec![(b, 0)]);
+        assert_eq!(ix.extra_refs(), &[0, 0]);
         let (_, _, rb) = ix.unmap(b, 0).unwrap();
         assert!(ix.release(4, rb));
+        assert_eq!(ix.extra_refs(), &[0, 0]);
         // A shared block whose other reference goes first.
-        ix.map(a, 0, 1, 5, false);
-        ix.map(c, 0, 1, 5, false);
+        ix.map(a, 0, 1, 13, false);
+        ix.map(c, 0, 1, 13, false);
+        ix.map(b, 0, 1, 13, false);
+        assert_eq!(ix.extra_refs(), &[0, 2]);
         let (_, _, rc) = ix.unmap(c, 1).unwrap();
-        assert!(!ix.release(5, rc));
-        assert!(!ix.is_shared(5));
+        assert!(!ix.release(13, rc));
+        let (_, _, rb) = ix.unmap(b, 1).unwrap();
+        assert!(!ix.release(13, rb));
+        assert!(!ix.is_shared(13));
+        assert_eq!(ix.extra_refs(), &[0, 0]);
         let (_, _, ra) = ix.unmap(a, 1).unwrap();
-        assert!(ix.release(5, ra));
+        assert!(ix.release(13, ra));
+        assert_eq!(ix.extra_refs(), &[0, 0]);
     }
 
     #[test]

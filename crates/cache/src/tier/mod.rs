@@ -352,6 +352,7 @@ impl FlashCache {
         }
         writeback::start(cache);
         checkpoint::start(cache);
+        FlashCache::start_signature_scan(cache);
     }
 
     /// Starts a background thread into `slot`. It gets only a weak

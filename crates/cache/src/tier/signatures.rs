@@ -195,3 +195,95 @@ fn known_copy(st: &mut State, block: u64, fp: &Fingerprint) -> Option<SharedCopy
         source: Source::Signature { epoch: place.epoch },
     })
 }
+
+impl FlashCache {
+    /// After an open, the signature table knows nothing of the blocks
+    /// flash already holds: a background thread reads them region by
+    /// region (each pinned while read), and remembers the fingerprint of
+    /// every referenced block that still verifies. Until it is done, a
+    /// block it has not reached yet is simply not shared.
+    pub(super) fn start_signature_scan(cache: &std::sync::Arc<FlashCache>) {
+        if !cache.dedups() || cache.lock().index.present_blocks() == 0 {
+            return;
+        }
+        let weak = std::sync::Arc::downgrade(cache);
+        let spawned = std::thread::Builder::new()
+            .name("vdcache-dedup-scan".into())
+            .spawn(move || {
+                let started = Instant::now();
+                let mut blocks = 0u64;
+                let regions = match weak.upgrade() {
+                    Some(c) => c.layout.regions,
+                    None => return,
+                };
+                for region in 0..regions {
+                    let Some(cache) = weak.upgrade() else { return };
+                    if cache.stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        return;
+                    }
+                    match cache.scan_region_signatures(region) {
+                        Ok(n) => blocks += n,
+                        Err(e) => {
+                            tracing::warn!("dedup: rebuilding the signature table stopped: {e}");
+                            return;
+                        }
+                    }
+                }
+                tracing::info!(
+                    "dedup: signature table rebuilt from {blocks} cached blocks in {:.1} s",
+                    started.elapsed().as_secs_f64()
+                );
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(
+                "dedup: cannot start the signature scan ({e}); blocks cached before this start are not shared"
+            );
+        }
+    }
+
+    /// Fingerprints the referenced blocks of `region`; returns how many it
+    /// remembered.
+    fn scan_region_signatures(&self, region: u32) -> Result<u64> {
+        let first = region * self.layout.blocks_per_region();
+        let (blocks, epoch) = {
+            let mut st = self.lock();
+            let blocks: Vec<(u32, u32)> = (first..first + self.layout.data_blocks_per_region())
+                .filter(|&cbn| st.index.is_referenced(cbn))
+                .filter_map(|cbn| Some((cbn, st.integrity.crcs.get(cbn)?)))
+                .collect();
+            if blocks.is_empty() {
+                return Ok(0);
+            }
+            st.regions.pin(region);
+            (blocks, st.regions.epoch(region))
+        };
+        let mut found = Vec::with_capacity(blocks.len());
+        let mut buf = vec![0u8; BLOCK as usize];
+        let mut failed = None;
+        for &(cbn, crc) in &blocks {
+            if let Err(e) = self.device.read_at(&mut buf, self.layout.block_offset(cbn)) {
+                failed = Some(e);
+                break;
+            }
+            if crc32c::crc32c(&buf) == crc {
+                found.push((cbn, self.fingerprint_of(&[&buf])));
+            }
+        }
+        let mut st = self.lock();
+        st.regions.unpin(region);
+        if let Some(e) = failed {
+            return Err(crate::error::CacheError::device("read a cached block")(e));
+        }
+        if st.regions.epoch(region) != epoch {
+            return Ok(0);
+        }
+        let mut n = 0;
+        for (cbn, fp) in found {
+            if st.index.is_referenced(cbn) {
+                st.signatures.remember(fp, Place { cbn, epoch });
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}

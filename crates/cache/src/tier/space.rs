@@ -126,7 +126,7 @@ impl FlashCache {
     pub(crate) fn evict_one(&self, st: &mut State) -> Result<bool> {
         let mut passed = Vec::new();
         let chosen = loop {
-            let Some(v) = st.regions.choose_victim() else {
+            let Some(v) = st.regions.choose_victim(st.index.extra_refs()) else {
                 break None;
             };
             let refs = self.region_refs(st, v);
