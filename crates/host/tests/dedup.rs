@@ -399,3 +399,63 @@ fn with_colliding_fingerprints_verify_never_serves_another_blocks_bytes() {
         "a trusted colliding fingerprint shares the block"
     );
 }
+
+#[test]
+fn reclaim_keeps_every_address_of_shared_blocks_right() {
+    // The smallest cache: filling it with other data reclaims the regions
+    // holding the shared blocks (hot ones are moved; a block another of
+    // its addresses moved already is followed, not copied again).
+    let files = MemFiles::new();
+    files.insert(&name(0), vec![0u8; 64 << 20]);
+    let cfg = config(WriteMode::WriteBack, Dedup::On);
+    let device = Arc::new(MemBackend::fixed("cache", 16 << 20));
+    let cache = cache_on(&device, &cfg, true);
+    let rig = Rig::attach(files, device, cache, 1, cfg);
+    let d = &rig.disks[0];
+    for copy in 0..8u64 {
+        for n in 0..64u64 {
+            write_block(d, copy * 100 + n, &content(n));
+        }
+    }
+    // Read twice: the regions are hot, so reclaim moves their blocks.
+    for _ in 0..2 {
+        for copy in 0..8u64 {
+            for n in 0..64u64 {
+                assert!(read_block(d, copy * 100 + n) == content(n));
+            }
+        }
+    }
+    let moved_before = rig.flash_data_written();
+    for i in 0..96u64 {
+        let chunk: Vec<u8> = (0..256 * 1024).map(|k| (k as u64 ^ i) as u8).collect();
+        d.write(
+            (16 << 20) + i * chunk.len() as u64 % (40 << 20),
+            &chunk,
+            false,
+        )
+        .expect("fill");
+        rig.cache.drain().expect("drain");
+    }
+    let r = rig.cache.report();
+    assert!(
+        r.regions_emptied_by_summary + r.regions_emptied_by_scan > 0,
+        "regions were reclaimed"
+    );
+    assert!(rig.flash_data_written() > moved_before);
+    rig.cache.audit_regions().expect("regions");
+    for copy in 0..8u64 {
+        for n in 0..64u64 {
+            assert!(
+                read_block(d, copy * 100 + n) == content(n),
+                "copy {copy} block {n} reads other bytes"
+            );
+        }
+    }
+    rig.cache.drain().expect("drain");
+    let f = rig.file(0);
+    for copy in 0..8u64 {
+        for n in 0..64u64 {
+            assert!(block_of(&f, copy * 100 + n) == &content(n)[..]);
+        }
+    }
+}

@@ -376,21 +376,45 @@ impl FlashCache {
         cbn: Cbn,
         dirty: bool,
     ) -> Result<Moved> {
-        let Some((dst, 1)) = st.regions.allocate(Stream::Promote, 1) else {
-            return Ok(Moved::NoRoom);
-        };
         let mut buf = vec![0u8; BLOCK as usize];
         self.device
             .read_at(&mut buf, self.layout.block_offset(cbn))
             .map_err(CacheError::device("read block"))?;
         let crc = crc32c::crc32c(&buf);
         if st.integrity.crcs.get(cbn) != Some(crc) {
-            st.regions.release_block(dst);
             return Ok(Moved::Damaged);
         }
-        self.device
-            .write_at(&buf, self.layout.block_offset(dst))
-            .map_err(CacheError::device("write block"))?;
+        // With dedup, another address of a shared block may have moved it
+        // already: this one follows, and flash holds one copy still.
+        let fp = self.dedups().then(|| self.fingerprint_of(&[&buf]));
+        let victim = st.regions.region_of(cbn);
+        let moved = fp.as_ref().and_then(|fp| {
+            let State {
+                signatures,
+                index,
+                regions,
+                ..
+            } = &mut *st;
+            signatures
+                .find(fp, |p| {
+                    regions.region_of(p.cbn) != victim
+                        && super::sharing::place_holds(index, regions, p)
+                })
+                .map(|p| p.cbn)
+                .filter(|&to| st.integrity.crcs.get(to) == Some(crc))
+        });
+        let dst = match moved {
+            Some(to) => to,
+            None => {
+                let Some((dst, 1)) = st.regions.allocate(Stream::Promote, 1) else {
+                    return Ok(Moved::NoRoom);
+                };
+                self.device
+                    .write_at(&buf, self.layout.block_offset(dst))
+                    .map_err(CacheError::device("write block"))?;
+                dst
+            }
+        };
         let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
         if let Some((old, r)) = st.map_block(key, guest, slot, dst, dirty, crc)
             && st.index.release(old, r)
@@ -405,9 +429,8 @@ impl FlashCache {
             dirty,
             crc,
         });
-        if self.dedups() {
+        if let (Some(fp), None) = (fp, moved) {
             let epoch = st.regions.epoch(st.regions.region_of(dst));
-            let fp = self.fingerprint_of(&[&buf]);
             st.signatures
                 .remember(fp, crate::dedup::Place { cbn: dst, epoch });
         }
