@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
-use vdcache_cache::{Admission, CowMode, DiskPolicy, Replacement, WriteMode};
+use vdcache_cache::{Admission, CowMode, Dedup, DiskPolicy, Replacement, WriteMode};
 use vdcache_eval::Format;
 use vdcache_eval::cost::DeviceProfile;
 use vdcache_eval::trace::WriterOptions;
@@ -65,6 +65,14 @@ pub struct Args {
     /// Memory for L2 slices of each qcow2 disk (default 4M).
     #[arg(long, value_name = "SIZE")]
     l2_cache_size: Option<String>,
+    /// on: blocks entering flash that it already holds (in any disk) share
+    /// that block instead of being written again; off (default).
+    #[arg(long, value_name = "on|off")]
+    dedup: Option<String>,
+    /// With dedup on, compare every byte before sharing a block (one flash
+    /// read per shared block) instead of trusting the fingerprint.
+    #[arg(long)]
+    dedup_verify: bool,
     /// Print one JSON object (an array with --sweep).
     #[arg(long)]
     json: bool,
@@ -77,6 +85,10 @@ pub struct Args {
     /// --sweep: policies.
     #[arg(long, value_delimiter = ',', default_value = "lru,clock,arc")]
     sweep_policies: Vec<String>,
+    /// --sweep: dedup modes each policy runs with, e.g. off,on (default:
+    /// the --dedup mode); --dedup-verify makes "on" verify.
+    #[arg(long, value_delimiter = ',', value_name = "off,on", requires = "sweep")]
+    sweep_dedup: Option<Vec<String>>,
     /// --sweep: output directory.
     #[arg(long, default_value = "results/replay")]
     out: PathBuf,
@@ -105,6 +117,39 @@ fn parse_duration_ns(s: &str) -> Result<u64> {
         bail!("duration '{s}' is out of range");
     }
     Ok(ns as u64)
+}
+
+/// `value` of option `option` as dedup on (true) or off (false).
+fn on_off(option: &str, value: &str) -> Result<bool> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => bail!("{option}: '{other}' is not on or off"),
+    }
+}
+
+/// The dedup modes `--dedup`, `--dedup-verify` and `--sweep-dedup` ask for:
+/// the single replay's, and the sweep's (empty: the single one).
+fn dedup_modes(a: &Args) -> Result<(Dedup, Vec<Dedup>)> {
+    let mode = |on: bool| match (on, a.dedup_verify) {
+        (false, _) => Dedup::Off,
+        (true, false) => Dedup::On,
+        (true, true) => Dedup::Verify,
+    };
+    let single = match a.dedup.as_deref() {
+        Some(v) => on_off("--dedup", v)?,
+        None => false,
+    };
+    let swept = a
+        .sweep_dedup
+        .iter()
+        .flatten()
+        .map(|v| on_off("--sweep-dedup", v.trim()))
+        .collect::<Result<Vec<bool>>>()?;
+    if a.dedup_verify && !single && !swept.contains(&true) {
+        bail!("--dedup-verify needs --dedup on (or --sweep-dedup with on)");
+    }
+    Ok((mode(single), swept.into_iter().map(mode).collect()))
 }
 
 fn options(a: &Args) -> Result<(Option<Format>, ReplayOptions)> {
@@ -152,6 +197,7 @@ fn options(a: &Args) -> Result<(Option<Format>, ReplayOptions)> {
             .parse::<DeviceProfile>()
             .map_err(anyhow::Error::msg)
             .context("--backend-profile")?,
+        dedup: dedup_modes(a)?.0,
         ..RigConfig::default()
     };
     let cache_size = match (&a.cache_size, a.cache_size_pct_of_wss) {
@@ -237,6 +283,7 @@ fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8
         base,
         percents,
         policies,
+        dedups: dedup_modes(a)?.1,
     };
     let bar = progress_bar("sweep");
     let reports = sweep(&a.trace, format, &opts, &mut |p| {
@@ -285,7 +332,7 @@ fn print_human(r: &ReplayReport) {
         mib(r.working_set_bytes)
     );
     outln!(
-        "cache {} ({} blocks), regions {}, {} / {} / {} / {}, layout {}",
+        "cache {} ({} blocks), regions {}, {} / {} / {} / {}, dedup {}, layout {}",
         mib(r.cache_bytes),
         r.cache_capacity_blocks,
         mib(r.region_bytes),
@@ -293,6 +340,7 @@ fn print_human(r: &ReplayReport) {
         r.admission,
         r.cache_mode,
         r.cow,
+        r.dedup_mode,
         r.layout.name()
     );
     outln!(
@@ -321,6 +369,17 @@ fn print_human(r: &ReplayReport) {
         per_guest(r.backend_bytes_written),
         r.backend_syncs
     );
+    if let Some(d) = &r.dedup {
+        outln!(
+            "dedup           ratio {:.3} ({} distinct blocks), {} blocks shared ({} of flash writes saved), BLAKE3 {:.0} ns/block over {} blocks",
+            d.ratio,
+            d.unique_blocks,
+            d.blocks_shared,
+            mib(d.flash_bytes_saved),
+            d.hash_ns_per_block,
+            d.hashed_blocks
+        );
+    }
     if let Some(m) = r.meta_hit_ratio {
         outln!("L2 hit ratio    {m:.4}");
     }
@@ -356,7 +415,7 @@ fn print_human(r: &ReplayReport) {
 pub struct GenArgs {
     /// Output file; .gz or .zst compresses.
     out: PathBuf,
-    /// Workload class: boot-storm, oltp, file-server.
+    /// Workload class: boot-storm, oltp, file-server, clone-storm.
     #[arg(long, default_value = "oltp")]
     class: String,
     /// Output format: msr, fiu, blkparse, fio.
@@ -377,7 +436,11 @@ pub struct GenArgs {
     /// Fraction of blocks with duplicate content (FIU).
     #[arg(long)]
     dup_ratio: Option<f64>,
-    /// Disks (boot storm: cloned VMs).
+    /// Clone storm: fraction of writes that apply the updates every VM
+    /// applies (the rest are private data).
+    #[arg(long)]
+    update_ratio: Option<f64>,
+    /// Disks (boot storm, clone storm: cloned VMs).
     #[arg(long)]
     disks: Option<u32>,
     #[arg(long, default_value_t = 1)]
@@ -385,8 +448,16 @@ pub struct GenArgs {
 }
 
 pub fn generate(a: GenArgs) -> Result<u8> {
-    let class: WorkloadClass = a.class.parse().map_err(anyhow::Error::msg)?;
-    let format: Format = a.format.parse().map_err(anyhow::Error::msg)?;
+    let class: WorkloadClass = a
+        .class
+        .parse()
+        .map_err(anyhow::Error::msg)
+        .context("--class")?;
+    let format: Format = a
+        .format
+        .parse()
+        .map_err(anyhow::Error::msg)
+        .context("--format")?;
     let mut spec = WorkloadSpec::new(class);
     spec.requests = a.requests;
     spec.seed = a.seed;
@@ -401,6 +472,12 @@ pub fn generate(a: GenArgs) -> Result<u8> {
     }
     if let Some(d) = a.dup_ratio {
         spec.dup_ratio = d;
+    }
+    if let Some(u) = a.update_ratio {
+        if class != WorkloadClass::CloneStorm {
+            bail!("--update-ratio is for --class clone-storm");
+        }
+        spec.update_ratio = u;
     }
     if let Some(d) = a.disks {
         spec.disks = d;

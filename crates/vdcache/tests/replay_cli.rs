@@ -1,7 +1,9 @@
 //! `vdcache trace-gen` and `vdcache replay` end to end: generated traces in
 //! every format replay to the same figures, `--json` carries the documented
 //! keys with consistent values, a sweep writes its table, JSON and plots,
-//! and bad input is refused with a message naming what is wrong.
+//! dedup on a clone storm shares blocks and writes less flash (alone and
+//! swept against dedup off), and bad input is refused with a message
+//! naming what is wrong.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -51,6 +53,28 @@ fn generate(dir: &Path, name: &str, format: &str) -> String {
         "32M",
         "--seed",
         "3",
+        &path,
+    ]);
+    path
+}
+
+/// A small clone storm in FIU format (content digests on every line).
+fn generate_clones(dir: &Path) -> String {
+    let path = dir.join("clones.fiu").display().to_string();
+    ok(&[
+        "trace-gen",
+        "--class",
+        "clone-storm",
+        "--format",
+        "fiu",
+        "--requests",
+        "12000",
+        "--working-set",
+        "8M",
+        "--disks",
+        "6",
+        "--seed",
+        "5",
         &path,
     ]);
     path
@@ -162,6 +186,8 @@ fn sweep_writes_table_json_and_plots() {
         "sweep.json",
         "hit_ratio.svg",
         "hit_ratio.png",
+        "flash_written.svg",
+        "flash_written.png",
         "traffic.svg",
         "traffic.png",
     ] {
@@ -198,7 +224,144 @@ fn bad_input_is_refused_with_a_clear_message() {
     assert!(err(&["replay", &trace, "--snapshot-every", "1h"]).contains("qcow2"));
     assert!(err(&["replay", &trace, "--region-size", "1000"]).contains("region"));
     assert!(err(&["replay", "/nonexistent/trace.csv"]).contains("/nonexistent/trace.csv"));
-    assert!(err(&["trace-gen", "--class", "nosuch", "x.csv"]).contains("nosuch"));
+    let e = err(&["trace-gen", "--class", "nosuch", "x.csv"]);
+    assert!(e.contains("nosuch") && e.contains("clone-storm"), "{e}");
+    let e = err(&["replay", &trace, "--dedup", "maybe"]);
+    assert!(e.contains("--dedup") && e.contains("maybe"), "{e}");
+    assert!(err(&["replay", &trace, "--dedup-verify"]).contains("--dedup on"));
+    let e = err(&["replay", &trace, "--sweep", "--sweep-dedup", "off,yes"]);
+    assert!(e.contains("--sweep-dedup") && e.contains("yes"), "{e}");
+    let e = err(&[
+        "trace-gen",
+        "--class",
+        "oltp",
+        "--update-ratio",
+        "0.5",
+        "x.csv",
+    ]);
+    assert!(e.contains("clone-storm"), "{e}");
+}
+
+fn num(r: &serde_json::Value, path: &[&str]) -> f64 {
+    let mut v = r;
+    for k in path {
+        v = &v[*k];
+    }
+    v.as_f64()
+        .unwrap_or_else(|| panic!("{path:?} is not a number in {r}"))
+}
+
+#[test]
+fn dedup_on_a_clone_storm_shares_blocks_and_writes_less_flash() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = generate_clones(dir.path());
+    let replay = |extra: &[&str]| {
+        let mut args = vec!["replay", &trace, "--json", "--cache-size-pct-of-wss", "25"];
+        args.extend_from_slice(extra);
+        json(&ok(&args))
+    };
+    let off = replay(&["--dedup", "off"]);
+    let on = replay(&["--dedup", "on"]);
+    assert_eq!(off["dedup_mode"], "off");
+    assert!(off["dedup"].is_null(), "dedup off reports dedup: {off}");
+    assert_eq!(on["dedup_mode"], "on");
+    // The same trace, the same requests.
+    for k in ["records", "reads", "writes", "read_bytes", "write_bytes"] {
+        assert_eq!(off[k], on[k], "{k}");
+    }
+    let ratio = num(&on, &["dedup", "ratio"]);
+    assert!(ratio > 1.5, "dedup ratio {ratio}");
+    let shared = num(&on, &["dedup", "blocks_shared"]);
+    assert!(shared > 1000.0, "{shared} blocks shared");
+    assert_eq!(num(&on, &["dedup", "flash_bytes_saved"]), shared * 4096.0);
+    assert!(num(&on, &["dedup", "hashed_blocks"]) >= shared);
+    assert!(num(&on, &["dedup", "hash_ns_per_block"]) > 0.0);
+    let (flash_off, flash_on) = (
+        num(&off, &["flash_data_bytes_written"]),
+        num(&on, &["flash_data_bytes_written"]),
+    );
+    assert!(
+        flash_on < 0.75 * flash_off,
+        "dedup on wrote {flash_on} data bytes to flash, off {flash_off}"
+    );
+    assert!(num(&on, &["flash_bytes_written"]) < num(&off, &["flash_bytes_written"]));
+    // More addresses fit: the hit ratio does not drop.
+    assert!(num(&on, &["read_hit_ratio"]) >= num(&off, &["read_hit_ratio"]));
+    // The default is off; verify shares what on shares (no collisions).
+    let default = replay(&[]);
+    assert!(default["dedup"].is_null());
+    assert_eq!(default["flash_bytes_written"], off["flash_bytes_written"]);
+    let verify = replay(&["--dedup", "on", "--dedup-verify"]);
+    assert_eq!(verify["dedup_mode"], "verify");
+    assert_eq!(
+        verify["dedup"]["blocks_shared"],
+        on["dedup"]["blocks_shared"]
+    );
+    assert_eq!(num(&verify, &["dedup", "counts", "collisions"]), 0.0);
+    // Human output names the figures.
+    let text = ok(&[
+        "replay",
+        &trace,
+        "--dedup",
+        "on",
+        "--cache-size-pct-of-wss",
+        "25",
+    ]);
+    assert!(text.contains("dedup           ratio"), "{text}");
+}
+
+#[test]
+fn sweep_compares_dedup_off_and_on_across_cache_sizes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = generate_clones(dir.path());
+    let out = dir.path().join("sweep");
+    let text = ok(&[
+        "replay",
+        &trace,
+        "--sweep",
+        "--sweep-sizes",
+        "10,50",
+        "--sweep-policies",
+        "lru",
+        "--sweep-dedup",
+        "off,on",
+        "--out",
+        &out.display().to_string(),
+    ]);
+    let table: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| l.starts_with("| lru"))
+        .map(|l| l.split('|').map(str::trim).collect())
+        .collect();
+    let dedup_column: Vec<&str> = table.iter().map(|cells| cells[2]).collect();
+    assert_eq!(dedup_column, ["off", "off", "on", "on"], "{text}");
+    let rows = json(&std::fs::read_to_string(out.join("sweep.json")).expect("json"));
+    let rows = rows.as_array().expect("array");
+    assert_eq!(rows.len(), 4);
+    let modes: Vec<&str> = rows
+        .iter()
+        .filter_map(|r| r["dedup_mode"].as_str())
+        .collect();
+    assert_eq!(modes, ["off", "off", "on", "on"]);
+    for (off, on) in [(&rows[0], &rows[2]), (&rows[1], &rows[3])] {
+        assert_eq!(
+            off["cache_percent_of_working_set"],
+            on["cache_percent_of_working_set"]
+        );
+        assert!(off["dedup"].is_null());
+        assert!(num(on, &["dedup", "ratio"]) > 1.0);
+        assert!(
+            num(on, &["flash_bytes_written"]) < num(off, &["flash_bytes_written"]),
+            "{off} {on}"
+        );
+    }
+    let md = std::fs::read_to_string(out.join("sweep.md")).expect("md");
+    assert!(
+        md.contains("dedup ratio") && md.contains("flash saved MiB"),
+        "{md}"
+    );
+    let svg = std::fs::read_to_string(out.join("hit_ratio.svg")).expect("svg");
+    assert!(svg.contains("lru+dedup"), "the plot names the dedup series");
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! Synthetic workload generators (boot storm, OLTP, file server).
+//! Synthetic workload generators (boot storm, OLTP, file server, clone
+//! storm).
 //!
 //! This module owns the shapes of the synthetic workloads and their
 //! deterministic generation: a [`WorkloadSpec`] names a class and its knobs
@@ -142,6 +143,26 @@ pub enum WorkloadClass {
     /// a run is a whole-slot discard (file deletion) with probability
     /// `discard_ratio`.
     FileServer,
+    /// N VMs (one disk each) cloned from one base image, for deduplication.
+    /// Each disk is a base region (the working set), an update region and
+    /// a private region (each 1/4 of the base, at least 16 blocks). The
+    /// base holds the same content at the same offsets on every VM (the
+    /// clones' bases are equal in content whatever their names). Every VM
+    /// applies the same updates in the same order (the same package
+    /// updates, logs rotated, files copied in): one sequence of update
+    /// blocks, identical on every VM, written in runs of 4-128 KiB through
+    /// the update region, which each VM lays out rotated by its own shift,
+    /// so that the same content lands at a different offset in each VM
+    /// (for up to as many VMs as the region has blocks); when the sequence
+    /// ends it starts over with new content (the next updates), over the
+    /// same places. The rest of the writes are private data (Zipf over the
+    /// private region, 4-128 KiB, content unique to the VM and the write).
+    /// `update_ratio` of the writes apply updates; reads (`read_ratio`) go
+    /// 70% to the base, 15% to the update region and 15% to the private
+    /// region, each by Zipf (scattered the same way on every VM, so popular
+    /// base blocks are the same everywhere), 4-128 KiB. `dup_ratio` draws
+    /// that fraction of base and private blocks from the popular pool.
+    CloneStorm,
 }
 
 impl FromStr for WorkloadClass {
@@ -151,8 +172,9 @@ impl FromStr for WorkloadClass {
             "boot-storm" | "bootstorm" | "boot" => Ok(WorkloadClass::BootStorm),
             "oltp" => Ok(WorkloadClass::Oltp),
             "file-server" | "fileserver" | "fs" => Ok(WorkloadClass::FileServer),
+            "clone-storm" | "clonestorm" | "clones" => Ok(WorkloadClass::CloneStorm),
             _ => Err(format!(
-                "unknown workload class '{s}' (expected boot-storm, oltp or file-server)"
+                "unknown workload class '{s}' (expected boot-storm, oltp, file-server or clone-storm)"
             )),
         }
     }
@@ -164,6 +186,7 @@ impl fmt::Display for WorkloadClass {
             WorkloadClass::BootStorm => "boot-storm",
             WorkloadClass::Oltp => "oltp",
             WorkloadClass::FileServer => "file-server",
+            WorkloadClass::CloneStorm => "clone-storm",
         })
     }
 }
@@ -175,10 +198,12 @@ pub struct WorkloadSpec {
     pub class: WorkloadClass,
     /// Records to produce (flushes, discards and log writes included).
     pub requests: u64,
-    /// Disks; for a boot storm, the number of cloned VMs (one disk each).
-    /// Other classes spread requests uniformly over the disks. At most 65536.
+    /// Disks; for a boot storm or a clone storm, the number of cloned VMs
+    /// (one disk each). Other classes spread requests uniformly over the
+    /// disks. At most 65536.
     pub disks: u32,
-    /// Working set per disk in bytes (boot storm: the shared base region),
+    /// Working set per disk in bytes (boot storm, clone storm: the shared
+    /// base region),
     /// rounded down to 4 KiB, at least 64 KiB. The disks' address space is a
     /// bit larger (private region, log region).
     pub working_set_bytes: u64,
@@ -202,13 +227,18 @@ pub struct WorkloadSpec {
     pub flush_every_writes: u32,
     /// File server: fraction of runs that are whole-file discards, in [0, 1].
     pub discard_ratio: f64,
+    /// Clone storm: fraction of writes that apply the updates every VM
+    /// applies (the rest are private data), in [0, 1].
+    pub update_ratio: f64,
 }
 
 impl WorkloadSpec {
     /// Defaults for a class: boot storm 16 VMs over a 1 GiB base, 95% reads,
     /// theta 0.6, 20% duplicate content; OLTP 1 disk, 4 GiB, 70% reads, theta
     /// 0.99, commit every 16 writes; file server 1 disk, 8 GiB, 80% reads,
-    /// theta 0.8, 30% duplicate content, 2% discards. 1 million requests,
+    /// theta 0.8, 30% duplicate content, 2% discards; clone storm 8 VMs
+    /// over a 1 GiB base, 70% reads, theta 0.8, half the writes updates, no
+    /// pool duplicates (all sharing is the clones'). 1 million requests,
     /// seed 1, content on.
     pub fn new(class: WorkloadClass) -> Self {
         let base = WorkloadSpec {
@@ -225,6 +255,7 @@ impl WorkloadSpec {
             content: true,
             flush_every_writes: 0,
             discard_ratio: 0.0,
+            update_ratio: 0.0,
         };
         match class {
             WorkloadClass::BootStorm => WorkloadSpec {
@@ -251,6 +282,15 @@ impl WorkloadSpec {
                 discard_ratio: 0.02,
                 ..base
             },
+            WorkloadClass::CloneStorm => WorkloadSpec {
+                disks: 8,
+                read_ratio: 0.7,
+                zipf_theta: 0.8,
+                dup_ratio: 0.0,
+                mean_interarrival_ns: 50_000,
+                update_ratio: 0.5,
+                ..base
+            },
         }
     }
 
@@ -268,6 +308,7 @@ impl WorkloadSpec {
         unit("read_ratio", self.read_ratio)?;
         unit("dup_ratio", self.dup_ratio)?;
         unit("discard_ratio", self.discard_ratio)?;
+        unit("update_ratio", self.update_ratio)?;
         if !(0.0..=MAX_THETA).contains(&self.zipf_theta) {
             return Err(GenError::Invalid(format!(
                 "zipf_theta must be in [0, {MAX_THETA}], got {}",
@@ -329,6 +370,14 @@ impl WorkloadSpec {
                 extra: 0,
                 tracked_blocks: b,
             },
+            WorkloadClass::CloneStorm => {
+                let quarter = (b / 4).max(16);
+                Layout {
+                    base: b,
+                    extra: 2 * quarter,
+                    tracked_blocks: quarter,
+                }
+            }
         }
     }
 
@@ -345,7 +394,8 @@ const MAX_TRACKED_BLOCKS: u64 = 1 << 31;
 struct Layout {
     /// Blocks of the working set (boot storm: shared base).
     base: u64,
-    /// Blocks after it (boot storm: private region; OLTP: log).
+    /// Blocks after it (boot storm: private region; OLTP: log; clone
+    /// storm: update region, then private region, of `extra / 2` each).
     extra: u64,
     /// Blocks whose versions are tracked, per disk.
     tracked_blocks: u64,
@@ -403,6 +453,12 @@ fn version_digest(
     }
 }
 
+/// Content of block `k` of the clone storm's update sequence, in round
+/// `round`: the same on every VM, never from the pool.
+fn update_digest(seed: u64, round: u64, k: u64) -> ContentHash {
+    digest_of(&[seed, 0xc10e, round, k, 0x00bd_a7e5])
+}
+
 // ---------------------------------------------------------------------------
 // Generator
 
@@ -410,6 +466,24 @@ fn version_digest(
 struct BootCursor {
     step: u64,
     next_block: u64,
+}
+
+/// Where a clone storm's VM is in the update sequence: blocks `0..next`
+/// of round `round` are applied; the rest hold round `round - 1` (or
+/// nothing yet, in round 0).
+#[derive(Clone, Copy, Debug, Default)]
+struct UpdateCursor {
+    round: u64,
+    next: u64,
+}
+
+/// The clone storm's Zipf samplers over the update and private regions.
+#[derive(Clone, Copy, Debug)]
+struct CloneRegions {
+    update: (Zipf, Scatter),
+    private: (Zipf, Scatter),
+    /// Offset of every VM's rotation (from the seed).
+    shift: u64,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -437,6 +511,9 @@ pub struct Generator {
     streams: [Stream; 4],
     writes: u64,
     log_head: Vec<u64>,
+    /// Clone storm: each VM's place in the update sequence.
+    updates: Vec<UpdateCursor>,
+    clone: Option<CloneRegions>,
 }
 
 /// Start generating. Fails if the spec is invalid.
@@ -447,6 +524,7 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Generator, GenError> {
         WorkloadClass::BootStorm => layout.base,
         WorkloadClass::Oltp => (layout.base / 2).max(1),
         WorkloadClass::FileServer => (layout.base / FILE_SLOT_BLOCKS).max(1),
+        WorkloadClass::CloneStorm => layout.base,
     };
     let versions = if spec.content {
         vec![0u16; (layout.tracked_blocks * u64::from(spec.disks)) as usize]
@@ -469,6 +547,20 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Generator, GenError> {
     } else {
         Vec::new()
     };
+    let (updates, clone) = if spec.class == WorkloadClass::CloneStorm {
+        let quarter = layout.extra / 2;
+        let region = (Zipf::new(quarter, spec.zipf_theta)?, Scatter::new(quarter));
+        (
+            vec![UpdateCursor::default(); spec.disks as usize],
+            Some(CloneRegions {
+                update: region,
+                private: region,
+                shift: hash_words(&[spec.seed, 0x5_41f7]) % quarter,
+            }),
+        )
+    } else {
+        (Vec::new(), None)
+    };
     Ok(Generator {
         zipf: Zipf::new(units, spec.zipf_theta)?,
         scatter: Scatter::new(units),
@@ -481,6 +573,8 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Generator, GenError> {
         streams: [Stream::default(); 4],
         writes: 0,
         log_head,
+        updates,
+        clone,
         layout,
         spec: spec.clone(),
     })
@@ -527,7 +621,8 @@ impl Generator {
     }
 
     /// Digests of blocks `block..block+n` of `disk` as they are now. Untracked
-    /// blocks are the shared base of a boot storm, the same on every disk.
+    /// blocks are the shared base of a boot storm or a clone storm, the same
+    /// on every disk, or a clone storm's update region.
     fn content_of(&self, disk: u32, block: u64, n: u64) -> Option<Vec<ContentHash>> {
         if !self.spec.content {
             return None;
@@ -535,22 +630,69 @@ impl Generator {
         let (seed, dup) = (self.spec.seed, self.spec.dup_ratio);
         Some(
             (block..block + n)
-                .map(|b| match self.tracked_of(b) {
-                    None => version_digest(seed, dup, 1, 0, b, 0),
-                    Some(t) => {
-                        let v = self.versions[self.tracked_index(disk, t)];
-                        version_digest(seed, dup, 2, u64::from(disk), b, v)
+                .map(|b| {
+                    if let Some(pos) = self.update_pos(b) {
+                        return self.update_content(disk, pos);
+                    }
+                    match self.tracked_of(b) {
+                        None => version_digest(seed, dup, 1, 0, b, 0),
+                        Some(t) => {
+                            let v = self.versions[self.tracked_index(disk, t)];
+                            version_digest(seed, dup, 2, u64::from(disk), b, v)
+                        }
                     }
                 })
                 .collect(),
         )
     }
 
-    /// Index among tracked blocks, or None for the shared base.
+    /// Index among tracked blocks, or None for the shared base (and a clone
+    /// storm's update region).
     fn tracked_of(&self, block: u64) -> Option<u64> {
         match self.spec.class {
             WorkloadClass::BootStorm => block.checked_sub(self.layout.base),
+            WorkloadClass::CloneStorm => {
+                block.checked_sub(self.layout.base + self.layout.extra / 2)
+            }
             _ => Some(block),
+        }
+    }
+
+    /// Clone storm: the place of `block` in the update region, if it is
+    /// there.
+    fn update_pos(&self, block: u64) -> Option<u64> {
+        if self.spec.class != WorkloadClass::CloneStorm {
+            return None;
+        }
+        block
+            .checked_sub(self.layout.base)
+            .filter(|&p| p < self.layout.extra / 2)
+    }
+
+    /// Clone storm: how far VM `disk` rotates the update sequence in its
+    /// update region. Distinct for every VM while there are no more VMs
+    /// than blocks in the region.
+    fn rotation(&self, disk: u32) -> u64 {
+        let quarter = self.layout.extra / 2;
+        let shift = self.clone.map_or(0, |c| c.shift);
+        (shift + u64::from(disk) * quarter / u64::from(self.spec.disks)) % quarter
+    }
+
+    /// Clone storm: what place `pos` of VM `disk`'s update region holds
+    /// now: the update block the VM's rotation puts there, of the current
+    /// round if the VM has applied it, else of the round before (nothing,
+    /// a zero block, before the first).
+    fn update_content(&self, disk: u32, pos: u64) -> ContentHash {
+        let quarter = self.layout.extra / 2;
+        let k = (pos + quarter - self.rotation(disk)) % quarter;
+        let cur = self.updates[disk as usize];
+        let seed = self.spec.seed;
+        if k < cur.next {
+            update_digest(seed, cur.round, k)
+        } else if cur.round > 0 {
+            update_digest(seed, cur.round - 1, k)
+        } else {
+            pool_digest(seed, 0)
         }
     }
 
@@ -616,6 +758,49 @@ impl Generator {
             next_block: start + n,
         };
         self.data(disk, Op::Read, start, n)
+    }
+
+    fn clone_step(&mut self) -> TraceRecord {
+        let disk = self.rng.random_range(0..u64::from(self.spec.disks)) as u32;
+        let (base, quarter) = (self.layout.base, self.layout.extra / 2);
+        let regions = self
+            .clone
+            .expect("generate() sets up a clone storm's regions");
+        let n = pick_size(&mut self.rng, &BOOT_SIZES);
+        if !self.rng.random_bool(self.spec.read_ratio) {
+            if self.rng.random_bool(self.spec.update_ratio) {
+                // The next run of the update sequence, where this VM puts
+                // it, not wrapping around the region.
+                let cur = self.updates[disk as usize];
+                let pos = (cur.next + self.rotation(disk)) % quarter;
+                let n = n.min(quarter - cur.next).min(quarter - pos);
+                let next = cur.next + n;
+                self.updates[disk as usize] = if next == quarter {
+                    UpdateCursor {
+                        round: cur.round + 1,
+                        next: 0,
+                    }
+                } else {
+                    UpdateCursor { next, ..cur }
+                };
+                return self.data(disk, Op::Write, base + pos, n);
+            }
+            let (z, sc) = regions.private;
+            let start = sc.map(z.sample(&mut self.rng));
+            let n = n.min(quarter - start);
+            return self.data(disk, Op::Write, base + quarter + start, n);
+        }
+        let u: f64 = self.rng.random();
+        let (first, len, (z, sc)) = if u < 0.7 {
+            (0, base, (self.zipf, self.scatter))
+        } else if u < 0.85 {
+            (base, quarter, regions.update)
+        } else {
+            (base + quarter, quarter, regions.private)
+        };
+        let start = sc.map(z.sample(&mut self.rng));
+        let n = n.min(len - start);
+        self.data(disk, Op::Read, first + start, n)
     }
 
     fn oltp_step(&mut self) -> TraceRecord {
@@ -717,6 +902,7 @@ impl Iterator for Generator {
                 WorkloadClass::BootStorm => self.boot_step(),
                 WorkloadClass::Oltp => self.oltp_step(),
                 WorkloadClass::FileServer => self.fs_step(),
+                WorkloadClass::CloneStorm => self.clone_step(),
             },
         };
         rec.time_ns = self.advance_time();
@@ -869,6 +1055,7 @@ mod tests {
             WorkloadClass::BootStorm,
             WorkloadClass::Oltp,
             WorkloadClass::FileServer,
+            WorkloadClass::CloneStorm,
         ] {
             let spec = small(class);
             let a: Vec<TraceRecord> = generate(&spec).expect("valid").collect();
@@ -907,16 +1094,35 @@ mod tests {
 
     #[test]
     fn reads_see_the_last_write() {
-        let spec = WorkloadSpec {
+        let oltp = WorkloadSpec {
             requests: 50_000,
             working_set_bytes: 1 << 20,
             read_ratio: 0.5,
             ..small(WorkloadClass::Oltp)
         };
+        // A clone storm's update region is not tracked block by block: its
+        // content comes from each VM's place in the update sequence.
+        let clones = WorkloadSpec {
+            disks: 3,
+            ..oltp.clone()
+        };
+        let clones = WorkloadSpec {
+            class: WorkloadClass::CloneStorm,
+            update_ratio: 0.7,
+            ..clones
+        };
+        for spec in [oltp, clones] {
+            assert!(read_after_write(&spec) > 1000, "{}", spec.class);
+        }
+    }
+
+    /// Reads of blocks written before return what was written; how many
+    /// read blocks were checked.
+    fn read_after_write(spec: &WorkloadSpec) -> u64 {
         let mut model: std::collections::HashMap<(u32, u64), ContentHash> =
             std::collections::HashMap::new();
         let mut checked = 0;
-        for r in generate(&spec).expect("valid") {
+        for r in generate(spec).expect("valid") {
             let Some(c) = &r.content else { continue };
             for (i, h) in c.iter().enumerate() {
                 let key = (r.disk, r.offset / BLOCK + i as u64);
@@ -934,7 +1140,162 @@ mod tests {
                 }
             }
         }
-        assert!(checked > 1000);
+        checked
+    }
+
+    fn clone_spec() -> WorkloadSpec {
+        WorkloadSpec {
+            requests: 40_000,
+            working_set_bytes: 16 << 20,
+            disks: 6,
+            read_ratio: 0.5,
+            ..WorkloadSpec::new(WorkloadClass::CloneStorm)
+        }
+    }
+
+    /// Every written 4 KiB block of a trace: (disk, block, digest).
+    fn written_blocks(spec: &WorkloadSpec) -> Vec<(u32, u64, ContentHash)> {
+        let mut out = Vec::new();
+        for r in generate(spec).expect("valid") {
+            if r.op != Op::Write {
+                continue;
+            }
+            for (i, h) in r.content.iter().flatten().enumerate() {
+                out.push((r.disk, r.offset / BLOCK + i as u64, *h));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn clone_storm_writes_the_same_updates_at_different_offsets() {
+        use std::collections::{HashMap, HashSet};
+        let spec = clone_spec();
+        let base = spec.working_set_bytes / BLOCK;
+        let quarter = base / 4;
+        let blocks = written_blocks(&spec);
+        let mut places: HashMap<ContentHash, HashSet<(u32, u64)>> = HashMap::new();
+        for &(disk, block, h) in &blocks {
+            places.entry(h).or_default().insert((disk, block));
+        }
+        let (mut shared, mut same_offset) = (0u64, 0u64);
+        for &(disk, block, h) in &blocks {
+            let others = &places[&h];
+            if others.iter().any(|&(d, b)| d != disk && b != block) {
+                shared += 1;
+            }
+            if others.iter().any(|&(d, b)| d != disk && b == block) {
+                same_offset += 1;
+            }
+            // Updates go to the update region, private data after it; the
+            // base is never written.
+            assert!(block >= base && block < base + 2 * quarter, "{block}");
+        }
+        let fraction = shared as f64 / blocks.len() as f64;
+        // Half the writes are updates; runs are cut where the region wraps,
+        // and the VMs furthest ahead wrote updates the others have not yet.
+        assert!(
+            (0.4..=0.65).contains(&fraction),
+            "{shared} of {} written blocks shared with another VM",
+            blocks.len()
+        );
+        assert_eq!(
+            same_offset, 0,
+            "each VM places the updates at its own offsets"
+        );
+        // Every VM applied updates, and most update blocks reached all VMs.
+        let update_digests: Vec<&HashSet<(u32, u64)>> =
+            places.values().filter(|p| p.len() > 1).collect();
+        let everywhere = update_digests
+            .iter()
+            .filter(|p| p.iter().map(|&(d, _)| d).collect::<HashSet<_>>().len() == 6)
+            .count();
+        assert!(
+            everywhere * 2 > update_digests.len(),
+            "{everywhere} of {} update blocks written by every VM",
+            update_digests.len()
+        );
+
+        // No updates: nothing is shared.
+        let private_only = written_blocks(&WorkloadSpec {
+            update_ratio: 0.0,
+            ..clone_spec()
+        });
+        let mut seen = HashSet::new();
+        assert!(private_only.iter().all(|&(_, _, h)| seen.insert(h)));
+    }
+
+    #[test]
+    fn clone_storm_private_data_is_unique() {
+        use std::collections::HashMap;
+        let spec = clone_spec();
+        let private_start = spec.working_set_bytes / BLOCK * 5 / 4;
+        let mut count: HashMap<ContentHash, u32> = HashMap::new();
+        let mut private: HashMap<ContentHash, u32> = HashMap::new();
+        for (disk, block, h) in written_blocks(&spec) {
+            *count.entry(h).or_default() += 1;
+            if block >= private_start {
+                private.insert(h, disk);
+            }
+        }
+        assert!(private.len() > 10_000, "{} private blocks", private.len());
+        // A private block version is written once, by one VM, and no update
+        // or other VM's data has its content.
+        for h in private.keys() {
+            assert_eq!(count[h], 1, "private digest written more than once");
+        }
+        // Reads see a VM's private data only on that VM, and what its
+        // private region held before it wrote there is its own too.
+        let mut before: HashMap<ContentHash, u32> = HashMap::new();
+        let mut checked = 0;
+        for r in generate(&spec).expect("valid") {
+            if r.op != Op::Read || r.offset / BLOCK < private_start {
+                continue;
+            }
+            for h in r.content.iter().flatten() {
+                let owner = private
+                    .get(h)
+                    .copied()
+                    .unwrap_or_else(|| *before.entry(*h).or_insert(r.disk));
+                assert_eq!(owner, r.disk, "another VM's private block");
+                checked += 1;
+            }
+        }
+        assert!(checked > 1000, "{checked}");
+    }
+
+    #[test]
+    fn clone_storm_base_reads_match_across_vms() {
+        use std::collections::{HashMap, HashSet};
+        let spec = clone_spec();
+        let base = spec.working_set_bytes / BLOCK;
+        let mut at: HashMap<u64, (ContentHash, HashSet<u32>)> = HashMap::new();
+        let (mut reads, mut base_reads) = (0u64, 0u64);
+        for r in generate(&spec).expect("valid") {
+            if r.op != Op::Read {
+                continue;
+            }
+            reads += 1;
+            if r.offset / BLOCK >= base {
+                continue;
+            }
+            base_reads += 1;
+            for (i, h) in r.content.iter().flatten().enumerate() {
+                let e = at
+                    .entry(r.offset / BLOCK + i as u64)
+                    .or_insert_with(|| (*h, HashSet::new()));
+                assert_eq!(&e.0, h, "base block {} differs between VMs", r.offset);
+                e.1.insert(r.disk);
+            }
+        }
+        let share = base_reads as f64 / reads as f64;
+        assert!((0.65..0.75).contains(&share), "base reads {share}");
+        // Popular base blocks are read by several VMs...
+        let by_many = at.values().filter(|(_, d)| d.len() >= 3).count();
+        assert!(by_many * 4 > at.len(), "{by_many} of {}", at.len());
+        // ...and distinct offsets hold distinct content (no pool).
+        let distinct: HashSet<ContentHash> = at.values().map(|(h, _)| *h).collect();
+        assert_eq!(distinct.len(), at.len());
     }
 
     #[test]
@@ -1015,6 +1376,10 @@ mod tests {
                 working_set_bytes: 1 << 50,
                 ..ok.clone()
             },
+            WorkloadSpec {
+                update_ratio: 1.01,
+                ..small(WorkloadClass::CloneStorm)
+            },
         ] {
             assert!(generate(&bad).is_err(), "{bad:?}");
         }
@@ -1022,6 +1387,12 @@ mod tests {
             "boot_storm".parse::<WorkloadClass>(),
             Ok(WorkloadClass::BootStorm)
         );
-        assert!("tpcc".parse::<WorkloadClass>().is_err());
+        assert_eq!(
+            "clone-storm".parse::<WorkloadClass>(),
+            Ok(WorkloadClass::CloneStorm)
+        );
+        assert_eq!(WorkloadClass::CloneStorm.to_string(), "clone-storm");
+        let e = "tpcc".parse::<WorkloadClass>().expect_err("no such class");
+        assert!(e.contains("tpcc") && e.contains("clone-storm"), "{e}");
     }
 }

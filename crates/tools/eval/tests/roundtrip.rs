@@ -15,12 +15,13 @@ fn specs() -> Vec<WorkloadSpec> {
         WorkloadClass::BootStorm,
         WorkloadClass::Oltp,
         WorkloadClass::FileServer,
+        WorkloadClass::CloneStorm,
     ]
     .into_iter()
     .map(|class| WorkloadSpec {
         requests: 3000,
         working_set_bytes: 32 << 20,
-        disks: if class == WorkloadClass::BootStorm {
+        disks: if matches!(class, WorkloadClass::BootStorm | WorkloadClass::CloneStorm) {
             5
         } else {
             2

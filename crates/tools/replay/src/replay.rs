@@ -1,15 +1,18 @@
 //! Replaying a trace through a [`Rig`]: each record becomes a read, write,
 //! discard or flush of the real virtual disk; the report gathers the
 //! cache's own counters, the stores' meters and the FTL model. It must not
-//! count anything the engine or cache does not really do.
+//! count anything the engine or cache does not really do. With dedup on,
+//! reads of blocks the replay never wrote are seeded first (`seed`).
 
 use crate::rig::{DiskLayout, Rig, RigConfig, RigError};
 use crate::scan::{TraceScan, scan_trace};
+use crate::seed::{Seeder, stamp_block};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 use thiserror::Error;
 use vdcache_cache::DiskStats;
+use vdcache_cache::dedup::DedupCounts;
 use vdcache_eval::cost::{LatencyHistogram, LatencySummary};
 use vdcache_eval::trace::CONTENT_BLOCK;
 use vdcache_eval::{Format, Op, TraceError, TraceRecord, open_trace};
@@ -68,6 +71,36 @@ pub struct Interval {
     pub read_hit_ratio: f64,
 }
 
+/// What deduplication did in a replay (the cache's own figures).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct DedupFigures {
+    /// Cached addresses per distinct cache block they map to, at the end
+    /// (1.0: nothing shared).
+    pub ratio: f64,
+    /// Distinct cache blocks the cached addresses map to, at the end.
+    pub unique_blocks: u64,
+    /// 4 KiB blocks (written, or read and promoted) mapped onto a block
+    /// already in flash instead of written to it, over the replay.
+    pub blocks_shared: u64,
+    /// `blocks_shared` x 4 KiB: the flash data writes dedup spared.
+    pub flash_bytes_saved: u64,
+    /// Blocks fingerprinted (BLAKE3), and the mean time per block in ns:
+    /// wall clock on this machine, the one figure that differs between
+    /// two runs of the same replay.
+    pub hashed_blocks: u64,
+    pub hash_ns_per_block: f64,
+    /// Fingerprints in the signature table at the end, and its memory
+    /// (part of `index_memory_bytes`).
+    pub signatures: u64,
+    pub table_memory_bytes: u64,
+    /// Signature-table lookups, hits, stale entries dropped, and
+    /// collisions (verify mode) over the replay.
+    pub counts: DedupCounts,
+    /// Blocks of reads the replay seeded with the trace's content before
+    /// reading them (never written by the replay; see `seed`).
+    pub seeded_blocks: u64,
+}
+
 /// Everything a replay reports; `--json` prints it as is.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ReplayReport {
@@ -124,6 +157,10 @@ pub struct ReplayReport {
     pub index_memory_ratio: f64,
     pub ftl_erases: u64,
     pub ftl_write_amplification: Option<f64>,
+    /// Deduplication: off, on or verify.
+    pub dedup_mode: &'static str,
+    /// Dedup's figures; `None` (null) when dedup is off.
+    pub dedup: Option<DedupFigures>,
     pub intervals: Vec<Interval>,
     pub elapsed_seconds: f64,
 }
@@ -164,7 +201,10 @@ pub fn replay_scanned(
     let reader = open_trace(path, format)?;
     let format_name = reader.format().to_string();
     let started = Instant::now();
-    let mut run = Run::default();
+    let mut run = Run {
+        seeder: (rig.cache.is_some() && rig.config.dedup.enabled()).then(Seeder::default),
+        ..Run::default()
+    };
     let mut next_snapshot: Option<u64> = None;
     progress(Progress {
         done: 0,
@@ -220,6 +260,8 @@ struct Run {
     intervals: Vec<Interval>,
     /// Counters at the start of the current interval.
     mark: (u64, u64, u64, DiskStats),
+    /// With dedup: seeds reads of blocks the replay never wrote.
+    seeder: Option<Seeder>,
 }
 
 impl Run {
@@ -245,17 +287,26 @@ impl Run {
             Op::Read => {
                 self.reads += 1;
                 self.read_bytes += len;
+                if let Some(s) = &mut self.seeder {
+                    s.before_read(rig, rec, len)?;
+                }
                 self.buf.resize(len as usize, 0);
                 disk.read(rec.offset, &mut self.buf).map_err(fail)?;
             }
             Op::Write => {
                 self.writes += 1;
                 self.write_bytes += len;
+                if let Some(s) = &mut self.seeder {
+                    s.written(rec.disk, rec.offset, len);
+                }
                 fill_content(&mut self.buf, rec, len, index);
                 disk.write(rec.offset, &self.buf, false).map_err(fail)?;
             }
             Op::Discard => {
                 self.discards += 1;
+                if let Some(s) = &mut self.seeder {
+                    s.written(rec.disk, rec.offset, len);
+                }
                 if len > 0 {
                     disk.discard(rec.offset, len).map_err(fail)?;
                 }
@@ -308,6 +359,25 @@ impl Run {
         let device = cache_report.as_ref().map(|r| r.device).unwrap_or_default();
         let ftl = rig.cache.as_ref().map(|c| c.ftl.stats());
         let backend = rig.backend_meter.counts();
+        let dedup = cache_report
+            .as_ref()
+            .and_then(|r| r.dedup.as_ref())
+            .map(|d| DedupFigures {
+                ratio: d.ratio,
+                unique_blocks: d.unique_blocks,
+                blocks_shared: stats.dedup_blocks_shared,
+                flash_bytes_saved: stats.dedup_blocks_shared * CONTENT_BLOCK,
+                hashed_blocks: stats.hashed_blocks,
+                hash_ns_per_block: if stats.hashed_blocks == 0 {
+                    0.0
+                } else {
+                    stats.hash_nanos as f64 / stats.hashed_blocks as f64
+                },
+                signatures: d.signatures,
+                table_memory_bytes: d.table_memory_bytes,
+                counts: d.counts,
+                seeded_blocks: self.seeder.as_ref().map_or(0, |s| s.seeded_blocks),
+            });
         let (l2_hits, l2_misses) = rig
             .disks()
             .filter_map(|d| d.meta_stats())
@@ -358,6 +428,12 @@ impl Run {
             index_memory_ratio: cache_report.as_ref().map_or(0.0, |r| r.index_memory_ratio),
             ftl_erases: ftl.map_or(0, |f| f.erases),
             ftl_write_amplification: ftl.and_then(|f| f.write_amplification),
+            dedup_mode: if rig.cache.is_some() {
+                cfg.dedup.name()
+            } else {
+                "off"
+            },
+            dedup,
             intervals: std::mem::take(&mut self.intervals),
             elapsed_seconds: started.elapsed().as_secs_f64(),
         }
@@ -402,8 +478,6 @@ fn fill_content(buf: &mut Vec<u8>, rec: &TraceRecord, len: u64, index: u64) {
                 s
             }
         };
-        for piece in block.chunks_mut(16) {
-            piece.copy_from_slice(&stamp[..piece.len()]);
-        }
+        stamp_block(block, &stamp);
     }
 }

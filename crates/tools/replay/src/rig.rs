@@ -2,7 +2,9 @@
 //! in-memory stores. Each disk of the trace becomes a raw image (`raw`) or
 //! a qcow2 delta over a full raw base (`qcow2`, the guest disk of COWCache
 //! section 5.3); one cache device, seen through an FTL model, serves them
-//! all. Write-back runs inline, so a replay is deterministic.
+//! all. Write-back runs inline, so a replay is deterministic. With
+//! dedup on, the content of what a trace reads matters: the rig keeps each
+//! disk's bottom store at hand for the replay to seed (see `seed`).
 
 use crate::files::ReplayFiles;
 use crate::ftl_device::FtlDevice;
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use thiserror::Error;
 use vdcache_backend::{BackendRef, HoleFill, SparseStore};
 use vdcache_cache::layout::{BLOCK, Layout};
-use vdcache_cache::{CacheConfig, CacheError, DiskPolicy, FlashCache, Replacement};
+use vdcache_cache::{CacheConfig, CacheError, Dedup, DiskPolicy, FlashCache, Replacement};
 use vdcache_eval::cost::DeviceProfile;
 use vdcache_eval::ftl::{FtlConfig, FtlError};
 use vdcache_image::{
@@ -67,6 +69,8 @@ pub struct RigConfig {
     pub backend: DeviceProfile,
     /// Spare capacity of the modelled SSD.
     pub over_provisioning: f64,
+    /// Deduplication of the blocks entering flash.
+    pub dedup: Dedup,
 }
 
 impl Default for RigConfig {
@@ -82,6 +86,7 @@ impl Default for RigConfig {
             flash: DeviceProfile::NVME,
             backend: DeviceProfile::NETWORK,
             over_provisioning: 0.07,
+            dedup: Dedup::Off,
         }
     }
 }
@@ -117,6 +122,9 @@ pub struct Rig {
     /// Trace disk number -> (open disk, delta generation).
     disks: BTreeMap<u32, (VirtualDisk, u32)>,
     sizes: BTreeMap<u32, u64>,
+    /// Trace disk number -> the store at the bottom of its chain (the raw
+    /// image, or the qcow2 deltas' raw base), unmetered.
+    bottoms: BTreeMap<u32, Arc<SparseStore>>,
 }
 
 /// The smallest cache device whose data zone holds `data_bytes`.
@@ -159,6 +167,7 @@ impl Rig {
             backend_meter,
             disks: BTreeMap::new(),
             sizes: BTreeMap::new(),
+            bottoms: BTreeMap::new(),
             config,
         };
         for (&n, &bytes) in sizes {
@@ -175,27 +184,51 @@ impl Rig {
             .map(|c| c.cache.clone() as Arc<dyn HostIo>)
     }
 
-    fn metered(&self, store: SparseStore) -> BackendRef {
-        MeteredStore::new(Arc::new(store), &self.backend_meter)
+    fn metered(&self, store: Arc<SparseStore>) -> BackendRef {
+        MeteredStore::new(store, &self.backend_meter)
     }
 
     fn create_disk(&mut self, n: u32, size: u64) -> Result<(), RigError> {
-        let disk = match self.config.layout {
+        let (disk, bottom) = match self.config.layout {
             DiskLayout::Raw => {
                 let name = format!("disk{n}.raw");
-                let store = SparseStore::new(&name, size, false, HoleFill::Zeros);
-                self.files.insert(&name, self.metered(store));
-                self.open(&name, n, ImageFormat::Raw)?
+                let store = Arc::new(SparseStore::new(&name, size, false, HoleFill::Zeros));
+                self.files.insert(&name, self.metered(store.clone()));
+                (self.open(&name, n, ImageFormat::Raw)?, store)
             }
             DiskLayout::Qcow2 => {
                 let base = format!("base{n}.raw");
-                let store = SparseStore::new(&base, size, false, HoleFill::OffsetPattern);
-                self.files.insert(&base, self.metered(store));
-                self.new_delta(n, 0, (base, ImageFormat::Raw))?
+                let store = Arc::new(SparseStore::new(
+                    &base,
+                    size,
+                    false,
+                    HoleFill::OffsetPattern,
+                ));
+                self.files.insert(&base, self.metered(store.clone()));
+                (self.new_delta(n, 0, (base, ImageFormat::Raw))?, store)
             }
         };
         self.disks.insert(n, (disk, 0));
+        self.bottoms.insert(n, bottom);
         Ok(())
+    }
+
+    /// Writes `data` at guest offset `offset` of disk `n`'s bottom store
+    /// (the raw image, or the raw base under the qcow2 deltas), beneath the
+    /// COW layer and the cache and outside the meters: what the disk held
+    /// before the trace began. Only for blocks the replay has not written
+    /// (the cache may hold those, and the deltas may hide the base).
+    pub fn seed(&self, n: u32, offset: u64, data: &[u8]) -> Result<(), RigError> {
+        let Some(store) = self.bottoms.get(&n) else {
+            return Ok(());
+        };
+        vdcache_backend::Backend::write_at(store.as_ref(), data, offset).map_err(|cause| {
+            RigError::Image(ImageError::Io {
+                image: vdcache_backend::Backend::name(store.as_ref()).to_string(),
+                op: "seed",
+                cause: cause.into(),
+            })
+        })
     }
 
     /// Creates delta `generation` of disk `n` over `backing` and opens it.
@@ -220,7 +253,7 @@ impl Rig {
             op: "write",
             cause: cause.into(),
         })?;
-        self.files.insert(&name, self.metered(store));
+        self.files.insert(&name, self.metered(Arc::new(store)));
         self.open(&name, n, ImageFormat::Qcow2)
     }
 
@@ -313,6 +346,7 @@ fn build_cache(config: &RigConfig, meter: &Arc<Meter>) -> Result<CacheRig, RigEr
         default_policy: config.policy,
         inline_background: true,
         host: Some("vdcache-replay".into()),
+        dedup: config.dedup,
         ..CacheConfig::default()
     };
     let reserve = cache_config.reserve_regions as u64;

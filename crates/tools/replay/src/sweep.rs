@@ -1,15 +1,17 @@
 //! A sweep: one trace replayed at several cache sizes (percent of the
-//! working set) under several replacement policies, scanned once; the
-//! results as a Markdown table, JSON, and plots (hit ratio against cache
-//! size, as DASH Fig. 4; flash writes and backend traffic per policy, as
-//! COWCache Fig. 15). It must not alter a single replay's figures.
+//! working set) under several replacement policies, each with and/or
+//! without dedup, scanned once; the results as a Markdown table, JSON, and
+//! plots (hit ratio and flash bytes written against cache size, as DASH
+//! Fig. 4; flash writes and backend traffic per configuration, as COWCache
+//! Fig. 15). A configuration is a policy and a dedup mode ("lru",
+//! "lru+dedup"). It must not alter a single replay's figures.
 
 use crate::replay::{
     CacheSize, Progress, ReplayError, ReplayOptions, ReplayReport, replay_scanned,
 };
 use crate::scan::scan_trace;
 use std::path::{Path, PathBuf};
-use vdcache_cache::Replacement;
+use vdcache_cache::{Dedup, Replacement};
 use vdcache_eval::Format;
 use vdcache_eval::report::{
     ReportError, fmt_f64, grouped_bar_plot, line_plot, markdown_table, write_json, write_text,
@@ -18,10 +20,12 @@ use vdcache_eval::report::{
 /// What to sweep.
 #[derive(Debug, Clone)]
 pub struct SweepOptions {
-    /// Everything but the cache size and the policy.
+    /// Everything but the cache size, the policy and dedup.
     pub base: ReplayOptions,
     pub percents: Vec<f64>,
     pub policies: Vec<Replacement>,
+    /// Dedup modes each policy runs with (e.g. off and on).
+    pub dedups: Vec<Dedup>,
 }
 
 /// The default sizes: 10% to 100% of the working set.
@@ -35,7 +39,8 @@ pub struct SweepProgress {
     pub inner: Progress,
 }
 
-/// Replays `path` once per (policy, size).
+/// Replays `path` once per (policy, dedup mode, size), in that order. No
+/// dedup modes: the base options' one.
 pub fn sweep(
     path: &Path,
     format: Option<Format>,
@@ -43,21 +48,51 @@ pub fn sweep(
     progress: &mut dyn FnMut(SweepProgress),
 ) -> Result<Vec<ReplayReport>, ReplayError> {
     let scan = scan_trace(path, format)?;
-    let runs = opts.policies.len() * opts.percents.len();
+    let dedups = if opts.dedups.is_empty() {
+        vec![opts.base.rig.dedup]
+    } else {
+        opts.dedups.clone()
+    };
+    let runs = opts.policies.len() * dedups.len() * opts.percents.len();
     let mut out = Vec::with_capacity(runs);
     for &policy in &opts.policies {
-        for &pct in &opts.percents {
-            let mut one = opts.base.clone();
-            one.rig.replacement = policy;
-            one.cache_size = CacheSize::PercentOfWorkingSet(pct);
-            let run = out.len();
-            let report = replay_scanned(path, format, &scan, &one, &mut |inner| {
-                progress(SweepProgress { run, runs, inner })
-            })?;
-            out.push(report);
+        for &dedup in &dedups {
+            for &pct in &opts.percents {
+                let mut one = opts.base.clone();
+                one.rig.replacement = policy;
+                one.rig.dedup = dedup;
+                one.cache_size = CacheSize::PercentOfWorkingSet(pct);
+                let run = out.len();
+                let report = replay_scanned(path, format, &scan, &one, &mut |inner| {
+                    progress(SweepProgress { run, runs, inner })
+                })?;
+                out.push(report);
+            }
         }
     }
     Ok(out)
+}
+
+/// A report's configuration: its policy, "+dedup" (or "+dedup-verify")
+/// when it deduplicates.
+pub fn config_label(r: &ReplayReport) -> String {
+    match r.dedup_mode {
+        "off" => r.policy.to_string(),
+        "on" => format!("{}+dedup", r.policy),
+        mode => format!("{}+dedup-{mode}", r.policy),
+    }
+}
+
+/// The configurations of `reports`, in order of first appearance.
+fn configs(reports: &[ReplayReport]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in reports {
+        let l = config_label(r);
+        if !out.contains(&l) {
+            out.push(l);
+        }
+    }
+    out
 }
 
 fn mib(b: u64) -> String {
@@ -68,11 +103,14 @@ fn mib(b: u64) -> String {
 pub fn sweep_table(reports: &[ReplayReport]) -> String {
     let headers = [
         "policy",
+        "dedup",
         "cache % WSS",
         "cache MiB",
         "read hit",
         "write hit",
         "flash written MiB",
+        "dedup ratio",
+        "flash saved MiB",
         "backend read MiB",
         "backend written MiB",
         "mean latency us",
@@ -84,12 +122,16 @@ pub fn sweep_table(reports: &[ReplayReport]) -> String {
         .map(|r| {
             vec![
                 r.policy.to_string(),
+                r.dedup_mode.to_string(),
                 r.cache_percent_of_working_set
                     .map_or_else(|| "-".into(), |p| fmt_f64(p, 0)),
                 mib(r.cache_bytes),
                 fmt_f64(r.read_hit_ratio, 4),
                 fmt_f64(r.write_hit_ratio, 4),
                 mib(r.flash_bytes_written),
+                r.dedup.map_or_else(|| "-".into(), |d| fmt_f64(d.ratio, 3)),
+                r.dedup
+                    .map_or_else(|| "-".into(), |d| mib(d.flash_bytes_saved)),
                 mib(r.backend_bytes_read),
                 mib(r.backend_bytes_written),
                 fmt_f64(r.latency.mean_ns / 1000.0, 1),
@@ -102,8 +144,9 @@ pub fn sweep_table(reports: &[ReplayReport]) -> String {
     markdown_table(&headers, &rows)
 }
 
-/// Writes `sweep.md`, `sweep.json`, `hit_ratio.{svg,png}` and
-/// `traffic.{svg,png}` into `dir`; returns the files written.
+/// Writes `sweep.md`, `sweep.json`, `hit_ratio.{svg,png}`,
+/// `flash_written.{svg,png}` and `traffic.{svg,png}` into `dir`; returns
+/// the files written.
 pub fn write_sweep(dir: &Path, reports: &[ReplayReport]) -> Result<Vec<PathBuf>, ReportError> {
     std::fs::create_dir_all(dir).map_err(|e| ReportError::Io {
         path: dir.display().to_string(),
@@ -117,19 +160,23 @@ pub fn write_sweep(dir: &Path, reports: &[ReplayReport]) -> Result<Vec<PathBuf>,
     write_json(&json, reports)?;
     written.push(json);
 
-    let mut policies: Vec<&str> = reports.iter().map(|r| r.policy).collect();
-    policies.dedup();
-    let hit_series: Vec<(String, Vec<(f64, f64)>)> = policies
-        .iter()
-        .map(|&p| {
-            let pts = reports
-                .iter()
-                .filter(|r| r.policy == p)
-                .filter_map(|r| Some((r.cache_percent_of_working_set?, r.read_hit_ratio)))
-                .collect();
-            (p.to_string(), pts)
-        })
-        .collect();
+    let configs = configs(reports);
+    let gib = |b: u64| b as f64 / f64::from(1 << 30);
+    let series = |y: &dyn Fn(&ReplayReport) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+        configs
+            .iter()
+            .map(|c| {
+                let pts = reports
+                    .iter()
+                    .filter(|r| config_label(r) == *c)
+                    .filter_map(|r| Some((r.cache_percent_of_working_set?, y(r))))
+                    .collect();
+                (c.clone(), pts)
+            })
+            .collect()
+    };
+    let hit_series = series(&|r| r.read_hit_ratio);
+    let flash_series = series(&|r| gib(r.flash_bytes_written));
     // Traffic at the largest size swept below the whole working set, where
     // policies differ most; the full-size point if that is all there is.
     let size = reports
@@ -138,16 +185,15 @@ pub fn write_sweep(dir: &Path, reports: &[ReplayReport]) -> Result<Vec<PathBuf>,
         .filter(|&p| p < 100.0)
         .fold(None, |m: Option<f64>, p| Some(m.map_or(p, |m| m.max(p))))
         .or_else(|| reports.first().and_then(|r| r.cache_percent_of_working_set));
-    let at_size: Vec<&ReplayReport> = policies
+    let at_size: Vec<&ReplayReport> = configs
         .iter()
-        .filter_map(|&p| {
+        .filter_map(|c| {
             reports
                 .iter()
-                .find(|r| r.policy == p && r.cache_percent_of_working_set == size)
+                .find(|r| config_label(r) == *c && r.cache_percent_of_working_set == size)
         })
         .collect();
-    let gib = |b: u64| b as f64 / f64::from(1 << 30);
-    let categories: Vec<String> = at_size.iter().map(|r| r.policy.to_string()).collect();
+    let categories: Vec<String> = at_size.iter().map(|r| config_label(r)).collect();
     let traffic = vec![
         (
             "flash written".to_string(),
@@ -175,12 +221,21 @@ pub fn write_sweep(dir: &Path, reports: &[ReplayReport]) -> Result<Vec<PathBuf>,
             &p,
         )?;
         written.push(p);
+        let p = dir.join(format!("flash_written.{ext}"));
+        line_plot(
+            "Flash bytes written against cache size",
+            "cache size (% of working set)",
+            "flash written (GiB)",
+            &flash_series,
+            &p,
+        )?;
+        written.push(p);
         let p = dir.join(format!("traffic.{ext}"));
         let title = format!(
-            "Flash and backend traffic per policy (cache {}% of working set)",
+            "Flash and backend traffic per configuration (cache {}% of working set)",
             size.map_or_else(|| "-".into(), |s| fmt_f64(s, 0))
         );
-        grouped_bar_plot(&title, "policy", "GiB", &categories, &traffic, &p)?;
+        grouped_bar_plot(&title, "configuration", "GiB", &categories, &traffic, &p)?;
         written.push(p);
     }
     Ok(written)
