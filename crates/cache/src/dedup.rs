@@ -100,16 +100,21 @@ impl Signatures {
         }
     }
 
-    /// Drops every stale entry once there are more entries than `live`
-    /// blocks could need (each block holds one content): keeps the table
-    /// within twice the cache's live blocks.
+    /// Drops every stale entry once there are a quarter more entries than
+    /// the cache's distinct live blocks (each holds one content, so at most
+    /// that many entries are live), and gives back the memory they held.
+    /// A sweep costs the table's size, once per that many insertions.
     pub fn sweep_if_over(&mut self, live_blocks: u64, live: impl Fn(Place) -> bool) {
-        if (self.table.len() as u64) <= 2 * live_blocks.max(1024) {
+        let bound = live_blocks + live_blocks / 4 + 1024;
+        if (self.table.len() as u64) <= bound {
             return;
         }
         let before = self.table.len();
         self.table.retain(|(_, p)| live(*p));
         self.counts.stale += (before - self.table.len()) as u64;
+        if self.table.len() < self.table.capacity() / 2 {
+            self.table.shrink_to_fit(|(k, _)| hash(k));
+        }
     }
 
     /// A candidate's bytes turned out to differ from the block's.
@@ -188,13 +193,19 @@ mod tests {
         // Under the bound: nothing swept.
         s.sweep_if_over(200, |p| p.cbn < 10);
         assert_eq!(s.len(), 256);
-        // Over it (with a small cache): only live places stay.
+        // Over it (with a small cache): only live places stay, and the
+        // memory of the others is given back.
         let mut big = Signatures::default();
         for n in 0..3000u32 {
             big.remember(fingerprint(&[&n.to_le_bytes()]), Place { cbn: n, epoch: 1 });
         }
+        let full = big.memory_bytes();
         big.sweep_if_over(100, |p| p.cbn < 10);
         assert_eq!(big.len(), 10);
-        assert!(big.memory_bytes() > 0);
+        assert!(
+            big.memory_bytes() * 10 < full,
+            "{} of {full}",
+            big.memory_bytes()
+        );
     }
 }

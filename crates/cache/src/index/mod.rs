@@ -348,6 +348,8 @@ pub struct Index {
     /// (dedup-aware replacement weighs it).
     extra_refs: Vec<u32>,
     blocks_per_region: u32,
+    /// Bits set in `referenced`.
+    referenced_count: u64,
     /// Memory sized by the device, held however little is cached.
     fixed_bytes: u64,
 }
@@ -428,6 +430,7 @@ impl Index {
             present_blocks: 0,
             extra_refs: vec![0; regions as usize],
             blocks_per_region: blocks_per_region.max(1),
+            referenced_count: 0,
             fixed_bytes: 0,
         };
         index.fixed_bytes = index.memory_bytes();
@@ -746,10 +749,16 @@ impl Index {
 
     fn set_referenced(&mut self, cbn: Cbn, on: bool) {
         let word = &mut self.referenced[cbn as usize / 64];
+        let was = *word & (1 << (cbn % 64)) != 0;
         if on {
             *word |= 1 << (cbn % 64);
         } else {
             *word &= !(1 << (cbn % 64));
+        }
+        match (was, on) {
+            (false, true) => self.referenced_count += 1,
+            (true, false) => self.referenced_count -= 1,
+            _ => {}
         }
     }
 
@@ -960,10 +969,7 @@ impl Index {
 
     /// Distinct cache blocks referenced (a shared block counts once).
     pub fn referenced_blocks(&self) -> u64 {
-        self.referenced
-            .iter()
-            .map(|w| u64::from(w.count_ones()))
-            .sum()
+        self.referenced_count
     }
 
     pub fn present_blocks(&self) -> u64 {
@@ -1077,6 +1083,7 @@ mod tests {
         assert!(ix.is_shared(4));
         assert_eq!(ix.other_references(4), vec![(b, 0)]);
         assert_eq!(ix.extra_refs(), &[1, 0], "region 0 serves one address more");
+        assert_eq!(ix.referenced_blocks(), 1);
         // The first reference goes: the other one keeps the block.
         let (_, _, ra) = ix.unmap(a, 0).unwrap();
         assert!(!ix.release(4, ra));
@@ -1099,6 +1106,7 @@ mod tests {
         let (_, _, ra) = ix.unmap(a, 1).unwrap();
         assert!(ix.release(13, ra));
         assert_eq!(ix.extra_refs(), &[0, 0]);
+        assert_eq!(ix.referenced_blocks(), 0);
     }
 
     #[test]

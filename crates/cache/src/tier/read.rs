@@ -360,10 +360,10 @@ impl FlashCache {
             } else {
                 self.read_fingerprints(tag.disk, first, &data)
             };
-            let shared = self.dedup_copies(tag.disk, first * BLOCK, &[&data], &fps, &[])?;
-            self.promote_shared(id, tag, read_seq, &shared);
+            let copies = self.dedup_copies(tag.disk, first * BLOCK, &[&data], &fps, &[])?;
+            let shared = self.promote_shared(id, tag, read_seq, &copies);
             let mut at = first;
-            for c in shared.iter().map(|c| c.block).chain([first + n]) {
+            for c in shared.into_iter().chain([first + n]) {
                 if c > at {
                     let part =
                         &data[((at - first) * BLOCK) as usize..((c - first) * BLOCK) as usize];
@@ -403,25 +403,35 @@ impl FlashCache {
         });
     }
 
-    /// Promotes blocks whose bytes flash already holds by sharing them.
-    fn promote_shared(&self, id: u16, tag: IoTag, read_seq: u64, shared: &[SharedCopy]) {
-        if shared.is_empty() {
-            return;
+    /// Promotes blocks whose bytes flash already holds by sharing them;
+    /// returns the blocks done that way (or not to be promoted at all), in
+    /// order. One whose copy moved meanwhile is left to be written.
+    fn promote_shared(
+        &self,
+        id: u16,
+        tag: IoTag,
+        read_seq: u64,
+        copies: &[SharedCopy],
+    ) -> Vec<u64> {
+        if copies.is_empty() {
+            return Vec::new();
         }
         let guest = tag.guest_cluster.map_or(u64::MAX, u64::from);
         let mut done = Vec::new();
+        let mut handled = Vec::new();
         let mut st = self.lock();
-        for c in shared {
-            if Self::promotion_stale(&st, id, read_seq, c.block)
-                || !self.share_copy(&mut st, id, c, guest, false)
-            {
-                continue;
+        for c in copies {
+            if Self::promotion_stale(&st, id, read_seq, c.block) {
+                handled.push(c.block);
+            } else if self.share_copy(&mut st, id, c, guest, false) {
+                Self::journal_promoted(&mut st, id, c.block, c.cbn, guest, c.crc);
+                done.push(*c);
+                handled.push(c.block);
             }
-            Self::journal_promoted(&mut st, id, c.block, c.cbn, guest, c.crc);
-            done.push(*c);
         }
         drop(st);
         self.count_shared(tag.disk, &done);
+        handled
     }
 
     /// Admits `data`, blocks from `first` of image `id`, into the

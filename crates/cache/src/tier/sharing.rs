@@ -202,10 +202,11 @@ impl FlashCache {
         bump(&counters.dedup_blocks_shared, shared.len() as u64 - journal);
     }
 
-    /// Write-back of a write some of whose blocks share copies: the others
-    /// are written as usual, those are mapped onto the copies (or written
-    /// too, if a copy moved meanwhile). Returns false when flash has no
-    /// room for the first piece (nothing was done).
+    /// Write-back of a write some of whose blocks share copies: those are
+    /// mapped onto the copies first (writing the others may reclaim the
+    /// copies' regions), then the rest is written as usual, with any block
+    /// whose copy moved meanwhile. Returns false, having done nothing, when
+    /// nothing could be shared and flash has no room for the first piece.
     pub(super) fn write_back_sharing(
         &self,
         image: &vdcache_contract::ImageHandle,
@@ -215,9 +216,23 @@ impl FlashCache {
         copies: &[SharedCopy],
     ) -> Result<bool> {
         let len: u64 = segments.iter().map(|s| s.data.len() as u64).sum();
-        let shared: Vec<u64> = copies.iter().map(|c| c.block).collect();
         let tag = segments[0].tag;
-        let mut wrote_any = false;
+        let guests = block_guests(off, segments, off / BLOCK, len.div_ceil(BLOCK));
+        let mut done = Vec::new();
+        {
+            let mut st = self.lock();
+            for c in copies {
+                let guest = guests[(c.block - off / BLOCK) as usize];
+                if self.share_copy(&mut st, id, c, guest, true) {
+                    done.push(*c);
+                }
+            }
+            st.history.note(id, off, off + len);
+            self.journal_buffer_check(&mut st)?;
+        }
+        self.count_shared(tag.disk, &done);
+        let shared: Vec<u64> = done.iter().map(|c| c.block).collect();
+        let mut wrote_any = !shared.is_empty();
         for (s, e) in unshared_ranges(off, off + len, &shared) {
             let part = sub_segments(off, segments, s, e);
             if !self.write_back_chunked(image, id, s, &part, tag)? {
@@ -227,30 +242,6 @@ impl FlashCache {
                 self.write_through(image, id, s, e - s, &part, tag, Keep::Nothing)?;
             }
             wrote_any = true;
-        }
-        let guests = block_guests(off, segments, off / BLOCK, len.div_ceil(BLOCK));
-        let mut done = Vec::new();
-        let mut moved = Vec::new();
-        {
-            let mut st = self.lock();
-            for c in copies {
-                let guest = guests[(c.block - off / BLOCK) as usize];
-                if self.share_copy(&mut st, id, c, guest, true) {
-                    done.push(*c);
-                } else {
-                    moved.push(c.block);
-                }
-            }
-            st.history.note(id, off, off + len);
-            self.journal_buffer_check(&mut st)?;
-        }
-        self.count_shared(tag.disk, &done);
-        for b in moved {
-            let (s, e) = (b * BLOCK, (b + 1) * BLOCK);
-            let part = sub_segments(off, segments, s, e);
-            if !self.write_back_chunked(image, id, s, &part, tag)? {
-                self.write_through(image, id, s, BLOCK, &part, tag, Keep::Nothing)?;
-            }
         }
         Ok(true)
     }

@@ -151,7 +151,7 @@ impl FlashCache {
             let epoch = st.regions.epoch(st.regions.region_of(cbn));
             st.signatures.remember(fp, Place { cbn, epoch });
         }
-        let live = st.index.present_blocks();
+        let live = st.index.referenced_blocks();
         let State {
             signatures,
             index,
