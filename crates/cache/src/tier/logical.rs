@@ -13,10 +13,9 @@
 //! byte for byte, and only while the copy's address still maps to that
 //! block; a log that lies costs nothing but the comparison.
 //!
-//! Owns: linking journal devices, feeding their writes to the parser,
-//! finding and verifying copies, mapping an in-place block onto one. Must
-//! not: share a block whose bytes it did not compare, or keep a region
-//! pinned past a request.
+//! Owns: linking journal devices, feeding their writes to the parser, and
+//! finding an in-place write's journal copies (compared and mapped by
+//! `sharing`). Must not: name a copy whose bytes were not compared.
 
 use super::sharing::{SharedCopy, Source};
 use super::write::Blocks;
