@@ -183,3 +183,32 @@ fn a_journal_export_of_the_wrong_size_is_refused() {
     assert!(log.contains("not journal_size 4M"), "{log}");
     assert!(!Path::new(&setup.cache).exists(), "nothing was left behind");
 }
+
+/// An operator turns journal awareness off after a stop that kept the
+/// journal in flash: the next server writes it back like any disk's dirty
+/// data, and its stop leaves no marker behind to refuse a later start.
+#[test]
+fn turning_awareness_off_writes_the_journal_back_and_drops_the_marker() {
+    let setup = Setup::new(true);
+    let server = setup.serve();
+    setup.io(&["write -P 0x5a 0 64k", "flush"]);
+    server.stop_clean();
+    assert!(setup.marker.exists());
+    let text = std::fs::read_to_string(&setup.config).unwrap();
+    std::fs::write(
+        &setup.config,
+        text.replace("journal_aware = true", "journal_aware = false"),
+    )
+    .unwrap();
+    let server = setup.serve();
+    setup.io(&["read -P 0x5a 0 64k"]);
+    server.stop_clean();
+    assert!(
+        all(&setup.stored(), 0..64 << 10, 0x5a),
+        "written back at the stop"
+    );
+    assert!(
+        !setup.marker.exists(),
+        "nothing lives only in the cache now"
+    );
+}

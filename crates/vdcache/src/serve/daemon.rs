@@ -311,7 +311,9 @@ impl Daemon {
     /// others' markers go.
     fn unmark_journals(&self, cache: &FlashCache, cache_path: &std::path::Path) {
         let held = cache.images();
-        for j in self.disks.iter().filter(|d| d.config.is_aware_journal()) {
+        // Every journal device, aware or not: one made unaware since its
+        // marker was written must not leave that marker behind.
+        for j in self.disks.iter().filter(|d| d.config.journal_for.is_some()) {
             let Some(data) = j.config.journal_for.as_deref() else {
                 continue;
             };
@@ -322,12 +324,14 @@ impl Daemon {
                 .map_or(0, |(_, dirty)| *dirty);
             let marker = journal_marker(cache_path, data);
             if kept > 0 {
-                tracing::info!(
-                    "export '{}': {} of the guest's journal kept in flash only (cache-only logging; `vdcache flush` or `vdcache recover --full` writes it to {})",
-                    j.config.name,
-                    human(kept),
-                    j.config.image
-                );
+                if j.config.is_aware_journal() {
+                    tracing::info!(
+                        "export '{}': {} of the guest's journal kept in flash only (cache-only logging; `vdcache flush` or `vdcache recover --full` writes it to {})",
+                        j.config.name,
+                        human(kept),
+                        j.config.image
+                    );
+                }
             } else if let Err(e) = std::fs::remove_file(&marker)
                 && e.kind() != std::io::ErrorKind::NotFound
             {
