@@ -102,20 +102,24 @@ impl FlashCache {
         if candidates.is_empty() {
             return Ok((Vec::new(), 0));
         }
-        {
-            let mut st = self.lock();
-            for c in candidates {
-                let r = st.regions.region_of(c.cbn);
-                st.regions.pin(r);
-            }
-        }
+        self.pin_regions(candidates, true);
         let result = self.compare_pinned(off, pieces, candidates, compare);
+        self.pin_regions(candidates, false);
+        result
+    }
+
+    /// Pins (or unpins) the regions of the candidates' blocks, so none is
+    /// reclaimed while its block is read.
+    fn pin_regions(&self, candidates: &[SharedCopy], pin: bool) {
         let mut st = self.lock();
         for c in candidates {
             let r = st.regions.region_of(c.cbn);
-            st.regions.unpin(r);
+            if pin {
+                st.regions.pin(r);
+            } else {
+                st.regions.unpin(r);
+            }
         }
-        result
     }
 
     fn compare_pinned(

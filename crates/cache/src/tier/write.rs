@@ -217,8 +217,8 @@ impl FlashCache {
         Ok(())
     }
 
-    /// Writes where `route` says; `copies`: blocks whose bytes a journal
-    /// copy in flash holds (see `logical`).
+    /// Writes where `route` says; `copies`: blocks whose bytes a cache
+    /// block already holds (a journal copy or a dedup match, see `sharing`).
     fn write_routed(
         &self,
         image: &ImageHandle,
