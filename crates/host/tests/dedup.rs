@@ -8,10 +8,10 @@
 
 mod common;
 
-use common::{cache_on, disk_as};
+use common::{cache_on, disk_as, drain_only_config};
 use std::sync::Arc;
 use vdcache_backend::MemBackend;
-use vdcache_cache::{CacheConfig, Dedup, DiskPolicy, FlashCache, WriteMode};
+use vdcache_cache::{CacheConfig, Dedup, FlashCache, WriteMode};
 use vdcache_image::{DiskId, ImageFormat, MemFiles, VirtualDisk};
 
 const BLOCK: usize = 4096;
@@ -19,18 +19,8 @@ const IMAGE_BYTES: usize = 16 << 20;
 
 fn config(mode: WriteMode, dedup: Dedup) -> CacheConfig {
     CacheConfig {
-        host: Some("test-host".into()),
-        region_bytes: 1 << 20,
-        // Nothing is written back until a test drains.
-        high_watermark: 1.0,
-        low_watermark: 1.0,
         dedup,
-        default_policy: DiskPolicy {
-            mode,
-            sequential_write_cutoff: 0,
-            ..DiskPolicy::default()
-        },
-        ..CacheConfig::default()
+        ..drain_only_config(mode)
     }
 }
 

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{cache_on, disk_as};
+use common::{cache_on, disk_as, drain_only_config};
 use std::sync::Arc;
 use vdcache_backend::MemBackend;
 use vdcache_cache::{CacheConfig, DiskPolicy, FlashCache, WriteMode};
@@ -22,19 +22,7 @@ const JOURNAL_DISK: DiskId = DiskId(2);
 const JOURNAL_BLOCKS: u32 = 256;
 
 fn config(mode: WriteMode) -> CacheConfig {
-    CacheConfig {
-        host: Some("test-host".into()),
-        region_bytes: 1 << 20,
-        // Nothing is written back until a test drains.
-        high_watermark: 1.0,
-        low_watermark: 1.0,
-        default_policy: DiskPolicy {
-            mode,
-            sequential_write_cutoff: 0,
-            ..DiskPolicy::default()
-        },
-        ..CacheConfig::default()
-    }
+    drain_only_config(mode)
 }
 
 struct Rig {

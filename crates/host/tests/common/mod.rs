@@ -23,6 +23,23 @@ pub fn cache_on(device: &Arc<MemBackend>, config: &CacheConfig, fresh: bool) -> 
     .expect("cache")
 }
 
+/// A cache that writes nothing back until a test drains it (1 MiB
+/// regions), with disks in `mode` that never bypass flash.
+pub fn drain_only_config(mode: vdcache_cache::WriteMode) -> CacheConfig {
+    CacheConfig {
+        host: Some("test-host".into()),
+        region_bytes: 1 << 20,
+        high_watermark: 1.0,
+        low_watermark: 1.0,
+        default_policy: vdcache_cache::DiskPolicy {
+            mode,
+            sequential_write_cutoff: 0,
+            ..vdcache_cache::DiskPolicy::default()
+        },
+        ..CacheConfig::default()
+    }
+}
+
 /// Disk 1: the image `name` of `opener`, through `cache`.
 pub fn disk_through(
     opener: Arc<dyn StoreOpener>,
