@@ -239,7 +239,7 @@ impl FlashCache {
         let mut wrote_any = !shared.is_empty();
         for (s, e) in unshared_ranges(off, off + len, &shared) {
             let part = sub_segments(off, segments, s, e);
-            if !self.write_back_chunked(image, id, s, &part, tag)? {
+            if !self.write_back_chunked(image, id, s, &part, tag, &[])? {
                 if !wrote_any {
                     return Ok(false);
                 }

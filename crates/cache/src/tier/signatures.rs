@@ -19,7 +19,7 @@ use super::{FlashCache, State};
 use crate::config::Dedup;
 use crate::dedup::{Fingerprint, Place, fingerprint};
 use crate::error::Result;
-use crate::index::line_key;
+use crate::index::{Cbn, line_key};
 use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::stats::bump;
 use std::time::Instant;
@@ -142,23 +142,14 @@ impl FlashCache {
         }
         let mut st = self.lock();
         for &(b, fp) in fps {
-            let Some(cbn) = st
+            if let Some(cbn) = st
                 .index
                 .block(line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize)
-            else {
-                continue;
-            };
-            let epoch = st.regions.epoch(st.regions.region_of(cbn));
-            st.signatures.remember(fp, Place { cbn, epoch });
+            {
+                note_signature(&mut st, fp, cbn);
+            }
         }
-        let live = st.index.referenced_blocks();
-        let State {
-            signatures,
-            index,
-            regions,
-            ..
-        } = &mut *st;
-        signatures.sweep_if_over(live, |p| place_holds(index, regions, p));
+        sweep_signatures(&mut st);
     }
 
     /// Fingerprints of blocks read from the backend (`data` from block
@@ -174,6 +165,57 @@ impl FlashCache {
         }
         self.fingerprint_blocks(disk, first * BLOCK, &[data], |_, _| true)
     }
+}
+
+/// Blocks `first..` of an image were just placed, in order, in `runs`
+/// (first cache block, count): their cache blocks hold the fingerprints
+/// among `fps` (sorted by block) that fall in that range. Saves looking
+/// the blocks up again after the write.
+pub(super) fn remember_placed(
+    st: &mut State,
+    first: u64,
+    runs: &[(Cbn, u32)],
+    fps: &[Fingerprinted],
+) {
+    let placed: u64 = runs.iter().map(|r| u64::from(r.1)).sum();
+    let from = fps.partition_point(|&(b, _)| b < first);
+    let mut noted = false;
+    let mut run = runs.iter();
+    let mut run_start = first;
+    let mut current = run.next();
+    for &(b, fp) in fps[from..].iter().take_while(|&&(b, _)| b < first + placed) {
+        while let Some(&(cbn0, k)) = current {
+            if b < run_start + u64::from(k) {
+                note_signature(st, fp, cbn0 + (b - run_start) as u32);
+                noted = true;
+                break;
+            }
+            run_start += u64::from(k);
+            current = run.next();
+        }
+    }
+    if noted {
+        sweep_signatures(st);
+    }
+}
+
+/// Records that cache block `cbn` (referenced, in its region's current
+/// epoch) holds the bytes of `fp`.
+fn note_signature(st: &mut State, fp: Fingerprint, cbn: Cbn) {
+    let epoch = st.regions.epoch(st.regions.region_of(cbn));
+    st.signatures.remember(fp, Place { cbn, epoch });
+}
+
+/// Drops stale entries once they could outnumber the live ones.
+fn sweep_signatures(st: &mut State) {
+    let live = st.index.referenced_blocks();
+    let State {
+        signatures,
+        index,
+        regions,
+        ..
+    } = st;
+    signatures.sweep_if_over(live, |p| place_holds(index, regions, p));
 }
 
 /// The block holding `fp`'s bytes, if the table knows a live one, as a

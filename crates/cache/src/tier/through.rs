@@ -197,7 +197,7 @@ impl FlashCache {
         tag: IoTag,
     ) -> Result<()> {
         let deadline = Instant::now() + ROOM_WAIT;
-        while !self.write_back(image, id, off, len, segments, tag)? {
+        while !self.write_back(image, id, off, len, segments, tag, &[])? {
             if Instant::now() >= deadline {
                 return Err(CacheError::Config(format!(
                     "no flash space to update a dirty block within {ROOM_WAIT:?}"

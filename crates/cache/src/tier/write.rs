@@ -9,6 +9,7 @@
 
 use super::metastore::{overlay, table_sectors};
 use super::sharing::SharedCopy;
+use super::signatures::{Fingerprinted, remember_placed};
 use super::{FlashCache, State};
 use crate::admission::Run;
 use crate::error::{CacheError, Result};
@@ -139,6 +140,38 @@ pub(super) fn sub_segments<'a>(
     out
 }
 
+/// The blocks a write's guest data touches.
+fn guest_blocks(off: u64, segments: &[WriteSegment<'_>]) -> Vec<u64> {
+    let mut blocks: Vec<u64> = Vec::new();
+    let mut at = off;
+    for s in segments {
+        let end = at + s.data.len() as u64;
+        if s.tag.class == IoClass::GuestData && end > at {
+            blocks.extend(at / BLOCK..end.div_ceil(BLOCK));
+        }
+        at = end;
+    }
+    blocks.dedup();
+    blocks
+}
+
+/// Counts the guest's blocks of a write that flash already held.
+fn count_write_hits(st: &State, id: u16, blocks: &[u64], counters: &crate::stats::DiskCounters) {
+    if blocks.is_empty() {
+        return;
+    }
+    let hits = blocks
+        .iter()
+        .filter(|&&b| {
+            st.index
+                .block(line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize)
+                .is_some()
+        })
+        .count() as u64;
+    bump(&counters.write_hit_blocks, hits);
+    bump(&counters.write_miss_blocks, blocks.len() as u64 - hits);
+}
+
 fn total_len(segments: &[WriteSegment<'_>]) -> u64 {
     segments.iter().map(|s| s.data.len() as u64).sum()
 }
@@ -165,15 +198,18 @@ impl FlashCache {
             .filter(|s| s.tag.class == IoClass::GuestData)
             .map(|s| s.data.len() as u64)
             .sum();
-        if guest_bytes > 0 {
+        let guest_blocks = if guest_bytes > 0 {
             bump(&counters.guest_writes, 1);
             bump(&counters.guest_write_bytes, guest_bytes);
-            self.count_write_hits(id, off, segments, &counters);
-        }
-        // One lock for the policy, the run detector and the journal links:
-        // every write takes it.
+            guest_blocks(off, segments)
+        } else {
+            Vec::new()
+        };
+        // One lock for the hit count, the policy, the run detector and the
+        // journal links: every write takes it.
         let (policy, run, journal) = {
             let mut st = self.lock();
+            count_write_hits(&st, id, &guest_blocks, &counters);
             let policy = st.catalog.policy(tag.disk, self.config.default_policy);
             let run = if policy.sequential_write_cutoff > 0 {
                 observe_write_run(&mut st, tag, segments, len)
@@ -209,8 +245,12 @@ impl FlashCache {
             copies.extend(self.dedup_copies(tag.disk, off, &pieces, &fps, &taken)?);
             copies.sort_unstable_by_key(|c| c.block);
         }
-        self.write_routed(image, id, off, segments, route, &copies)?;
-        self.remember_signatures(id, &fps);
+        self.write_routed(image, id, off, segments, route, &copies, &fps)?;
+        // A plain write-back remembers the signatures of what it placed
+        // under its own lock; other routes' blocks are looked up here.
+        if !copies.is_empty() || route != (Route::WriteBack { sectors: false }) {
+            self.remember_signatures(id, &fps);
+        }
         if journal.is_journal {
             self.observe_journal_write(tag.disk, id, off, segments);
         }
@@ -218,7 +258,10 @@ impl FlashCache {
     }
 
     /// Writes where `route` says; `copies`: blocks whose bytes a cache
-    /// block already holds (a journal copy or a dedup match, see `sharing`).
+    /// block already holds (a journal copy or a dedup match, see `sharing`);
+    /// `fps`: the fingerprints of its whole data blocks, which a plain
+    /// write-back remembers as it places them.
+    #[allow(clippy::too_many_arguments)]
     fn write_routed(
         &self,
         image: &ImageHandle,
@@ -227,6 +270,7 @@ impl FlashCache {
         segments: &[WriteSegment<'_>],
         route: Route,
         copies: &[SharedCopy],
+        fps: &[Fingerprinted],
     ) -> Result<()> {
         let len = total_len(segments);
         let tag = segments[0].tag;
@@ -236,7 +280,7 @@ impl FlashCache {
                     return Ok(());
                 }
                 let done = if copies.is_empty() {
-                    self.write_back_chunked(image, id, off, segments, tag)?
+                    self.write_back_chunked(image, id, off, segments, tag, fps)?
                 } else {
                     self.write_back_sharing(image, id, off, segments, copies)?
                 };
@@ -253,38 +297,6 @@ impl FlashCache {
                 self.write_through_sharing(image, id, off, len, segments, tag, keep, copies)
             }
         }
-    }
-
-    /// Counts the guest's blocks of a write that flash already held.
-    fn count_write_hits(
-        &self,
-        id: u16,
-        off: u64,
-        segments: &[WriteSegment<'_>],
-        counters: &crate::stats::DiskCounters,
-    ) {
-        let mut blocks: Vec<u64> = Vec::new();
-        let mut at = off;
-        for s in segments {
-            let end = at + s.data.len() as u64;
-            if s.tag.class == IoClass::GuestData && end > at {
-                blocks.extend(at / BLOCK..end.div_ceil(BLOCK));
-            }
-            at = end;
-        }
-        blocks.dedup();
-        let st = self.lock();
-        let hits = blocks
-            .iter()
-            .filter(|&&b| {
-                st.index
-                    .block(line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize)
-                    .is_some()
-            })
-            .count() as u64;
-        drop(st);
-        bump(&counters.write_hit_blocks, hits);
-        bump(&counters.write_miss_blocks, blocks.len() as u64 - hits);
     }
 
     /// The current content of one block: from flash when cached, else from
@@ -398,6 +410,7 @@ impl FlashCache {
         off: u64,
         segments: &[WriteSegment<'_>],
         tag: IoTag,
+        fps: &[Fingerprinted],
     ) -> Result<bool> {
         let piece = (self.config.reserve_regions.max(1) as u64) * self.layout.region_bytes;
         let end = off + total_len(segments);
@@ -405,7 +418,7 @@ impl FlashCache {
         while at < end {
             let next = ((at / piece + 1) * piece).min(end);
             let part = sub_segments(off, segments, at, next);
-            if !self.write_back(image, id, at, next - at, &part, tag)? {
+            if !self.write_back(image, id, at, next - at, &part, tag, fps)? {
                 if at == off {
                     return Ok(false);
                 }
@@ -417,7 +430,9 @@ impl FlashCache {
     }
 
     /// Write-back: whole blocks appended to the write stream, recorded
-    /// dirty. Returns false (nothing done) when flash has no room.
+    /// dirty, and the signatures among `fps` of those placed remembered.
+    /// Returns false (nothing done) when flash has no room.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn write_back(
         &self,
         image: &ImageHandle,
@@ -426,6 +441,7 @@ impl FlashCache {
         len: u64,
         segments: &[WriteSegment<'_>],
         tag: IoTag,
+        fps: &[Fingerprinted],
     ) -> Result<bool> {
         let (head, tail) = self.edges(image, id, off, len)?;
         let mut pieces: Vec<&[u8]> = vec![&head];
@@ -482,6 +498,7 @@ impl FlashCache {
             // nothing.
             self.validate_written(&mut st, id, off, len);
         }
+        remember_placed(&mut st, first, &runs, fps);
         self.settle(&mut st, &runs);
         st.history.note(id, off, off + len);
         self.keep_reserve(&mut st)?;
