@@ -14,12 +14,32 @@ done
 # OpenSSL (TLS-PSK) is linked from the system.
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 pkg-config --exists openssl 2>/dev/null || missing+=(libssl-dev)
+# The VM tests: busybox and cpio build the guest's initramfs, debugfs reads
+# its files back (e2fsprogs, above).
+for tool in busybox:busybox-static cpio:cpio; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
+done
+sudo_cmd=""
+[ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
 if [ ${#missing[@]} -gt 0 ]; then
   pkgs=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
   echo "installing: $pkgs"
-  sudo_cmd=""
-  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
   $sudo_cmd apt-get install -y $pkgs || { $sudo_cmd apt-get update && $sudo_cmd apt-get install -y $pkgs; }
+fi
+# qemu-system-x86 must match qemu-utils (10.0, from bookworm-backports on
+# Debian 12): bookworm's own 7.2 would replace qemu-utils.
+if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
+  if grep -q 'VERSION_CODENAME=bookworm' /etc/os-release 2>/dev/null; then
+    if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+      echo "adding Debian's bookworm-backports suite (for qemu-system-x86 10.0)"
+      printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+        | $sudo_cmd tee /etc/apt/sources.list.d/vdcache-backports.sources >/dev/null
+    fi
+    $sudo_cmd apt-get update -q
+    $sudo_cmd apt-get install -y -t bookworm-backports qemu-system-x86
+  else
+    $sudo_cmd apt-get install -y qemu-system-x86 || { $sudo_cmd apt-get update && $sudo_cmd apt-get install -y qemu-system-x86; }
+  fi
 fi
 
 cargo fmt --all -- --check

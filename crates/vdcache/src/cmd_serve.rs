@@ -25,6 +25,10 @@ pub struct ServeArgs {
     /// a loop device, mkfs and mount on the host.
     #[arg(long, value_name = "DIR", conflicts_with = "config")]
     fuse: Option<PathBuf>,
+    /// Also serve the disk over vhost-user-blk on this Unix socket, for
+    /// QEMU's `-device vhost-user-blk-pci`.
+    #[arg(long, value_name = "SOCKET", conflicts_with = "config")]
+    vhost_user_blk: Option<PathBuf>,
     /// Control socket for stats and flush (default: SOCKET.control).
     #[arg(long, conflicts_with = "config")]
     control: Option<PathBuf>,
@@ -143,8 +147,14 @@ impl ServeArgs {
         let Some(image) = self.image else {
             bail!("give an IMAGE to serve, or --config FILE");
         };
-        if self.socket.is_none() && self.tcp.is_none() && self.fuse.is_none() {
-            bail!("give --socket PATH (or --tcp ADDR, or --fuse DIR) to listen on");
+        if self.socket.is_none()
+            && self.tcp.is_none()
+            && self.fuse.is_none()
+            && self.vhost_user_blk.is_none()
+        {
+            bail!(
+                "give --socket PATH (or --tcp ADDR, --fuse DIR or --vhost-user-blk SOCKET) to listen on"
+            );
         }
         let cache = self.cache.map(|path| CacheSection {
             path,
@@ -190,6 +200,7 @@ impl ServeArgs {
                 l2_cache_size: meta.l2_cache_size.clone(),
                 refcount_cache_size: meta.refcount_cache_size.clone(),
                 meta_slice_size: meta.slice_size.clone(),
+                vhost_user_blk: self.vhost_user_blk,
                 ..ExportConfig::default()
             }],
         };

@@ -172,7 +172,16 @@ pub struct ExportConfig {
     /// Set on a journal device's own export: the export it journals for.
     #[serde(skip)]
     pub journal_for: Option<String>,
+    /// Also serve this disk over vhost-user-blk on this Unix socket (QEMU:
+    /// `-chardev socket,path=...` and `-device vhost-user-blk-pci`).
+    pub vhost_user_blk: Option<PathBuf>,
+    /// vhost-user-blk virtqueues offered, each served by its own thread
+    /// (default 2; QEMU's `num-queues` may not exceed it).
+    pub vhost_user_queues: Option<usize>,
 }
+
+/// Most vhost-user-blk queues an export may offer.
+pub const MAX_VHOST_USER_QUEUES: usize = 16;
 
 impl ExportConfig {
     /// The export of this disk's virtual journal device, if it has one:
@@ -336,9 +345,16 @@ impl ServerConfig {
                 "the metrics address ([server] metrics, --metrics) must be HOST:PORT, such as 127.0.0.1:9187, not '{m}'"
             );
         }
-        if self.server.socket.is_none() && self.server.tcp.is_none() && self.server.fuse.is_none() {
-            bail!("[server] needs a socket, a tcp address or a fuse directory");
+        if self.server.socket.is_none()
+            && self.server.tcp.is_none()
+            && self.server.fuse.is_none()
+            && self.exports.iter().all(|e| e.vhost_user_blk.is_none())
+        {
+            bail!(
+                "[server] needs a socket, a tcp address or a fuse directory (or an export needs vhost_user_blk)"
+            );
         }
+        self.validate_vhost_user()?;
         let l = &self.server;
         for (key, v) in [
             ("max_connections", l.max_connections),
@@ -374,6 +390,50 @@ impl ServerConfig {
                 (Some(_), Some(_), None) | (None, None, Some(_)) => {}
                 _ => bail!("[server.tls] needs cert and key, or psk (not both)"),
             }
+        }
+        Ok(())
+    }
+}
+
+impl ServerConfig {
+    /// Each vhost-user-blk socket names one export, no other socket of the
+    /// server, and a queue count the device can offer.
+    fn validate_vhost_user(&self) -> Result<()> {
+        let mut sockets: Vec<(&Path, &str)> = Vec::new();
+        for e in &self.exports {
+            if let Some(q) = e.vhost_user_queues {
+                if e.vhost_user_blk.is_none() {
+                    bail!(
+                        "export '{}': vhost_user_queues needs vhost_user_blk",
+                        e.name
+                    );
+                }
+                if !(1..=MAX_VHOST_USER_QUEUES).contains(&q) {
+                    bail!(
+                        "export '{}': vhost_user_queues must be 1 to {MAX_VHOST_USER_QUEUES}, not {q}",
+                        e.name
+                    );
+                }
+            }
+            let Some(p) = &e.vhost_user_blk else { continue };
+            if p.as_os_str().is_empty() {
+                bail!("export '{}': vhost_user_blk is empty", e.name);
+            }
+            if let Some((_, other)) = sockets.iter().find(|(q, _)| *q == p.as_path()) {
+                bail!(
+                    "exports '{other}' and '{}' both use the vhost-user-blk socket {}",
+                    e.name,
+                    p.display()
+                );
+            }
+            if self.server.socket.as_deref() == Some(p.as_path()) {
+                bail!(
+                    "export '{}': vhost_user_blk {} is also [server] socket",
+                    e.name,
+                    p.display()
+                );
+            }
+            sockets.push((p.as_path(), e.name.as_str()));
         }
         Ok(())
     }

@@ -255,12 +255,30 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         }
         None => None,
     };
+    let vhost = match start_vhost_user(&daemon) {
+        Ok(v) => v,
+        Err(e) => {
+            drop(fuse);
+            server.shutdown();
+            if let Err(stop) = daemon.stop() {
+                tracing::error!("closing the disks: {stop:#}");
+            }
+            return Err(e.into());
+        }
+    };
     let idle_fill = cfg
         .cache
         .as_ref()
         .is_some_and(|c| c.idle_fill.unwrap_or(true));
     let fuse_requests = fuse.as_ref().map(|f| f.requests());
-    let filler = idle_fill.then(|| Filler::start(daemon.clone(), server.clone(), fuse_requests));
+    let vhost_requests = vhost.as_ref().map(|v| v.activity());
+    let other_requests = move || {
+        fuse_requests
+            .as_ref()
+            .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
+            + vhost_requests.as_ref().map_or(0, |v| v.requests())
+    };
+    let filler = idle_fill.then(|| Filler::start(daemon.clone(), server.clone(), other_requests));
     let signal = signals.forever().next();
     if let Some(f) = filler {
         f.stop();
@@ -274,6 +292,10 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         }
     );
     let unmounted = fuse.map(|f| f.unmount()).transpose();
+    // Every vhost-user request in flight finishes before the disks close.
+    if let Some(v) = vhost {
+        v.stop();
+    }
     server.shutdown();
     // Held blocks (guests' journal devices) are not written back at a stop.
     let dirty_before = daemon.cache.as_ref().map(|c| {
@@ -322,7 +344,7 @@ impl Filler {
     fn start(
         daemon: Arc<Daemon>,
         server: Arc<Server>,
-        fuse_requests: Option<Arc<std::sync::atomic::AtomicU64>>,
+        other_requests: impl Fn() -> u64 + Send + 'static,
     ) -> Filler {
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -334,9 +356,7 @@ impl Filler {
                         .iter()
                         .map(|e| e.io.requests)
                         .sum::<u64>()
-                        + fuse_requests
-                            .as_ref()
-                            .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
+                        + other_requests()
                 };
                 let mut last = requests(&server);
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
@@ -370,9 +390,41 @@ impl Filler {
 }
 
 /// The control socket: configured, or next to the NBD socket.
+/// Serves the exports that name a vhost-user-blk socket (none: nothing).
+fn start_vhost_user(
+    daemon: &Daemon,
+) -> Result<
+    Option<vdcache_vhost_user_blk::VhostUserBlkServer>,
+    vdcache_vhost_user_blk::VhostUserBlkError,
+> {
+    let exports: Vec<_> = daemon
+        .disks
+        .iter()
+        .filter_map(|d| {
+            Some(vdcache_vhost_user_blk::VhostUserBlkExport {
+                name: d.config.name.clone(),
+                disk: d.disk.clone(),
+                socket: d.config.vhost_user_blk.clone()?,
+                queues: d.config.vhost_user_queues.unwrap_or(2),
+            })
+        })
+        .collect();
+    if exports.is_empty() {
+        return Ok(None);
+    }
+    let sockets: Vec<String> = exports
+        .iter()
+        .map(|e| e.socket.display().to_string())
+        .collect();
+    let server = vdcache_vhost_user_blk::VhostUserBlkServer::start(exports)?;
+    tracing::info!("vhost-user-blk on {}", sockets.join(", "));
+    Ok(Some(server))
+}
+
 pub fn control_path(cfg: &ServerConfig) -> Option<PathBuf> {
     cfg.server.control.clone().or_else(|| {
-        cfg.server.socket.as_ref().map(|s| {
+        let first_vhost = || cfg.exports.iter().find_map(|e| e.vhost_user_blk.as_ref());
+        cfg.server.socket.as_ref().or_else(first_vhost).map(|s| {
             let mut p = s.clone().into_os_string();
             p.push(".control");
             PathBuf::from(p)

@@ -1,0 +1,269 @@
+//! The virtio-blk device a guest sees over vhost-user: its features, its
+//! configuration space and its queues, each served by a worker thread of
+//! its own that pops requests, carries them out (`request`) and returns
+//! them to the used ring.
+//!
+//! Owns: feature negotiation, the config space bytes, the guest memory
+//! table of the current connection, and the per-queue loop (notification
+//! suppression with EVENT_IDX). Must not: keep guest memory across
+//! connections (a reconnecting QEMU sends a new table) or let a request
+//! error stop a queue (the guest gets IOERR and the queue goes on).
+
+use crate::request::{self, BlockDevice, Kind, MAX_SEGMENTS, SECTOR};
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ,
+    VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_WRITE_ZEROES,
+};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
+};
+
+/// Descriptors per queue (QEMU's default queue size for vhost-user-blk is
+/// 128; the guest may ask for fewer).
+const QUEUE_SIZE: usize = 1024;
+/// Data segments per request the guest may use (the queue size, less the
+/// header and status descriptors).
+const SEG_MAX: u32 = 128 - 2;
+
+/// Counts of what the guest asked, for the server's stats.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub reads: AtomicU64,
+    pub writes: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub written_bytes: AtomicU64,
+    pub flushes: AtomicU64,
+    pub discards: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+impl Counters {
+    /// Requests of any kind, failed ones included.
+    pub fn total(&self) -> u64 {
+        [
+            &self.reads,
+            &self.writes,
+            &self.flushes,
+            &self.discards,
+            &self.errors,
+        ]
+        .iter()
+        .map(|c| c.load(Ordering::Relaxed))
+        .sum()
+    }
+
+    fn count(&self, kind: &Kind) {
+        let bump = |c: &AtomicU64, n: u64| {
+            c.fetch_add(n, Ordering::Relaxed);
+        };
+        match *kind {
+            Kind::Read(n) => {
+                bump(&self.reads, 1);
+                bump(&self.read_bytes, n);
+            }
+            Kind::Write(n) => {
+                bump(&self.writes, 1);
+                bump(&self.written_bytes, n);
+            }
+            Kind::Flush => bump(&self.flushes, 1),
+            Kind::Discard | Kind::WriteZeroes => bump(&self.discards, 1),
+            Kind::GetId => {}
+        }
+    }
+}
+
+/// One vhost-user-blk device (shared by the connection's threads).
+pub struct Device {
+    name: String,
+    disk: Arc<dyn BlockDevice + Send + Sync>,
+    queues: usize,
+    event_idx: AtomicBool,
+    mem: Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
+    pub(crate) counters: Arc<Counters>,
+}
+
+/// The backend the vhost-user library drives: a handle on the device.
+#[derive(Clone)]
+pub struct Backend(pub(crate) Arc<Device>);
+
+impl Device {
+    pub fn new(
+        name: String,
+        disk: Arc<dyn BlockDevice + Send + Sync>,
+        queues: usize,
+        counters: Arc<Counters>,
+    ) -> Device {
+        Device {
+            name,
+            disk,
+            queues: queues.max(1),
+            event_idx: AtomicBool::new(false),
+            mem: Mutex::new(None),
+            counters,
+        }
+    }
+
+    /// virtio-blk's configuration space (virtio 1.2, 5.2.4), little endian.
+    pub fn config_space(&self) -> Vec<u8> {
+        let mut c = vec![0u8; 60];
+        let mut put = |at: usize, bytes: &[u8]| c[at..at + bytes.len()].copy_from_slice(bytes);
+        put(0, &(self.disk.size() / SECTOR).to_le_bytes()); // capacity
+        put(12, &SEG_MAX.to_le_bytes()); // seg_max
+        put(20, &4096u32.to_le_bytes()); // blk_size
+        put(34, &(self.queues as u16).to_le_bytes()); // num_queues
+        let max_sectors = (u32::MAX / 512) & !7;
+        put(36, &max_sectors.to_le_bytes()); // max_discard_sectors
+        put(40, &MAX_SEGMENTS.to_le_bytes()); // max_discard_seg
+        put(44, &8u32.to_le_bytes()); // discard_sector_alignment (4 KiB)
+        put(48, &max_sectors.to_le_bytes()); // max_write_zeroes_sectors
+        put(52, &MAX_SEGMENTS.to_le_bytes()); // max_write_zeroes_seg
+        put(56, &[1]); // write_zeroes_may_unmap
+        c
+    }
+
+    /// Pops and serves every request queued on `vring`; tells the guest
+    /// when it should be told.
+    fn serve_queue(&self, vring: &VringRwLock, mem: &GuestMemoryMmap) -> io::Result<()> {
+        let event_idx = self.event_idx.load(Ordering::Relaxed);
+        loop {
+            if event_idx {
+                vring.disable_notification().map_err(io::Error::other)?;
+            }
+            self.serve_available(vring, mem)?;
+            // With EVENT_IDX, requests queued while notifications were off
+            // are served before waiting for a kick again.
+            if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
+                return Ok(());
+            }
+        }
+    }
+
+    fn serve_available(&self, vring: &VringRwLock, mem: &GuestMemoryMmap) -> io::Result<()> {
+        let mut used = false;
+        loop {
+            let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem);
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            let (len, outcome) = request::serve(&*self.disk, chain);
+            match outcome {
+                Ok(kind) => self.counters.count(&kind),
+                Err(e) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(export = %self.name, "vhost-user-blk request failed: {e}");
+                }
+            }
+            vring.add_used(head, len).map_err(io::Error::other)?;
+            used = true;
+        }
+        let event_idx = self.event_idx.load(Ordering::Relaxed);
+        if used && (!event_idx || vring.needs_notification().map_err(io::Error::other)?) {
+            vring.signal_used_queue()?;
+        }
+        Ok(())
+    }
+}
+
+impl VhostUserBackend for Backend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        self.0.queues
+    }
+
+    fn max_queue_size(&self) -> usize {
+        QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        let mut f = 1 << VIRTIO_F_VERSION_1
+            | 1 << VIRTIO_RING_F_EVENT_IDX
+            | 1 << VIRTIO_RING_F_INDIRECT_DESC
+            | 1 << VIRTIO_BLK_F_SEG_MAX
+            | 1 << VIRTIO_BLK_F_BLK_SIZE
+            | 1 << VIRTIO_BLK_F_FLUSH
+            | 1 << VIRTIO_BLK_F_MQ
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        if self.0.disk.read_only() {
+            f |= 1 << VIRTIO_BLK_F_RO;
+        } else {
+            f |= 1 << VIRTIO_BLK_F_DISCARD | 1 << VIRTIO_BLK_F_WRITE_ZEROES;
+        }
+        f
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.0.event_idx.store(enabled, Ordering::Relaxed);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let space = self.0.config_space();
+        let start = (offset as usize).min(space.len());
+        let end = start.saturating_add(size as usize).min(space.len());
+        let mut out = space[start..end].to_vec();
+        out.resize(size as usize, 0);
+        out
+    }
+
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+        *self.0.mem.lock().unwrap_or_else(PoisonError::into_inner) = Some(mem);
+        Ok(())
+    }
+
+    /// One worker thread per queue: queues are served in parallel.
+    fn queues_per_thread(&self) -> Vec<u64> {
+        (0..self.0.queues).map(|q| 1u64 << q).collect()
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        match new_event_consumer_and_notifier(EventFlag::NONBLOCK) {
+            Ok(pair) => Some(pair),
+            Err(e) => {
+                tracing::error!("vhost-user-blk: cannot make an exit event: {e}");
+                None
+            }
+        }
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(io::Error::other(format!("unexpected event {evset:?}")));
+        }
+        let Some(vring) = vrings.get(usize::from(device_event)) else {
+            return Err(io::Error::other(format!("no queue {device_event}")));
+        };
+        let mem = self
+            .0
+            .mem
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let Some(mem) = mem else {
+            return Err(io::Error::other(
+                "a queue was kicked before the memory table came",
+            ));
+        };
+        let guard = mem.memory();
+        self.0.serve_queue(vring, &guard)
+    }
+}

@@ -1,0 +1,323 @@
+//! vdcache-vhost-user-blk: the vhost-user-blk front end. QEMU attaches a
+//! served disk with `-chardev socket,path=SOCKET` and `-device
+//! vhost-user-blk-pci,chardev=...` over shared guest memory (memfd), and
+//! the guest's virtio-blk requests reach [`VirtualDisk`] without an NBD
+//! hop: one socket per export, one worker thread per queue.
+//!
+//! Owns: each export's listening socket (refusing one a live server
+//! holds), the connection's lifetime (QEMU may disconnect and, with
+//! `reconnect=`, come back: a new connection gets a fresh device state),
+//! and the stop: connections are shut, every request in flight finishes,
+//! then the caller may close the disks.
+//!
+//! Must not: hold a second path to the storage (it calls the very
+//! `VirtualDisk` the NBD front end calls) or acknowledge a flush before
+//! `VirtualDisk::flush` returned.
+
+mod device;
+pub mod request;
+
+use device::{Backend, Counters, Device};
+use request::BlockDevice;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use vdcache_image::VirtualDisk;
+use vdcache_image::disk::ZeroFlags;
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+
+/// One disk to serve on a vhost-user socket.
+pub struct VhostUserBlkExport {
+    pub name: String,
+    pub disk: Arc<VirtualDisk>,
+    pub socket: PathBuf,
+    /// Virtqueues offered (QEMU's `num-queues` may not exceed it).
+    pub queues: usize,
+}
+
+/// Why the front end could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum VhostUserBlkError {
+    #[error("vhost-user-blk socket {0} is in use by a running server")]
+    InUse(PathBuf),
+    #[error("cannot listen on vhost-user-blk socket {path}: {cause}")]
+    Listen { path: PathBuf, cause: String },
+    #[error("cannot start the vhost-user-blk thread for {path}: {cause}")]
+    Thread {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+}
+
+/// The request counters of all exports, summed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Totals {
+    pub reads: u64,
+    pub writes: u64,
+    pub read_bytes: u64,
+    pub written_bytes: u64,
+    pub flushes: u64,
+    pub discards: u64,
+    pub errors: u64,
+}
+
+/// Counts requests of every export (see [`VhostUserBlkServer::activity`]).
+#[derive(Clone)]
+pub struct Activity(Vec<Arc<Counters>>);
+
+impl Activity {
+    /// Requests served so far, of any kind, failed ones included.
+    pub fn requests(&self) -> u64 {
+        self.0.iter().map(|c| c.total()).sum()
+    }
+}
+
+/// The serving exports; [`VhostUserBlkServer::stop`] ends them.
+pub struct VhostUserBlkServer {
+    exports: Vec<Serving>,
+}
+
+struct Serving {
+    socket: PathBuf,
+    stop: Arc<AtomicBool>,
+    connection: Arc<Mutex<Option<ShutdownHandle>>>,
+    counters: Arc<Counters>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// [`VirtualDisk`] as a virtio-blk device.
+struct DiskDevice {
+    disk: Arc<VirtualDisk>,
+    id: Vec<u8>,
+}
+
+fn io_err(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+impl BlockDevice for DiskDevice {
+    fn size(&self) -> u64 {
+        self.disk.size()
+    }
+    fn read_only(&self) -> bool {
+        self.disk.read_only()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.disk.read(offset, buf).map_err(io_err)
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.disk.write(offset, data, false).map_err(io_err)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.disk.flush().map_err(io_err)
+    }
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.disk.discard(offset, len).map_err(io_err)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> std::io::Result<()> {
+        let flags = ZeroFlags {
+            may_unmap,
+            fua: false,
+        };
+        self.disk.write_zeroes(offset, len, flags).map_err(io_err)
+    }
+    fn id(&self) -> &[u8] {
+        &self.id
+    }
+}
+
+/// Whether a server accepts connections on `path` now.
+fn socket_in_use(path: &Path) -> bool {
+    UnixStream::connect(path).is_ok()
+}
+
+impl VhostUserBlkServer {
+    /// Listens on every export's socket; QEMU may connect at once.
+    pub fn start(
+        exports: Vec<VhostUserBlkExport>,
+    ) -> Result<VhostUserBlkServer, VhostUserBlkError> {
+        let mut server = VhostUserBlkServer {
+            exports: Vec::new(),
+        };
+        for e in exports {
+            // On error, `server` drops and stops what already started.
+            server.exports.push(Serving::start(e)?);
+        }
+        Ok(server)
+    }
+
+    /// Sums of the requests served so far (what tells a busy disk from an
+    /// idle one).
+    pub fn totals(&self) -> Totals {
+        let mut t = Totals::default();
+        for s in &self.exports {
+            let c = &s.counters;
+            let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            t.reads += get(&c.reads);
+            t.writes += get(&c.writes);
+            t.read_bytes += get(&c.read_bytes);
+            t.written_bytes += get(&c.written_bytes);
+            t.flushes += get(&c.flushes);
+            t.discards += get(&c.discards);
+            t.errors += get(&c.errors);
+        }
+        t
+    }
+
+    /// A handle counting every request served so far, for a thread that
+    /// watches for idleness.
+    pub fn activity(&self) -> Activity {
+        Activity(self.exports.iter().map(|s| s.counters.clone()).collect())
+    }
+
+    /// Shuts every connection, waits until no request is in flight, and
+    /// removes the sockets. The disks may be closed after this returns.
+    pub fn stop(mut self) {
+        self.stop_all();
+    }
+
+    fn stop_all(&mut self) {
+        for s in &mut self.exports {
+            s.stop();
+        }
+    }
+}
+
+impl Drop for VhostUserBlkServer {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+impl Serving {
+    fn start(e: VhostUserBlkExport) -> Result<Serving, VhostUserBlkError> {
+        if socket_in_use(&e.socket) {
+            return Err(VhostUserBlkError::InUse(e.socket));
+        }
+        let listen_err = |cause: String| VhostUserBlkError::Listen {
+            path: e.socket.clone(),
+            cause,
+        };
+        let listener = Listener::new(&e.socket, true).map_err(|c| listen_err(c.to_string()))?;
+        let counters = Arc::new(Counters::default());
+        let id = if e.name.is_empty() {
+            b"vdcache".to_vec()
+        } else {
+            e.name.as_bytes().to_vec()
+        };
+        let device = DiskDevice {
+            disk: e.disk.clone(),
+            id,
+        };
+        let backend = Backend(Arc::new(Device::new(
+            e.name.clone(),
+            Arc::new(device),
+            e.queues,
+            counters.clone(),
+        )));
+        let stop = Arc::new(AtomicBool::new(false));
+        let connection = Arc::new(Mutex::new(None));
+        let thread = {
+            let (stop, connection, name) = (stop.clone(), connection.clone(), e.name.clone());
+            std::thread::Builder::new()
+                .name("vdcache-vhost-user".into())
+                .spawn(move || serve_connections(listener, backend, &name, &stop, &connection))
+                .map_err(|cause| VhostUserBlkError::Thread {
+                    path: e.socket.clone(),
+                    cause,
+                })?
+        };
+        Ok(Serving {
+            socket: e.socket,
+            stop,
+            connection,
+            counters,
+            thread: Some(thread),
+        })
+    }
+
+    fn stop(&mut self) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        self.stop.store(true, Ordering::SeqCst);
+        let connected = self
+            .connection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match connected {
+            Some(handle) => handle.shutdown(),
+            // The thread waits in accept: a connection of our own wakes it.
+            None => drop(UnixStream::connect(&self.socket)),
+        }
+        if thread.join().is_err() {
+            tracing::error!(
+                "the vhost-user-blk thread of {} panicked",
+                self.socket.display()
+            );
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// Serves one QEMU connection after another until told to stop. Each
+/// connection gets a fresh daemon (device state, memory table, worker
+/// threads); dropping it joins its workers, so no request outlives it.
+fn serve_connections(
+    mut listener: Listener,
+    backend: Backend,
+    name: &str,
+    stop: &AtomicBool,
+    connection: &Mutex<Option<ShutdownHandle>>,
+) {
+    let label = if name.is_empty() {
+        "default export"
+    } else {
+        name
+    };
+    loop {
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let mut daemon =
+            match VhostUserDaemon::new(format!("vdcache-vub-{label}"), backend.clone(), mem) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::error!("vhost-user-blk {label}: cannot start a device: {e}");
+                    return;
+                }
+            };
+        if let Err(e) = daemon.start(&mut listener) {
+            tracing::error!("vhost-user-blk {label}: accepting a connection: {e}");
+            return;
+        }
+        if stop.load(Ordering::SeqCst) {
+            daemon.request_shutdown();
+            return;
+        }
+        *connection.lock().unwrap_or_else(PoisonError::into_inner) = daemon.shutdown_handle();
+        // The stop may have come between the check and the handle.
+        if stop.load(Ordering::SeqCst) {
+            daemon.request_shutdown();
+        }
+        tracing::info!("vhost-user-blk {label}: a front end connected");
+        match daemon.wait() {
+            Ok(())
+            | Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => tracing::info!("vhost-user-blk {label}: the front end disconnected"),
+            Err(e) => tracing::warn!("vhost-user-blk {label}: connection ended: {e}"),
+        }
+        connection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(daemon);
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+    }
+}
