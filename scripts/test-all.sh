@@ -16,7 +16,10 @@ command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 pkg-config --exists openssl 2>/dev/null || missing+=(libssl-dev)
 # The VM tests: busybox and cpio build the guest's initramfs, debugfs reads
 # its files back (e2fsprogs, above).
-for tool in busybox:busybox-static cpio:cpio; do
+# Operator integration: libvirt's domain validator (and its xmllint), the
+# systemd unit verifier, setpriv to run clients as another user.
+for tool in busybox:busybox-static cpio:cpio virt-xml-validate:libvirt-clients \
+            xmllint:libxml2-utils systemd-analyze:systemd setpriv:util-linux; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
 sudo_cmd=""

@@ -29,6 +29,16 @@ pub struct ServeArgs {
     /// QEMU's `-device vhost-user-blk-pci`.
     #[arg(long, value_name = "SOCKET", conflicts_with = "config")]
     vhost_user_blk: Option<PathBuf>,
+    /// Mode of the NBD and vhost-user sockets, octal (default 0600).
+    #[arg(long, value_name = "MODE", conflicts_with = "config")]
+    socket_mode: Option<String>,
+    /// Owner (user or uid) of the NBD and vhost-user sockets, e.g. the
+    /// user QEMU runs as.
+    #[arg(long, value_name = "USER", conflicts_with = "config")]
+    socket_owner: Option<String>,
+    /// Group (name or gid) of the NBD and vhost-user sockets.
+    #[arg(long, value_name = "GROUP", conflicts_with = "config")]
+    socket_group: Option<String>,
     /// Control socket for stats and flush (default: SOCKET.control).
     #[arg(long, conflicts_with = "config")]
     control: Option<PathBuf>,
@@ -186,6 +196,9 @@ impl ServeArgs {
                 }),
                 workers: self.workers,
                 metrics: self.metrics,
+                socket_mode: self.socket_mode,
+                socket_owner: self.socket_owner,
+                socket_group: self.socket_group,
                 ..Listen::default()
             },
             cache,

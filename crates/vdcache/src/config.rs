@@ -54,6 +54,30 @@ pub struct Listen {
     /// Payload bytes buffered across all connections before they wait
     /// for room (default "256M").
     pub max_buffered: Option<String>,
+    /// Mode of the data sockets (NBD `socket` and every export's
+    /// `vhost_user_blk`), octal (default "0600"); the control socket
+    /// stays 0600.
+    pub socket_mode: Option<String>,
+    /// Owner (user name or uid) and group (name or gid) of the data
+    /// sockets, e.g. libvirt's QEMU user; default: the server's.
+    pub socket_owner: Option<String>,
+    pub socket_group: Option<String>,
+}
+
+/// An octal socket mode such as "0660", "660" or "0o660": permission bits
+/// only, and the owner can always read and write.
+pub fn parse_socket_mode(text: &str) -> Result<u32> {
+    let digits = text.trim();
+    let mode = u32::from_str_radix(digits.strip_prefix("0o").unwrap_or(digits), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .with_context(|| {
+            format!("socket mode '{text}' is not an octal mode from 0 to 0777, such as 0660")
+        })?;
+    if mode & 0o600 != 0o600 {
+        bail!("socket mode '{text}' must let the owner read and write (0600 at least)");
+    }
+    Ok(mode)
 }
 
 /// Settings of the storage servers images live on (NBD exports).
@@ -355,6 +379,17 @@ impl ServerConfig {
             );
         }
         self.validate_vhost_user()?;
+        if let Some(m) = &self.server.socket_mode {
+            parse_socket_mode(m).context("[server] socket_mode (--socket-mode)")?;
+        }
+        for (key, v) in [
+            ("socket_owner", &self.server.socket_owner),
+            ("socket_group", &self.server.socket_group),
+        ] {
+            if v.as_deref().is_some_and(|v| v.trim().is_empty()) {
+                bail!("[server] {key} is empty");
+            }
+        }
         let l = &self.server;
         for (key, v) in [
             ("max_connections", l.max_connections),
@@ -475,6 +510,20 @@ impl std::error::Error for ConfigError {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn socket_modes_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_socket_mode("0660").ok(), Some(0o660));
+        assert_eq!(parse_socket_mode("666").ok(), Some(0o666));
+        assert_eq!(parse_socket_mode("0o600").ok(), Some(0o600));
+        for bad in ["", "0999", "7777", "rw-rw----", "0400", "0060"] {
+            let e = parse_socket_mode(bad)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains(&format!("'{bad}'")), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn parses_a_full_config_and_names_bad_keys() {

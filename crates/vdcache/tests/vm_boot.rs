@@ -63,6 +63,7 @@ fn initrd(s: &Scratch, script: &str) -> PathBuf {
     bytes.extend(std::fs::read(&extra).unwrap());
     let out = s.path("initrd");
     std::fs::write(&out, bytes).unwrap();
+    ok(Command::new("chmod").arg("644").arg(&out));
     out
 }
 
@@ -85,6 +86,11 @@ struct Setup {
 
 impl Setup {
     fn new() -> Setup {
+        Setup::with_server_lines("")
+    }
+
+    /// A setup whose `[server]` section also has `server_lines`.
+    fn with_server_lines(server_lines: &str) -> Setup {
         let s = Scratch::new();
         let base = s.path("base.qcow2");
         let delta = s.path("delta.qcow2");
@@ -99,7 +105,7 @@ impl Setup {
         std::fs::write(
             &config,
             format!(
-                "[server]\nsocket = \"{}\"\n[cache]\npath = \"{}\"\nsize = \"128M\"\n[[export]]\nname = \"vm\"\nimage = \"{}\"\nvhost_user_blk = \"{}\"\n",
+                "[server]\nsocket = \"{}\"\n{server_lines}[cache]\npath = \"{}\"\nsize = \"128M\"\n[[export]]\nname = \"vm\"\nimage = \"{}\"\nvhost_user_blk = \"{}\"\n",
                 nbd.display(),
                 s.path("cache.img").display(),
                 delta.display(),
@@ -123,15 +129,29 @@ impl Setup {
     /// qemu-system-x86_64 booting the guest with `script` as its test, its
     /// disk over `transport`; the console is streamed.
     fn boot(&self, transport: Transport, script: &str) -> Streamed {
+        self.boot_as(None, transport, script)
+    }
+
+    /// [`Setup::boot`], QEMU running as `uid` (its group too) when given.
+    fn boot_as(&self, uid: Option<u32>, transport: Transport, script: &str) -> Streamed {
         let a = assets();
-        let mut cmd = Command::new("qemu-system-x86_64");
+        let mut cmd = match uid {
+            Some(uid) => {
+                let mut c = Command::new("setpriv");
+                c.arg(format!("--reuid={uid}"))
+                    .arg(format!("--regid={uid}"))
+                    .args(["--clear-groups", "qemu-system-x86_64"]);
+                c
+            }
+            None => Command::new("qemu-system-x86_64"),
+        };
         cmd.args([
             "-machine", "q35", "-accel", "tcg", "-m", "512M", "-smp", "2",
         ])
         .args(["-display", "none", "-no-reboot", "-nodefaults"])
         .args(["-serial", "stdio", "-monitor", "none"])
         .arg("-kernel")
-        .arg(a.join("vmlinuz"))
+        .arg(self.readable_copy(&a.join("vmlinuz")))
         .arg("-initrd")
         .arg(initrd(&self.s, script))
         .args(["-append", "console=ttyS0 quiet panic=-1"]);
@@ -160,6 +180,18 @@ impl Setup {
             }
         }
         Streamed::spawn(cmd)
+    }
+
+    /// `file` copied into the scratch directory, readable by anyone (QEMU
+    /// may run as another user).
+    fn readable_copy(&self, file: &Path) -> PathBuf {
+        let copy = self.s.path(&format!(
+            "readable-{}",
+            file.file_name().unwrap().to_string_lossy()
+        ));
+        std::fs::copy(file, &copy).unwrap();
+        ok(Command::new("chmod").arg("644").arg(&copy));
+        copy
     }
 
     /// The content of `/name` in the delta's ext4, read on the host.
@@ -360,4 +392,37 @@ fn fsynced_files_survive_kill_9(transport: Transport) {
             "{name} after kill -9 and restart"
         );
     }
+}
+
+/// Reads the first MiB of the disk (the base's pattern 0x40).
+const READ_FIRST_MIB: &str = r#"#!/bin/sh
+set -e
+echo "VDCACHE-GUEST first $(dd if=/dev/vda bs=1M count=1 2>/dev/null | sha256sum | cut -d' ' -f1)"
+"#;
+
+#[test]
+fn a_non_root_qemu_boots_from_a_vhost_user_socket_given_to_its_user() {
+    const NOBODY: u32 = 65534;
+    let _vm = one_vm();
+    let setup = Setup::with_server_lines("socket_owner = \"nobody\"\n");
+    ok(Command::new("chmod").arg("755").arg(setup.s.root()));
+    let server = setup.serve();
+    let (status, lines) = setup
+        .boot_as(Some(NOBODY), Transport::VhostUser, READ_FIRST_MIB)
+        .finish();
+    let guest = guest_lines(&lines);
+    assert!(
+        status.success(),
+        "qemu as uid {NOBODY} exited {status}:\n{}",
+        lines.join("\n")
+    );
+    let expected = setup.s.path("expected");
+    std::fs::write(&expected, vec![0x40u8; 1 << 20]).unwrap();
+    let want = format!("first {}", sha256(&expected));
+    assert!(
+        guest.contains(&want),
+        "the guest of a QEMU run as uid {NOBODY} did not read the disk:\n{}",
+        lines.join("\n")
+    );
+    server.stop_clean();
 }

@@ -2,6 +2,7 @@
 //! daemon that exports disks over NBD through the shared flash cache.
 
 pub use vdcache::config;
+pub mod access;
 pub mod control;
 pub mod daemon;
 pub mod export;

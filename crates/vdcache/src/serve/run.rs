@@ -2,6 +2,7 @@
 //! stop (stop accepting, finish in-flight requests, flush, close the
 //! images clean, write the cache back unless told to keep it dirty).
 
+use super::access::SocketAccess;
 use super::config::ServerConfig;
 use super::control::{ControlServer, Handler, Request};
 use super::daemon::Daemon;
@@ -137,6 +138,7 @@ fn limits(cfg: &ServerConfig) -> Result<Limits> {
 pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
         .context("installing signal handlers")?;
+    let access = socket_access(&cfg)?;
     let daemon = Arc::new(Daemon::build(&cfg, format_cache)?);
     let limits = limits(&cfg)?;
     let mut builder = Server::builder().limits(limits);
@@ -168,6 +170,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         server
             .listen_unix(path)
             .with_context(|| format!("cannot listen on {}", path.display()))?;
+        access.apply(path)?;
     }
     if let Some(addr) = &cfg.server.tcp {
         // The server's error already names the address.
@@ -255,7 +258,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         }
         None => None,
     };
-    let vhost = match start_vhost_user(&daemon) {
+    let vhost = match start_vhost_user(&daemon, &access) {
         Ok(v) => v,
         Err(e) => {
             drop(fuse);
@@ -263,7 +266,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             if let Err(stop) = daemon.stop() {
                 tracing::error!("closing the disks: {stop:#}");
             }
-            return Err(e.into());
+            return Err(e);
         }
     };
     let idle_fill = cfg
@@ -390,13 +393,21 @@ impl Filler {
 }
 
 /// The control socket: configured, or next to the NBD socket.
+/// Mode, owner and group of the data sockets, checked before any is bound.
+fn socket_access(cfg: &ServerConfig) -> Result<SocketAccess> {
+    let l = &cfg.server;
+    SocketAccess::parse(
+        l.socket_mode.as_deref(),
+        l.socket_owner.as_deref(),
+        l.socket_group.as_deref(),
+    )
+}
+
 /// Serves the exports that name a vhost-user-blk socket (none: nothing).
 fn start_vhost_user(
     daemon: &Daemon,
-) -> Result<
-    Option<vdcache_vhost_user_blk::VhostUserBlkServer>,
-    vdcache_vhost_user_blk::VhostUserBlkError,
-> {
+    access: &SocketAccess,
+) -> Result<Option<vdcache_vhost_user_blk::VhostUserBlkServer>> {
     let exports: Vec<_> = daemon
         .disks
         .iter()
@@ -412,12 +423,13 @@ fn start_vhost_user(
     if exports.is_empty() {
         return Ok(None);
     }
-    let sockets: Vec<String> = exports
-        .iter()
-        .map(|e| e.socket.display().to_string())
-        .collect();
+    let sockets: Vec<PathBuf> = exports.iter().map(|e| e.socket.clone()).collect();
     let server = vdcache_vhost_user_blk::VhostUserBlkServer::start(exports)?;
-    tracing::info!("vhost-user-blk on {}", sockets.join(", "));
+    for s in &sockets {
+        access.apply(s)?;
+    }
+    let names: Vec<String> = sockets.iter().map(|s| s.display().to_string()).collect();
+    tracing::info!("vhost-user-blk on {}", names.join(", "));
     Ok(Some(server))
 }
 
