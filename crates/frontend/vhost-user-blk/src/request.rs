@@ -63,6 +63,8 @@ pub enum RequestError {
     ReadOnly,
     #[error("{0} segments: more than vdcache takes ({MAX_SEGMENTS})")]
     TooManySegments(u64),
+    #[error("{0} bytes of segments: not whole 16-byte segments")]
+    PartialSegment(u64),
     #[error("unknown flags {0:#x} in a segment")]
     BadFlags(u32),
     #[error("disk: {0}")]
@@ -73,7 +75,8 @@ impl RequestError {
     /// The status byte the guest gets.
     pub fn status(&self) -> u8 {
         match self {
-            RequestError::Unsupported(_) => VIRTIO_BLK_S_UNSUPP as u8,
+            // virtio 1.2, 5.2.6.2: unknown segment flags are UNSUPP too.
+            RequestError::Unsupported(_) | RequestError::BadFlags(_) => VIRTIO_BLK_S_UNSUPP as u8,
             _ => VIRTIO_BLK_S_IOERR as u8,
         }
     }
@@ -160,12 +163,13 @@ fn execute(
             Ok(Kind::Flush)
         }
         VIRTIO_BLK_T_GET_ID => {
-            let id = disk.id();
-            let n = id
-                .len()
-                .min(VIRTIO_BLK_ID_BYTES as usize)
-                .min(writer.available_bytes());
-            writer.write_all(&id[..n])?;
+            // A NUL-padded string of up to 20 bytes (virtio 1.2, 5.2.6).
+            let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+            let given = disk.id();
+            let n = given.len().min(id.len());
+            id[..n].copy_from_slice(&given[..n]);
+            let room = id.len().min(writer.available_bytes());
+            writer.write_all(&id[..room])?;
             Ok(Kind::GetId)
         }
         VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
@@ -226,7 +230,11 @@ fn segments(
     reader: &mut Reader<'_>,
     zeroes: bool,
 ) -> Result<Vec<(u64, u64, bool)>, RequestError> {
-    let count = reader.available_bytes() as u64 / 16;
+    let bytes = reader.available_bytes() as u64;
+    if !bytes.is_multiple_of(16) {
+        return Err(RequestError::PartialSegment(bytes));
+    }
+    let count = bytes / 16;
     if count > u64::from(MAX_SEGMENTS) {
         return Err(RequestError::TooManySegments(count));
     }
