@@ -262,6 +262,9 @@ pub struct CacheConfig {
     /// blocks collide; proves that `Dedup::Verify` never shares a block
     /// with other bytes (and that `Dedup::On` trusts its hash).
     pub test_weak_fingerprints: bool,
+    /// Per-VM shares (see `shares`): each disk fills regions of its own
+    /// and space is taken from the disk with the least demand for it.
+    pub shares: bool,
 }
 
 impl Default for CacheConfig {
@@ -284,6 +287,7 @@ impl Default for CacheConfig {
             test_index_before_data: false,
             dedup: Dedup::Off,
             test_weak_fingerprints: false,
+            shares: false,
         }
     }
 }

@@ -9,7 +9,8 @@
 
 use crate::index::Cbn;
 use crate::replacement::{Recency, ReplacementPolicy};
-use std::collections::VecDeque;
+use crate::shares::{Shares, Tenant, UNOWNED, Usage};
+use std::collections::{HashMap, VecDeque};
 
 /// Which open region a block is appended to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +44,8 @@ struct Region {
     pins: u32,
     /// Which filling of the region this is (tells its summaries apart).
     epoch: u32,
+    /// Whose data fills it (see `shares`).
+    owner: Tenant,
 }
 
 /// Counts for statistics.
@@ -62,7 +65,8 @@ pub struct Regions {
     epochs: u32,
     regions: Vec<Region>,
     free: VecDeque<u32>,
-    open: [Option<u32>; 2],
+    /// Open regions by stream and owner (one each).
+    open: Vec<(Stream, Tenant, u32)>,
     tick: u64,
     kind: Replacement,
     policy: Box<dyn ReplacementPolicy>,
@@ -89,11 +93,12 @@ impl Regions {
                     accesses: 0,
                     pins: 0,
                     epoch: 0,
+                    owner: UNOWNED,
                 };
                 regions as usize
             ],
             free: (0..regions).collect(),
-            open: [None, None],
+            open: Vec::new(),
             tick: 0,
             kind: policy,
             policy: policy.build(regions, blocks_per_region),
@@ -115,8 +120,18 @@ impl Regions {
     /// Up to `want` contiguous blocks from the stream's open region, opening
     /// a free region when needed; `None` when no region is free.
     pub fn allocate(&mut self, stream: Stream, want: u32) -> Option<(Cbn, u32)> {
-        let s = stream as usize;
-        if let Some(r) = self.open[s] {
+        self.allocate_for(stream, UNOWNED, want)
+    }
+
+    /// [`Regions::allocate`] in a region of `owner`'s (shares on: each disk
+    /// appends to regions of its own).
+    pub fn allocate_for(&mut self, stream: Stream, owner: Tenant, want: u32) -> Option<(Cbn, u32)> {
+        let slot = self
+            .open
+            .iter()
+            .position(|&(s, o, _)| s == stream && o == owner);
+        if let Some(i) = slot {
+            let r = self.open[i].2;
             let reg = &mut self.regions[r as usize];
             if reg.next < self.data_per_region {
                 let n = want.min(self.data_per_region - reg.next);
@@ -129,14 +144,15 @@ impl Regions {
                 reg.last_access = self.tick;
                 if reg.next == self.data_per_region {
                     reg.state = State::Full;
-                    self.open[s] = None;
+                    self.open.swap_remove(i);
                 }
                 return Some((start, n));
             }
             reg.state = State::Full;
-            self.open[s] = None;
+            self.open.swap_remove(i);
         }
         let r = self.free.pop_front()?;
+        self.seal_idle_open_region();
         self.tick += 1;
         self.epochs += 1;
         self.regions[r as usize] = Region {
@@ -148,9 +164,46 @@ impl Regions {
             accesses: 0,
             pins: 0,
             epoch: self.epochs,
+            owner,
         };
-        self.open[s] = Some(r);
-        self.allocate(stream, want)
+        self.open.push((stream, owner, r));
+        self.allocate_for(stream, owner, want)
+    }
+
+    /// With an open region per stream and owner, a disk that went idle
+    /// would keep its open regions out of reclaim forever: past a few,
+    /// the least recently appended one is sealed (full, its rest unused).
+    fn seal_idle_open_region(&mut self) {
+        let limit = (self.regions.len() / 8).max(2);
+        if self.open.len() < limit {
+            return;
+        }
+        let oldest =
+            (0..self.open.len()).min_by_key(|&i| self.regions[self.open[i].2 as usize].last_access);
+        if let Some(i) = oldest {
+            let (_, _, r) = self.open.swap_remove(i);
+            self.regions[r as usize].state = State::Full;
+        }
+    }
+
+    /// Whose data region `region` holds.
+    pub fn owner(&self, region: u32) -> Tenant {
+        self.regions[region as usize].owner
+    }
+
+    /// Blocks each owner's regions hold (full and open), and whether it
+    /// has one to reclaim now.
+    pub fn usage(&self) -> HashMap<Tenant, Usage> {
+        let mut out: HashMap<Tenant, Usage> = HashMap::new();
+        for (i, r) in self.regions.iter().enumerate() {
+            if r.state == State::Free {
+                continue;
+            }
+            let u = out.entry(r.owner).or_default();
+            u.blocks += u64::from(self.data_per_region);
+            u.evictable |= self.evictable(i);
+        }
+        out
     }
 
     /// Records a hit on a block of `region`.
@@ -242,17 +295,38 @@ impl Regions {
     /// references to its blocks beyond each block's first (see
     /// [`crate::index::Index::extra_refs`]).
     pub fn choose_victim(&mut self, extra_refs: &[u32]) -> Option<u32> {
+        self.choose_victim_among(extra_refs, None)
+    }
+
+    /// [`Regions::choose_victim`] among the regions of the owner `shares`
+    /// says gives up space (all regions when shares are off or it has
+    /// none the policy would take).
+    pub fn choose_victim_among(
+        &mut self,
+        extra_refs: &[u32],
+        shares: Option<&Shares>,
+    ) -> Option<u32> {
         // A full region with nothing live costs nothing to reclaim.
         if let Some(i) =
             (0..self.regions.len()).find(|&i| self.evictable(i) && self.regions[i].live == 0)
         {
             return Some(i as u32);
         }
+        if let Some(owner) = shares.and_then(|s| s.victim(&self.usage()))
+            && let Some(v) = self.choose_victim_of(extra_refs, Some(owner))
+        {
+            return Some(v);
+        }
+        self.choose_victim_of(extra_refs, None)
+    }
+
+    /// The policy's choice among the regions of `owner` (or all).
+    fn choose_victim_of(&mut self, extra_refs: &[u32], owner: Option<Tenant>) -> Option<u32> {
         let mut view: Vec<Recency> = (0..self.regions.len())
             .map(|i| {
                 let r = &self.regions[i];
                 Recency {
-                    evictable: self.evictable(i),
+                    evictable: self.evictable(i) && owner.is_none_or(|o| r.owner == o),
                     last_access: r.last_access,
                     referenced: r.referenced,
                     accesses: r.accesses,
@@ -317,12 +391,13 @@ impl Regions {
         r.live = 0;
         r.accesses = 0;
         r.referenced = false;
+        r.owner = UNOWNED;
         self.free.push_back(region);
     }
 
     /// After recovery: regions holding live blocks are full; the rest free.
     pub fn finish_recovery(&mut self) {
-        self.open = [None, None];
+        self.open.clear();
         self.free.clear();
         for (i, r) in self.regions.iter_mut().enumerate() {
             if r.live == 0 {

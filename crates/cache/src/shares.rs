@@ -226,7 +226,11 @@ mod tests {
                 evictable: false,
             },
         );
-        assert_eq!(s.victim(&u), Some(2), "a tenant with nothing evictable is passed over");
+        assert_eq!(
+            s.victim(&u),
+            Some(2),
+            "a tenant with nothing evictable is passed over"
+        );
         let off = Shares::new(false, 1);
         assert_eq!(off.victim(&usage(&[(1, 30)])), None);
         assert_eq!(off.tenant_of(7), UNOWNED);

@@ -419,6 +419,53 @@ fn print_stats(d: &serde_json::Value) {
 }
 
 #[derive(clap::Args)]
+pub struct ShareArgs {
+    #[command(flatten)]
+    control: ControlArgs,
+    /// The export whose share changes.
+    export: String,
+    /// Flash it keeps however others reuse theirs (e.g. 4G; 0: none).
+    #[arg(long)]
+    min: Option<String>,
+    /// Flash it may hold at most (e.g. 20G; none: no maximum).
+    #[arg(long)]
+    max: Option<String>,
+    /// Weight of its demand against the other exports' (default 1).
+    #[arg(long)]
+    weight: Option<f64>,
+}
+
+/// `vdcache share`: changes an export's share of a running server's cache.
+pub fn share(a: ShareArgs) -> Result<u8> {
+    if a.min.is_none() && a.max.is_none() && a.weight.is_none() {
+        bail!("give --min, --max or --weight to change");
+    }
+    let data = request(
+        &a.control.path()?,
+        &Request::Share {
+            export: a.export.clone(),
+            min: a.min,
+            max: a.max,
+            weight: a.weight,
+        },
+    )?;
+    let blocks = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    let max = blocks(&data["max_blocks"]);
+    outln!(
+        "export '{}': min {}, max {}, weight {}",
+        a.export,
+        human(blocks(&data["min_blocks"]) * 4096),
+        if max == u64::MAX {
+            "none".to_string()
+        } else {
+            human(max.saturating_mul(4096))
+        },
+        data["weight"]
+    );
+    Ok(0)
+}
+
+#[derive(clap::Args)]
 pub struct FlushArgs {
     #[command(flatten)]
     control: ControlArgs,

@@ -142,6 +142,10 @@ pub struct CacheSection {
     /// With dedup on, compare every byte before sharing a block (default
     /// false: a 128-bit BLAKE3 prefix and the block's CRC-32C must match).
     pub dedup_verify: Option<bool>,
+    /// Per-VM shares (default false): each export fills flash regions of
+    /// its own, and space is taken from the export with the least recent
+    /// reuse per byte held (within each export's share_min/share_max).
+    pub shares: Option<bool>,
     /// Built from `vdcache serve` options rather than read from a file:
     /// errors then name the option (`--cache-size`), not the key.
     #[serde(skip)]
@@ -202,6 +206,12 @@ pub struct ExportConfig {
     /// vhost-user-blk virtqueues offered, each served by its own thread
     /// (default 2; QEMU's `num-queues` may not exceed it).
     pub vhost_user_queues: Option<usize>,
+    /// With `[cache] shares`: flash this export keeps however others
+    /// reuse theirs (a size), the most it may hold, and the weight of its
+    /// demand (default 1).
+    pub share_min: Option<String>,
+    pub share_max: Option<String>,
+    pub share_weight: Option<f64>,
 }
 
 /// Most vhost-user-blk queues an export may offer.
@@ -314,6 +324,8 @@ impl ServerConfig {
                 ("refcount_cache_size", &e.refcount_cache_size),
                 ("meta_slice_size", &e.meta_slice_size),
                 ("journal_size", &e.journal_size),
+                ("share_min", &e.share_min),
+                ("share_max", &e.share_max),
             ] {
                 if let Some(v) = v {
                     parse_size(v).with_context(|| format!("export '{}': {key}", e.name))?;
@@ -379,6 +391,7 @@ impl ServerConfig {
             );
         }
         self.validate_vhost_user()?;
+        self.validate_shares()?;
         if let Some(m) = &self.server.socket_mode {
             parse_socket_mode(m).context("[server] socket_mode (--socket-mode)")?;
         }
@@ -431,6 +444,32 @@ impl ServerConfig {
 }
 
 impl ServerConfig {
+    /// Share settings need shares on, and make sense together.
+    fn validate_shares(&self) -> Result<()> {
+        let on = self.cache.as_ref().is_some_and(|c| c.shares == Some(true));
+        for e in &self.exports {
+            let given = e.share_min.is_some() || e.share_max.is_some() || e.share_weight.is_some();
+            if given && !on {
+                bail!(
+                    "export '{}': share_min, share_max and share_weight need [cache] shares = true",
+                    e.name
+                );
+            }
+            if let Some(w) = e.share_weight
+                && !(w.is_finite() && w > 0.0)
+            {
+                bail!("export '{}': share_weight must be above 0, not {w}", e.name);
+            }
+            let size = |v: &Option<String>| v.as_deref().map(parse_size).transpose();
+            if let (Ok(Some(min)), Ok(Some(max))) = (size(&e.share_min), size(&e.share_max))
+                && min > max
+            {
+                bail!("export '{}': share_min is above share_max", e.name);
+            }
+        }
+        Ok(())
+    }
+
     /// Each vhost-user-blk socket names one export, no other socket of the
     /// server, and a queue count the device can offer.
     fn validate_vhost_user(&self) -> Result<()> {

@@ -67,6 +67,9 @@ enum Command {
     Stats(cmd_serve::StatsArgs),
     /// Write every dirty block of a running server back to its images.
     Flush(cmd_serve::FlushArgs),
+    /// Change an export's share of a running server's cache (with [cache]
+    /// shares on).
+    Share(cmd_serve::ShareArgs),
     /// Recover a cache device offline (--full: write everything back).
     Recover(cmd_serve::RecoverArgs),
     /// Benchmarks (not tests): measure the engine next to QEMU's tools.
@@ -98,6 +101,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => cmd_serve::serve(*a),
         Command::Stats(a) => cmd_serve::stats(a),
         Command::Flush(a) => cmd_serve::flush(a),
+        Command::Share(a) => cmd_serve::share(a),
         Command::Recover(a) => cmd_serve::recover(a),
         Command::Bench(a) => cmd_bench::run(a),
         Command::Plot(a) => cmd_plot::run(a),

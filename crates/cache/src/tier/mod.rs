@@ -58,7 +58,7 @@ mod read;
 mod recover;
 pub use recover::RecoveryReport;
 mod report;
-pub use report::{CacheReport, DedupReport, ImageReport};
+pub use report::{CacheReport, DedupReport, ImageReport, ShareReport};
 mod sharing;
 mod signatures;
 mod space;
@@ -116,6 +116,8 @@ pub(crate) struct State {
     pub guest_journals: crate::guest_journal::GuestJournals,
     /// Fingerprint to cache block (dedup, see `signatures`).
     pub signatures: crate::dedup::Signatures,
+    /// Per-VM shares of flash and their demand (see `crate::shares`).
+    pub shares: crate::shares::Shares,
 }
 
 impl State {
@@ -275,6 +277,17 @@ impl FlashCache {
         self.lock().catalog.policies.insert(disk.0, policy);
     }
 
+    /// Sets `disk`'s share of flash (see `crate::shares`; effective only
+    /// with shares on).
+    pub fn set_share(&self, disk: DiskId, share: crate::shares::Share) {
+        self.lock().shares.set(disk.0, share);
+    }
+
+    /// `disk`'s share of flash now.
+    pub fn share(&self, disk: DiskId) -> crate::shares::Share {
+        self.lock().shares.get(disk.0)
+    }
+
     /// State after checkpoint `durable`, with the journal writing in
     /// `epoch`.
     fn new_state(
@@ -305,6 +318,7 @@ impl FlashCache {
             meta: metastore::MetaStore::default(),
             guest_journals: Default::default(),
             signatures: Default::default(),
+            shares: crate::shares::Shares::new(config.shares, layout.cacheable_blocks()),
         }
     }
 

@@ -119,6 +119,8 @@ impl FlashCache {
                         let r = st.regions.region_of(cbn);
                         st.regions.pin(r);
                         st.regions.touch(r);
+                        let owner = st.regions.owner(r);
+                        st.shares.hit(owner);
                         hits.push((b, cbn));
                         expected.push(st.integrity.crcs.get(cbn).unwrap_or(0));
                     }
@@ -448,7 +450,7 @@ impl FlashCache {
         let n = data.len() as u64 / BLOCK;
         let runs = {
             let mut st = self.lock();
-            self.allocate(&mut st, Stream::Promote, n as u32)?
+            self.allocate(&mut st, Stream::Promote, tag.disk, n as u32)?
         };
         let mut done = 0u64;
         let mut written = Vec::new();

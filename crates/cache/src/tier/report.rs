@@ -35,6 +35,8 @@ pub struct CacheReport {
     pub checksum_memory_bytes: u64,
     /// Deduplication, when the cache deduplicates.
     pub dedup: Option<DedupReport>,
+    /// Per-VM shares, when on: each disk's flash, demand and settings.
+    pub shares: Option<Vec<ShareReport>>,
     /// Dirty blocks whose only copy the device damaged (reads fail).
     pub unreadable_blocks: u64,
     /// Dirty metadata sectors held (cow-aware write-back), and their memory.
@@ -69,6 +71,45 @@ pub struct DedupReport {
     pub signatures: u64,
     pub table_memory_bytes: u64,
     pub counts: crate::dedup::DedupCounts,
+}
+
+/// Each owner's share: its regions' bytes, demand and settings.
+fn share_reports(st: &super::State) -> Vec<ShareReport> {
+    let usage = st.regions.usage();
+    let mut tenants = st.shares.tenants();
+    tenants.extend(usage.keys().copied());
+    tenants.sort_unstable();
+    tenants.dedup();
+    tenants
+        .into_iter()
+        .map(|t| {
+            let share = st.shares.get(t);
+            ShareReport {
+                disk: (t != crate::shares::UNOWNED).then_some(t),
+                bytes: usage.get(&t).map_or(0, |u| u.blocks) * BLOCK,
+                demand: st.shares.demand(t),
+                min_bytes: share.min_blocks.saturating_mul(BLOCK),
+                max_bytes: (share.max_blocks != u64::MAX)
+                    .then(|| share.max_blocks.saturating_mul(BLOCK)),
+                weight: share.weight,
+            }
+        })
+        .collect()
+}
+
+/// One disk's share of flash (`crate::shares`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ShareReport {
+    /// The disk (`None`: regions no disk owns, filled before a restart).
+    pub disk: Option<u32>,
+    /// Flash its regions hold.
+    pub bytes: u64,
+    /// Its recent reuse (decayed read hits).
+    pub demand: f64,
+    pub min_bytes: u64,
+    /// None: no maximum.
+    pub max_bytes: Option<u64>,
+    pub weight: f64,
 }
 
 /// One image the cache holds blocks of.
@@ -109,6 +150,7 @@ impl FlashCache {
                 counts: st.signatures.counts(),
             }
         });
+        let shares = st.shares.enabled().then(|| share_reports(&st));
         let fixed = st.index.fixed_memory_bytes();
         let mut per_image: Vec<(u64, u64)> = vec![(0, 0); st.catalog.images.len()];
         let mut dirty_by_disk: HashMap<u32, u64> = HashMap::new();
@@ -168,6 +210,7 @@ impl FlashCache {
             },
             checksum_memory_bytes,
             dedup,
+            shares,
             unreadable_blocks,
             meta_sectors,
             meta_sector_memory_bytes,

@@ -59,12 +59,14 @@ impl FlashCache {
         &self,
         st: &mut State,
         stream: Stream,
+        disk: vdcache_contract::DiskId,
         n: u32,
     ) -> Result<Vec<(Cbn, u32)>> {
+        let owner = st.shares.tenant_of(disk.0);
         let mut out = Vec::new();
         let mut left = n;
         while left > 0 {
-            match st.regions.allocate(stream, left) {
+            match st.regions.allocate_for(stream, owner, left) {
                 Some((c, k)) => {
                     let r = st.regions.region_of(c);
                     st.regions.pin(r);
@@ -126,7 +128,10 @@ impl FlashCache {
     pub(crate) fn evict_one(&self, st: &mut State) -> Result<bool> {
         let mut passed = Vec::new();
         let chosen = loop {
-            let Some(v) = st.regions.choose_victim(st.index.extra_refs()) else {
+            let Some(v) = st
+                .regions
+                .choose_victim_among(st.index.extra_refs(), Some(&st.shares))
+            else {
                 break None;
             };
             let refs = self.region_refs(st, v);
@@ -406,7 +411,8 @@ impl FlashCache {
         let dst = match moved {
             Some(to) => to,
             None => {
-                let Some((dst, 1)) = st.regions.allocate(Stream::Promote, 1) else {
+                let owner = st.regions.owner(victim);
+                let Some((dst, 1)) = st.regions.allocate_for(Stream::Promote, owner, 1) else {
                     return Ok(Moved::NoRoom);
                 };
                 self.device

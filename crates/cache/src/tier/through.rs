@@ -254,7 +254,7 @@ impl FlashCache {
         }
         let runs = {
             let mut st = self.lock();
-            self.allocate(&mut st, Stream::Write, whole.len() as u32)?
+            self.allocate(&mut st, Stream::Write, tag.disk, whole.len() as u32)?
         };
         let mut placed: Vec<(u64, Cbn)> = Vec::new();
         let mut it = whole.iter();

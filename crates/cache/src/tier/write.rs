@@ -452,7 +452,7 @@ impl FlashCache {
         let n = (head.len() as u64 + len + tail.len() as u64) / BLOCK;
         let runs = {
             let mut st = self.lock();
-            let runs = self.allocate(&mut st, Stream::Write, n as u32)?;
+            let runs = self.allocate(&mut st, Stream::Write, tag.disk, n as u32)?;
             let got: u64 = runs.iter().map(|r| u64::from(r.1)).sum();
             if got < n {
                 self.give_back(&mut st, &runs);

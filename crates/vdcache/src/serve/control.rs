@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
 /// What a client asks.
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "cmd", rename_all = "kebab-case")]
 pub enum Request {
     Stats,
@@ -22,6 +22,17 @@ pub enum Request {
     Flush {
         #[serde(default)]
         fill: bool,
+    },
+    /// Change an export's share of the cache at run time (absent keys
+    /// keep their value); answers the share now in force.
+    Share {
+        export: String,
+        #[serde(default)]
+        min: Option<String>,
+        #[serde(default)]
+        max: Option<String>,
+        #[serde(default)]
+        weight: Option<f64>,
     },
 }
 
@@ -185,6 +196,7 @@ mod tests {
             match req {
                 Request::Stats => Ok(serde_json::json!({"reads": 7})),
                 Request::Flush { .. } => bail!("nothing to flush"),
+                Request::Share { export, .. } => Ok(serde_json::json!({"export": export})),
             }
         }
     }
@@ -199,6 +211,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("nothing to flush"), "{err}");
+        let share = Request::Share {
+            export: "vm1".into(),
+            min: Some("1G".into()),
+            max: None,
+            weight: Some(2.0),
+        };
+        assert_eq!(request(&path, &share).unwrap()["export"], "vm1");
         assert!(ControlServer::start(&path, Arc::new(Echo)).is_err());
     }
 }

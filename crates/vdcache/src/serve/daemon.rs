@@ -69,8 +69,28 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
         cfg.writeback_depth = d;
     }
     cfg.dedup = dedup_mode(c)?;
+    cfg.shares = c.shares.unwrap_or(false);
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// An export's share of flash (`share_min`, `share_max`, `share_weight`).
+pub fn share_of(e: &ExportConfig) -> Result<vdcache_cache::shares::Share> {
+    let blocks = |key: &str, v: &Option<String>| -> Result<Option<u64>> {
+        v.as_deref()
+            .map(|v| {
+                crate::size::parse_size(v)
+                    .map(|b| b / 4096)
+                    .with_context(|| format!("export '{}': {key}", e.name))
+            })
+            .transpose()
+    };
+    let default = vdcache_cache::shares::Share::default();
+    Ok(vdcache_cache::shares::Share {
+        min_blocks: blocks("share_min", &e.share_min)?.unwrap_or(default.min_blocks),
+        max_blocks: blocks("share_max", &e.share_max)?.unwrap_or(default.max_blocks),
+        weight: e.share_weight.unwrap_or(default.weight),
+    })
 }
 
 /// The dedup mode `dedup` and `dedup_verify` of a `[cache]` section say.
@@ -241,6 +261,7 @@ impl Daemon {
                             disk_policy(e, c.config().default_policy)?
                         };
                         c.set_policy(id, policy);
+                        c.set_share(id, share_of(e)?);
                         (Some(c.clone()), Some(policy.cow))
                     }
                     _ => (None, None),

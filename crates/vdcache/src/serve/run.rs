@@ -38,8 +38,71 @@ impl Handler for Control {
                 }
                 Ok(serde_json::json!({"flushed": true}))
             }
+            Request::Share {
+                export,
+                min,
+                max,
+                weight,
+            } => change_share(&self.daemon, export, min, max, weight),
         }
     }
+}
+
+/// Sets part of an export's share (the rest stays as configured or last
+/// set); the whole change is checked before any of it applies.
+fn change_share(
+    daemon: &Daemon,
+    export: &str,
+    min: &Option<String>,
+    max: &Option<String>,
+    weight: &Option<f64>,
+) -> Result<serde_json::Value> {
+    let Some(cache) = &daemon.cache else {
+        anyhow::bail!("this server has no cache");
+    };
+    if !cache.config().shares {
+        anyhow::bail!("shares are off: set [cache] shares = true");
+    }
+    let Some(d) = daemon.disks.iter().find(|d| d.config.name == export) else {
+        anyhow::bail!("no export '{export}'");
+    };
+    let mut share = cache.share(d.id);
+    let blocks = |key: &str, v: &str| -> Result<u64> {
+        if v == "none" {
+            return Ok(u64::MAX);
+        }
+        Ok(parse_size(v).with_context(|| format!("share {key}"))? / 4096)
+    };
+    if let Some(v) = min {
+        share.min_blocks = blocks("min", v)?;
+    }
+    if let Some(v) = max {
+        share.max_blocks = blocks("max", v)?;
+    }
+    if let Some(w) = *weight {
+        if !(w.is_finite() && w > 0.0) {
+            anyhow::bail!("share weight must be above 0, not {w}");
+        }
+        share.weight = w;
+    }
+    if share.min_blocks != u64::MAX
+        && share.max_blocks != u64::MAX
+        && share.min_blocks > share.max_blocks
+    {
+        anyhow::bail!("share min is above max");
+    }
+    cache.set_share(d.id, share);
+    tracing::info!(
+        "export '{export}': share now min {} max {} weight {}",
+        share.min_blocks * 4096,
+        if share.max_blocks == u64::MAX {
+            "none".to_string()
+        } else {
+            (share.max_blocks * 4096).to_string()
+        },
+        share.weight
+    );
+    Ok(serde_json::to_value(share).unwrap_or_default())
 }
 
 fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
