@@ -37,6 +37,10 @@ pub(crate) struct WriteClass {
     pub filler_only: bool,
     /// Whole 512-byte sectors of L2 tables or refcount blocks only.
     pub table_sectors: bool,
+    /// At least half its blocks are dirty in flash: bypassing them would
+    /// write the backend and then each dirty run in flash anyway (their
+    /// only current copies), so the whole write goes to flash instead.
+    pub mostly_dirty: bool,
 }
 
 /// Where a write goes.
@@ -76,7 +80,8 @@ pub(crate) fn route(policy: DiskPolicy, class: WriteClass, run: Option<Run>) -> 
     if policy.cache_only {
         return Route::WriteBack { sectors: false };
     }
-    let bypass = (policy.cow == CowMode::CowAware && class.filler_only) || long_run(policy, run);
+    let bypass = (policy.cow == CowMode::CowAware && class.filler_only)
+        || (long_run(policy, run) && !class.mostly_dirty);
     match policy.mode {
         WriteMode::WriteBack if !bypass => Route::WriteBack {
             sectors: decouples(policy) && class.table_sectors,
@@ -117,14 +122,21 @@ mod tests {
     const DATA: WriteClass = WriteClass {
         filler_only: false,
         table_sectors: false,
+        mostly_dirty: false,
+    };
+    const DIRTY_DATA: WriteClass = WriteClass {
+        mostly_dirty: true,
+        ..DATA
     };
     const FILLER: WriteClass = WriteClass {
         filler_only: true,
         table_sectors: false,
+        mostly_dirty: false,
     };
     const TABLES: WriteClass = WriteClass {
         filler_only: false,
         table_sectors: true,
+        mostly_dirty: false,
     };
     const LONG: u64 = CUTOFF;
     const BIG: u64 = BYPASS_MEAN_REQUEST;
@@ -144,6 +156,8 @@ mod tests {
             (WriteBack, CowAware, FILLER, None, Route::Bypass),
             (WriteBack, Stacked, DATA, run(LONG, BIG), Route::Bypass),
             (WriteBack, CowAware, DATA, run(LONG, BIG), Route::Bypass),
+            // A long run over blocks mostly dirty in flash stays in flash.
+            (WriteBack, CowAware, DIRTY_DATA, run(LONG, BIG), wb(false)),
             // Short run, or a long one of small requests: stays in flash.
             (WriteBack, Stacked, DATA, run(LONG - 1, BIG), wb(false)),
             (WriteBack, Stacked, DATA, run(LONG, BIG - 1), wb(false)),

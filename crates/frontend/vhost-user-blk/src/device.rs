@@ -9,6 +9,7 @@
 //! connections (a reconnecting QEMU sends a new table) or let a request
 //! error stop a queue (the guest gets IOERR and the queue goes on).
 
+use crate::inflight::{InOrder, Job, Pool};
 use crate::request::{self, BlockDevice, Kind, MAX_SEGMENTS, SECTOR};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,6 +28,11 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
 };
+
+/// Requests of one queue carried out at once (worker threads per queue).
+const WORKERS_PER_QUEUE: usize = 8;
+/// How long stopping a queue waits for its requests in flight.
+const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Descriptors per queue (QEMU's default queue size for vhost-user-blk is
 /// 128; the guest may ask for fewer).
@@ -90,6 +96,9 @@ pub struct Device {
     event_idx: AtomicBool,
     mem: Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
     pub(crate) counters: Arc<Counters>,
+    in_order: InOrder,
+    /// The current connection's workers (started by its first request).
+    pool: Mutex<Option<Pool>>,
 }
 
 /// The backend the vhost-user library drives: a handle on the device.
@@ -110,6 +119,48 @@ impl Device {
             event_idx: AtomicBool::new(false),
             mem: Mutex::new(None),
             counters,
+            in_order: InOrder::new(queues.max(1)),
+            pool: Mutex::new(None),
+        }
+    }
+
+    /// A new connection: its queues start numbering afresh.
+    pub fn start_connection(&self) {
+        self.in_order.reset();
+    }
+
+    /// After a connection ended (its queue threads joined): lets every
+    /// request handed to a worker finish, and joins the workers.
+    pub fn finish_requests(&self) {
+        let pool = self
+            .pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(pool);
+    }
+
+    /// Carries out one popped request on a worker and publishes its
+    /// completion in order.
+    fn run_job(&self, job: Job) {
+        let head = job.chain.head_index();
+        let (len, outcome) = request::serve(&*self.disk, job.chain);
+        match outcome {
+            Ok(kind) => self.counters.count(&kind),
+            Err(e) => {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(export = %self.name, "vhost-user-blk request failed: {e}");
+            }
+        }
+        if self
+            .in_order
+            .complete(job.queue, job.seq, head, len, &job.vring)
+        {
+            let event_idx = self.event_idx.load(Ordering::Relaxed);
+            let notify = !event_idx || job.vring.needs_notification().unwrap_or(true);
+            if notify && let Err(e) = job.vring.signal_used_queue() {
+                tracing::warn!(export = %self.name, "vhost-user-blk: cannot notify the guest: {e}");
+            }
         }
     }
 
@@ -131,15 +182,19 @@ impl Device {
         c
     }
 
-    /// Pops and serves every request queued on `vring`; tells the guest
-    /// when it should be told.
-    fn serve_queue(&self, vring: &VringRwLock, mem: &GuestMemoryMmap) -> io::Result<()> {
+    /// Pops every request queued on `vring` and hands each to a worker.
+    fn serve_queue(
+        self: &Arc<Self>,
+        queue: usize,
+        vring: &VringRwLock,
+        mem: &GuestMemoryAtomic<GuestMemoryMmap>,
+    ) -> io::Result<()> {
         let event_idx = self.event_idx.load(Ordering::Relaxed);
         loop {
             if event_idx {
                 vring.disable_notification().map_err(io::Error::other)?;
             }
-            self.serve_available(vring, mem)?;
+            self.hand_out_available(queue, vring, mem)?;
             // With EVENT_IDX, requests queued while notifications were off
             // are served before waiting for a kick again.
             if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
@@ -148,26 +203,38 @@ impl Device {
         }
     }
 
-    fn serve_available(&self, vring: &VringRwLock, mem: &GuestMemoryMmap) -> io::Result<()> {
-        let mut used = false;
-        loop {
-            let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem);
-            let Some(chain) = chain else { break };
-            let head = chain.head_index();
-            let (len, outcome) = request::serve(&*self.disk, chain);
-            match outcome {
-                Ok(kind) => self.counters.count(&kind),
-                Err(e) => {
-                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(export = %self.name, "vhost-user-blk request failed: {e}");
-                }
-            }
-            vring.add_used(head, len).map_err(io::Error::other)?;
-            used = true;
+    fn hand_out_available(
+        self: &Arc<Self>,
+        queue: usize,
+        vring: &VringRwLock,
+        mem: &GuestMemoryAtomic<GuestMemoryMmap>,
+    ) -> io::Result<()> {
+        let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
+        if pool.is_none() {
+            let device = self.clone();
+            let serve: Arc<dyn Fn(Job) + Send + Sync> = Arc::new(move |job| device.run_job(job));
+            *pool = Some(Pool::start(WORKERS_PER_QUEUE * self.queues, serve)?);
         }
-        let event_idx = self.event_idx.load(Ordering::Relaxed);
-        if used && (!event_idx || vring.needs_notification().map_err(io::Error::other)?) {
-            vring.signal_used_queue()?;
+        let Some(pool) = pool.as_ref() else {
+            return Ok(());
+        };
+        loop {
+            let chain = vring
+                .get_mut()
+                .get_queue_mut()
+                .pop_descriptor_chain(mem.memory());
+            let Some(chain) = chain else { break };
+            let job = Job {
+                queue,
+                seq: self.in_order.next_seq(queue),
+                chain,
+                vring: vring.clone(),
+            };
+            if let Err(job) = pool.submit(job) {
+                // The pool closed under us (the connection is ending):
+                // serve it here rather than lose it.
+                self.run_job(*job);
+            }
         }
         Ok(())
     }
@@ -244,7 +311,7 @@ impl VhostUserBackend for Backend {
         device_event: u16,
         evset: EventSet,
         vrings: &[VringRwLock],
-        _thread_id: usize,
+        thread_id: usize,
     ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Err(io::Error::other(format!("unexpected event {evset:?}")));
@@ -263,7 +330,20 @@ impl VhostUserBackend for Backend {
                 "a queue was kicked before the memory table came",
             ));
         };
-        let guard = mem.memory();
-        self.0.serve_queue(vring, &guard)
+        // One queue per thread (see `queues_per_thread`): the thread's
+        // number is the queue's.
+        self.0.serve_queue(thread_id, vring, &mem)
+    }
+
+    /// QEMU reads the queue's index next: every request popped is
+    /// published first.
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        if !self.0.in_order.wait_idle(queue_index as usize, STOP_WAIT) {
+            tracing::error!(
+                export = %self.0.name,
+                "vhost-user-blk: queue {queue_index} still has requests in flight after {STOP_WAIT:?}"
+            );
+        }
+        Ok(())
     }
 }

@@ -15,6 +15,7 @@
 //! `VirtualDisk::flush` returned.
 
 mod device;
+mod inflight;
 pub mod request;
 
 use device::{Backend, Counters, Device};
@@ -290,12 +291,15 @@ fn serve_connections(
                     return;
                 }
             };
+        backend.0.start_connection();
         if let Err(e) = daemon.start(&mut listener) {
             tracing::error!("vhost-user-blk {label}: accepting a connection: {e}");
             return;
         }
         if stop.load(Ordering::SeqCst) {
             daemon.request_shutdown();
+            drop(daemon);
+            backend.0.finish_requests();
             return;
         }
         *connection.lock().unwrap_or_else(PoisonError::into_inner) = daemon.shutdown_handle();
@@ -316,6 +320,7 @@ fn serve_connections(
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         drop(daemon);
+        backend.0.finish_requests();
         if stop.load(Ordering::SeqCst) {
             return;
         }
