@@ -466,6 +466,16 @@ fn example_config_man_pages_and_completions() {
                 .expect("the example shows journal_size");
             edited[size] = &lines[size][2..];
         }
+        // Share settings need shares on.
+        let shares_on;
+        if key.starts_with("share_") {
+            let at = lines
+                .iter()
+                .position(|l| l.starts_with("# shares = "))
+                .expect("the example shows shares");
+            shares_on = lines[at][2..].replace("false", "true");
+            edited[at] = &shares_on;
+        }
         let value = edited.join("\n");
         vdcache::config::ServerConfig::parse(&value).unwrap_or_else(|e| {
             panic!(
