@@ -265,6 +265,9 @@ pub struct CacheConfig {
     /// Per-VM shares (see `shares`): each disk fills regions of its own
     /// and space is taken from the disk with the least demand for it.
     pub shares: bool,
+    /// SVD's read/write split: while promoted reads hold at most this
+    /// share of the used regions, reclaim takes written data first.
+    pub read_split: Option<f64>,
 }
 
 impl Default for CacheConfig {
@@ -288,6 +291,7 @@ impl Default for CacheConfig {
             dedup: Dedup::Off,
             test_weak_fingerprints: false,
             shares: false,
+            read_split: None,
         }
     }
 }

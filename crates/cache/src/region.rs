@@ -46,6 +46,8 @@ struct Region {
     epoch: u32,
     /// Whose data fills it (see `shares`).
     owner: Tenant,
+    /// What fills it: written data or promoted reads.
+    kind: Stream,
 }
 
 /// Counts for statistics.
@@ -70,6 +72,9 @@ pub struct Regions {
     tick: u64,
     kind: Replacement,
     policy: Box<dyn ReplacementPolicy>,
+    /// SVD's read/write split: while promoted reads hold at most this
+    /// share of the used regions, victims come from written data first.
+    read_split: Option<f64>,
 }
 
 impl Regions {
@@ -94,6 +99,7 @@ impl Regions {
                     pins: 0,
                     epoch: 0,
                     owner: UNOWNED,
+                    kind: Stream::Write,
                 };
                 regions as usize
             ],
@@ -102,6 +108,26 @@ impl Regions {
             tick: 0,
             kind: policy,
             policy: policy.build(regions, blocks_per_region),
+            read_split: None,
+        }
+    }
+
+    /// Keeps promoted reads' regions while they hold at most `share` of
+    /// the used regions (SVD: 0.75); None: no split.
+    pub fn set_read_split(&mut self, share: Option<f64>) {
+        self.read_split = share;
+    }
+
+    /// The share of used regions that hold promoted reads.
+    fn read_share(&self) -> f64 {
+        let used = self.regions.iter().filter(|r| r.state != State::Free);
+        let (reads, all) = used.fold((0u32, 0u32), |(r, a), reg| {
+            (r + u32::from(reg.kind == Stream::Promote), a + 1)
+        });
+        if all == 0 {
+            0.0
+        } else {
+            f64::from(reads) / f64::from(all)
         }
     }
 
@@ -165,6 +191,7 @@ impl Regions {
             pins: 0,
             epoch: self.epochs,
             owner,
+            kind: stream,
         };
         self.open.push((stream, owner, r));
         self.allocate_for(stream, owner, want)
@@ -312,21 +339,41 @@ impl Regions {
         {
             return Some(i as u32);
         }
-        if let Some(owner) = shares.and_then(|s| s.victim(&self.usage()))
-            && let Some(v) = self.choose_victim_of(extra_refs, Some(owner))
-        {
-            return Some(v);
+        let owner = shares.and_then(|s| s.victim(&self.usage()));
+        let kind = self
+            .read_split
+            .filter(|&share| self.read_share() <= share)
+            .map(|_| Stream::Write);
+        // The narrowest choice that has a victim: the owner's written
+        // data, the owner's regions, any written data, any region.
+        let mut tried = Vec::with_capacity(4);
+        for filter in [(owner, kind), (owner, None), (None, kind), (None, None)] {
+            if tried.contains(&filter) {
+                continue;
+            }
+            tried.push(filter);
+            if let Some(v) = self.choose_victim_of(extra_refs, filter.0, filter.1) {
+                return Some(v);
+            }
         }
-        self.choose_victim_of(extra_refs, None)
+        None
     }
 
-    /// The policy's choice among the regions of `owner` (or all).
-    fn choose_victim_of(&mut self, extra_refs: &[u32], owner: Option<Tenant>) -> Option<u32> {
+    /// The policy's choice among the regions of `owner` holding `kind`
+    /// (None: any).
+    fn choose_victim_of(
+        &mut self,
+        extra_refs: &[u32],
+        owner: Option<Tenant>,
+        kind: Option<Stream>,
+    ) -> Option<u32> {
         let mut view: Vec<Recency> = (0..self.regions.len())
             .map(|i| {
                 let r = &self.regions[i];
                 Recency {
-                    evictable: self.evictable(i) && owner.is_none_or(|o| r.owner == o),
+                    evictable: self.evictable(i)
+                        && owner.is_none_or(|o| r.owner == o)
+                        && kind.is_none_or(|k| r.kind == k),
                     last_access: r.last_access,
                     referenced: r.referenced,
                     accesses: r.accesses,
@@ -430,6 +477,39 @@ mod tests {
         );
         assert_eq!(r.allocate(Stream::Write, 4), Some((9, 3)));
         assert_eq!(r.allocate(Stream::Write, 1), None);
+    }
+
+    #[test]
+    fn a_read_split_reclaims_written_data_first_up_to_its_share() {
+        let mut r = Regions::new(4, 2, 0, Replacement::Lru);
+        r.set_read_split(Some(0.75));
+        // Oldest first: two read regions, then two written ones.
+        for kind in [
+            Stream::Promote,
+            Stream::Promote,
+            Stream::Write,
+            Stream::Write,
+        ] {
+            assert!(r.allocate(kind, 2).is_some());
+        }
+        // Reads hold half the regions: the written region goes, though
+        // the read regions are older.
+        assert_eq!(r.choose_victim(&[]), Some(2));
+        // Without the split, LRU takes the oldest.
+        r.set_read_split(None);
+        assert_eq!(r.choose_victim(&[]), Some(0));
+        // Reads above their share: they are taken too.
+        let mut r = Regions::new(4, 2, 0, Replacement::Lru);
+        r.set_read_split(Some(0.5));
+        for kind in [
+            Stream::Promote,
+            Stream::Promote,
+            Stream::Promote,
+            Stream::Write,
+        ] {
+            assert!(r.allocate(kind, 2).is_some());
+        }
+        assert_eq!(r.choose_victim(&[]), Some(0));
     }
 
     #[test]

@@ -146,6 +146,10 @@ pub struct CacheSection {
     /// its own, and space is taken from the export with the least recent
     /// reuse per byte held (within each export's share_min/share_max).
     pub shares: Option<bool>,
+    /// SVD's read/write split (e.g. 0.75): while promoted reads hold at
+    /// most this share of the cache, reclaim takes written data first, so
+    /// a burst of writes does not flush the read cache. Absent: no split.
+    pub read_split: Option<f64>,
     /// Built from `vdcache serve` options rather than read from a file:
     /// errors then name the option (`--cache-size`), not the key.
     #[serde(skip)]
@@ -446,6 +450,11 @@ impl ServerConfig {
 impl ServerConfig {
     /// Share settings need shares on, and make sense together.
     fn validate_shares(&self) -> Result<()> {
+        if let Some(split) = self.cache.as_ref().and_then(|c| c.read_split)
+            && !(split.is_finite() && split > 0.0 && split <= 1.0)
+        {
+            bail!("[cache] read_split must be above 0 and at most 1, not {split}");
+        }
         let on = self.cache.as_ref().is_some_and(|c| c.shares == Some(true));
         for e in &self.exports {
             let given = e.share_min.is_some() || e.share_max.is_some() || e.share_weight.is_some();
@@ -549,6 +558,35 @@ impl std::error::Error for ConfigError {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn read_split_and_share_keys_are_checked() {
+        let cfg = |cache: &str, export: &str| {
+            ServerConfig::parse(&format!(
+                "[server]\nsocket = \"/s\"\n[cache]\npath = \"/c\"\n{cache}[[export]]\nname = \"a\"\nimage = \"i\"\n{export}"
+            ))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            cfg("read_split = 0.75\nshares = true\n", "share_max = \"1G\"\n"),
+            Ok(())
+        );
+        for (cache, export, word) in [
+            ("read_split = 1.5\n", "", "read_split"),
+            ("read_split = 0\n", "", "read_split"),
+            ("", "share_weight = 2\n", "shares = true"),
+            ("shares = true\n", "share_weight = -1\n", "share_weight"),
+            (
+                "shares = true\n",
+                "share_min = \"2G\"\nshare_max = \"1G\"\n",
+                "above share_max",
+            ),
+        ] {
+            let e = cfg(cache, export).err().unwrap_or_default();
+            assert!(e.contains(word), "{cache}{export}: {e}");
+        }
+    }
 
     #[test]
     fn socket_modes_parse_and_bad_ones_are_named() {

@@ -300,12 +300,16 @@ impl FlashCache {
         State {
             index: Index::new(layout.regions, layout.blocks_per_region()),
             integrity: crate::checksums::Integrity::new(layout.regions, layout.blocks_per_region()),
-            regions: Regions::new(
-                layout.regions,
-                layout.blocks_per_region(),
-                layout.blocks_per_region() - layout.data_blocks_per_region(),
-                config.replacement,
-            ),
+            regions: {
+                let mut r = Regions::new(
+                    layout.regions,
+                    layout.blocks_per_region(),
+                    layout.blocks_per_region() - layout.data_blocks_per_region(),
+                    config.replacement,
+                );
+                r.set_read_split(config.read_split);
+                r
+            },
             reclaimed: space::ReclaimCounts::default(),
             journal,
             epochs: epochs::Epochs::new(durable, epoch),

@@ -70,6 +70,7 @@ pub fn cache_config(c: &CacheSection) -> Result<CacheConfig> {
     }
     cfg.dedup = dedup_mode(c)?;
     cfg.shares = c.shares.unwrap_or(false);
+    cfg.read_split = c.read_split;
     cfg.validate()?;
     Ok(cfg)
 }
