@@ -37,10 +37,12 @@ pub(crate) struct WriteClass {
     pub filler_only: bool,
     /// Whole 512-byte sectors of L2 tables or refcount blocks only.
     pub table_sectors: bool,
-    /// At least half its blocks are dirty in flash: bypassing them would
-    /// write the backend and then each dirty run in flash anyway (their
-    /// only current copies), so the whole write goes to flash instead.
-    pub mostly_dirty: bool,
+    /// At least half its blocks are cached: bypassing would cost more than
+    /// it saves (each dirty run written in flash anyway, as their only
+    /// current copies, and each clean copy forgotten durably, a device
+    /// sync, before the backend write), and the write adds little to what
+    /// flash holds, so the whole write goes to flash instead.
+    pub mostly_cached: bool,
 }
 
 /// Where a write goes.
@@ -81,7 +83,7 @@ pub(crate) fn route(policy: DiskPolicy, class: WriteClass, run: Option<Run>) -> 
         return Route::WriteBack { sectors: false };
     }
     let bypass = (policy.cow == CowMode::CowAware && class.filler_only)
-        || (long_run(policy, run) && !class.mostly_dirty);
+        || (long_run(policy, run) && !class.mostly_cached);
     match policy.mode {
         WriteMode::WriteBack if !bypass => Route::WriteBack {
             sectors: decouples(policy) && class.table_sectors,
@@ -122,21 +124,21 @@ mod tests {
     const DATA: WriteClass = WriteClass {
         filler_only: false,
         table_sectors: false,
-        mostly_dirty: false,
+        mostly_cached: false,
     };
-    const DIRTY_DATA: WriteClass = WriteClass {
-        mostly_dirty: true,
+    const CACHED_DATA: WriteClass = WriteClass {
+        mostly_cached: true,
         ..DATA
     };
     const FILLER: WriteClass = WriteClass {
         filler_only: true,
         table_sectors: false,
-        mostly_dirty: false,
+        mostly_cached: false,
     };
     const TABLES: WriteClass = WriteClass {
         filler_only: false,
         table_sectors: true,
-        mostly_dirty: false,
+        mostly_cached: false,
     };
     const LONG: u64 = CUTOFF;
     const BIG: u64 = BYPASS_MEAN_REQUEST;
@@ -156,8 +158,8 @@ mod tests {
             (WriteBack, CowAware, FILLER, None, Route::Bypass),
             (WriteBack, Stacked, DATA, run(LONG, BIG), Route::Bypass),
             (WriteBack, CowAware, DATA, run(LONG, BIG), Route::Bypass),
-            // A long run over blocks mostly dirty in flash stays in flash.
-            (WriteBack, CowAware, DIRTY_DATA, run(LONG, BIG), wb(false)),
+            // A long run over blocks mostly cached stays in flash.
+            (WriteBack, CowAware, CACHED_DATA, run(LONG, BIG), wb(false)),
             // Short run, or a long one of small requests: stays in flash.
             (WriteBack, Stacked, DATA, run(LONG - 1, BIG), wb(false)),
             (WriteBack, Stacked, DATA, run(LONG, BIG - 1), wb(false)),

@@ -254,8 +254,8 @@ fn files(lines: &[String], word: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Makes an ext4, writes four files with fsync (sha256 of each), drops the
-/// page cache, remounts and reads them back.
+/// Makes an ext4, writes four files with fsync (sha256 of each), trims
+/// its free space, drops the page cache, remounts and reads them back.
 const WRITE_AND_REREAD: &str = r#"#!/bin/sh
 set -e
 /opt/mkfs.ext4 -q -t ext4 /dev/vda
@@ -264,6 +264,12 @@ for i in 1 2 3 4; do
   dd if=/dev/urandom of=/mnt/f$i bs=64k count=$((i * 8)) conv=fsync 2>/dev/null
   echo "VDCACHE-GUEST wrote f$i $(sha256sum /mnt/f$i | cut -d' ' -f1)"
 done
+# Discards reach the server too (ext4's free space, as fstrim sends it).
+dd if=/dev/urandom of=/mnt/scratch bs=64k count=32 conv=fsync 2>/dev/null
+rm /mnt/scratch
+sync
+fstrim /mnt
+echo "VDCACHE-GUEST trimmed"
 umount /mnt
 echo 3 > /proc/sys/vm/drop_caches
 mount -t ext4 /dev/vda /mnt
@@ -289,6 +295,10 @@ fn guest_writes_and_rereads(transport: Transport) {
         guest.iter().any(|l| l == "exit 0"),
         "{transport:?}: the guest's test failed:\n{}",
         lines.join("\n")
+    );
+    assert!(
+        guest.iter().any(|l| l == "trimmed"),
+        "{transport:?}: fstrim failed"
     );
     let wrote = files(&guest, "wrote");
     assert_eq!(wrote.len(), 4, "{}", lines.join("\n"));

@@ -82,27 +82,27 @@ fn write_class(
     off: u64,
     len: u64,
     segments: &[WriteSegment<'_>],
-    mostly_dirty: bool,
+    mostly_cached: bool,
 ) -> WriteClass {
     WriteClass {
         filler_only: segments.iter().all(|s| s.tag.class == IoClass::CowFill),
         table_sectors: table_sectors(off, len, segments),
-        mostly_dirty,
+        mostly_cached,
     }
 }
 
 /// Whether at least half the blocks of `[off, off + len)` of image `id`
-/// are dirty in flash.
-fn mostly_dirty(st: &State, id: u16, off: u64, len: u64) -> bool {
+/// are cached (clean or dirty).
+fn mostly_cached(st: &State, id: u16, off: u64, len: u64) -> bool {
     let (first, end) = (off / BLOCK, (off + len).div_ceil(BLOCK));
-    let dirty = (first..end)
+    let cached = (first..end)
         .filter(|&b| {
             st.index
-                .get(line_key(id, b / LINE_BLOCKS))
-                .is_some_and(|l| l.dirty & (1 << (b % LINE_BLOCKS)) != 0)
+                .block(line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize)
+                .is_some()
         })
         .count() as u64;
-    2 * dirty >= end - first
+    2 * cached >= end - first
 }
 
 /// The guest cluster each block of `[first_block, first_block + n)` serves:
@@ -227,7 +227,7 @@ impl FlashCache {
         };
         // One lock for the hit count, the policy, the run detector and the
         // journal links: every write takes it.
-        let (policy, run, journal, dirty) = {
+        let (policy, run, journal, cached) = {
             let mut st = self.lock();
             count_write_hits(&st, id, &guest_blocks, &counters);
             let policy = st.catalog.policy(tag.disk, self.config.default_policy);
@@ -237,15 +237,15 @@ impl FlashCache {
                 None
             };
             // Only a write that would bypass flash needs the count.
-            let dirty = crate::routing::long_run(policy, run) && mostly_dirty(&st, id, off, len);
+            let cached = crate::routing::long_run(policy, run) && mostly_cached(&st, id, off, len);
             let journal = &st.guest_journals;
             let role = JournalRole {
                 is_journal: journal.is_journal(tag.disk),
                 has_journal: guest_bytes > 0 && journal.has_journal(tag.disk),
             };
-            (policy, run, role, dirty)
+            (policy, run, role, cached)
         };
-        let route = route(policy, write_class(off, len, segments, dirty), run);
+        let route = route(policy, write_class(off, len, segments, cached), run);
         // Blocks entering flash may share a block that holds their bytes.
         let enters_flash = matches!(
             route,
