@@ -56,15 +56,32 @@ fn config(s: &Scratch, shares: bool, extra_a: &str) -> (PathBuf, PathBuf) {
     (conf, sock)
 }
 
-/// (read hit blocks, read miss blocks) of export `name`.
-fn counts(report: &serde_json::Value, name: &str) -> (u64, u64) {
-    let disk = report["disks"]
+/// The disk id of export `name` in a stats report.
+fn disk_of(report: &serde_json::Value, name: &str) -> u64 {
+    report["disks"]
         .as_array()
         .unwrap()
         .iter()
         .find(|d| d["export"] == name)
         .map(|d| d["disk"].as_u64().unwrap())
-        .unwrap();
+        .unwrap()
+}
+
+/// Export `name`'s entry under `cache.shares` of a stats report.
+fn share_of(report: &serde_json::Value, name: &str) -> serde_json::Value {
+    let disk = disk_of(report, name);
+    report["cache"]["shares"]
+        .as_array()
+        .expect("shares reported")
+        .iter()
+        .find(|r| r["disk"].as_u64() == Some(disk))
+        .expect("the export has a share")
+        .clone()
+}
+
+/// (read hit blocks, read miss blocks) of export `name`.
+fn counts(report: &serde_json::Value, name: &str) -> (u64, u64) {
+    let disk = disk_of(report, name);
     let per_disk = report["cache"]["disks"].as_array().unwrap();
     let s = per_disk
         .iter()
@@ -167,14 +184,7 @@ fn share_settings_are_checked_and_a_maximum_holds() {
     read_all(&s, &sock, "a", HOT, 0x61);
     read_all(&s, &sock, "b", SCAN, 0x62);
     let report = stats(&s, &sock);
-    let a_disk = report["disks"][0]["disk"].as_u64().unwrap();
-    let a = report["cache"]["shares"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["disk"].as_u64() == Some(a_disk))
-        .unwrap()
-        .clone();
+    let a = share_of(&report, "a");
     assert_eq!(a["max_bytes"].as_u64(), Some(8 << 20));
     let region = report["cache"]["region_bytes"].as_u64().unwrap();
     assert!(
@@ -203,14 +213,7 @@ fn shares_change_at_run_time_through_the_control_socket() {
     assert!(out.success(), "{}", out.report());
     assert!(out.stdout.contains("max 16"), "{}", out.stdout);
     let report = stats(&s, &sock);
-    let a_disk = report["disks"][0]["disk"].as_u64().unwrap();
-    let a = report["cache"]["shares"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["disk"].as_u64() == Some(a_disk))
-        .unwrap()
-        .clone();
+    let a = share_of(&report, "a");
     assert_eq!(
         (
             a["min_bytes"].as_u64(),
@@ -236,13 +239,7 @@ fn shares_change_at_run_time_through_the_control_socket() {
     }
     // A refused change changed nothing.
     let again = stats(&s, &sock);
-    let a2 = again["cache"]["shares"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["disk"].as_u64() == Some(a_disk))
-        .unwrap()
-        .clone();
+    let a2 = share_of(&again, "a");
     assert_eq!(a2["min_bytes"], a["min_bytes"]);
     assert_eq!(a2["max_bytes"], a["max_bytes"]);
     server.stop_clean();

@@ -242,6 +242,20 @@ fn guest_lines(lines: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// Waits for the guest to power off; asserts that QEMU exited cleanly and
+/// the guest's test succeeded (`what` says which run failed). Returns the
+/// guest's marked lines and the whole console.
+fn finished(vm: Streamed, what: &str) -> (Vec<String>, Vec<String>) {
+    let (status, lines) = vm.finish();
+    let guest = guest_lines(&lines);
+    assert!(
+        status.success() && guest.iter().any(|l| l == "exit 0"),
+        "{what}: qemu exited {status}, the guest's test did not succeed:\n{}",
+        lines.join("\n")
+    );
+    (guest, lines)
+}
+
 /// (file, digest) of every `WORD file digest` line.
 fn files(lines: &[String], word: &str) -> Vec<(String, String)> {
     lines
@@ -284,18 +298,7 @@ fn guest_writes_and_rereads(transport: Transport) {
     let setup = Setup::new();
     let server = setup.serve();
     let vm = setup.boot(transport, WRITE_AND_REREAD);
-    let (status, lines) = vm.finish();
-    let guest = guest_lines(&lines);
-    assert!(
-        status.success(),
-        "qemu exited {status}:\n{}",
-        lines.join("\n")
-    );
-    assert!(
-        guest.iter().any(|l| l == "exit 0"),
-        "{transport:?}: the guest's test failed:\n{}",
-        lines.join("\n")
-    );
+    let (guest, lines) = finished(vm, &format!("{transport:?}"));
     assert!(
         guest.iter().any(|l| l == "trimmed"),
         "{transport:?}: fstrim failed"
@@ -372,17 +375,9 @@ fn fsynced_files_survive_kill_9(transport: Transport) {
     );
     let killed_log = server.kill9();
     let restarted = setup.serve();
-    let (status, lines) = vm.finish();
-    let guest = guest_lines(&lines);
-    assert!(
-        status.success(),
-        "qemu exited {status}:\n{}",
-        lines.join("\n")
-    );
-    assert!(
-        guest.iter().any(|l| l == "exit 0"),
-        "the guest's writes failed across the restart:\n{}\nfirst server:\n{killed_log}",
-        lines.join("\n")
+    let (guest, lines) = finished(
+        vm,
+        &format!("{transport:?}, across the restart (first server:\n{killed_log})"),
     );
     let synced = files(&guest, "synced");
     assert_eq!(synced.len(), 12, "{}", lines.join("\n"));
@@ -417,15 +412,8 @@ fn a_non_root_qemu_boots_from_a_vhost_user_socket_given_to_its_user() {
     let setup = Setup::with_server_lines("socket_owner = \"nobody\"\n");
     ok(Command::new("chmod").arg("755").arg(setup.s.root()));
     let server = setup.serve();
-    let (status, lines) = setup
-        .boot_as(Some(NOBODY), Transport::VhostUser, READ_FIRST_MIB)
-        .finish();
-    let guest = guest_lines(&lines);
-    assert!(
-        status.success(),
-        "qemu as uid {NOBODY} exited {status}:\n{}",
-        lines.join("\n")
-    );
+    let vm = setup.boot_as(Some(NOBODY), Transport::VhostUser, READ_FIRST_MIB);
+    let (guest, lines) = finished(vm, &format!("QEMU as uid {NOBODY}"));
     let expected = setup.s.path("expected");
     std::fs::write(&expected, vec![0x40u8; 1 << 20]).unwrap();
     let want = format!("first {}", sha256(&expected));
