@@ -401,9 +401,9 @@ fn print_stats(d: &serde_json::Value) {
             "{:<16} {:>4} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7}",
             shown,
             n(&e["active_connections"]),
-            n(&e["requests"]),
-            h(&e["bytes_read"]),
-            h(&e["bytes_written"]),
+            n(&e["requests"]) + n(&disk["vhost_user"]["requests"]),
+            human(n(&e["bytes_read"]) + n(&disk["vhost_user"]["bytes_read"])),
+            human(n(&e["bytes_written"]) + n(&disk["vhost_user"]["bytes_written"])),
             pct(hits, hits + n(&s["read_miss_blocks"])),
             h(&s["dirty_bytes"]),
             h(&s["flash_bytes_written"]),
@@ -414,7 +414,7 @@ fn print_stats(d: &serde_json::Value) {
         );
     }
     outln!(
-        "CONN: open NBD connections; READ/WRITTEN: bytes the clients read and wrote; HIT: 4 KiB blocks of reads served from flash; DIRTY: not yet written back; FLASH-W: written to the cache device; STORE-R/W, SYNCS: traffic to the image stores; L2-HIT: qcow2 mapping lookups served from memory"
+        "CONN: open NBD connections; REQUESTS, READ/WRITTEN: what the NBD and vhost-user clients asked, read and wrote; HIT: 4 KiB blocks of reads served from flash; DIRTY: not yet written back; FLASH-W: written to the cache device; STORE-R/W, SYNCS: traffic to the image stores; L2-HIT: qcow2 mapping lookups served from memory"
     );
 }
 

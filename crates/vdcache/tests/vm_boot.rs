@@ -310,6 +310,19 @@ fn guest_writes_and_rereads(transport: Transport) {
         files(&guest, "reread"),
         "{transport:?}: reread differs"
     );
+    if let Transport::VhostUser = transport {
+        // What the guest asked over vhost-user is counted, per export.
+        let report = serving::stats(&setup.s, &setup.nbd);
+        let v = &report["disks"][0]["vhost_user"];
+        let count = |k: &str| v[k].as_u64().unwrap_or(0);
+        assert!(
+            ["writes", "reads", "flushes", "discards"]
+                .iter()
+                .all(|k| count(k) > 0),
+            "{v}"
+        );
+        assert_eq!(count("errors"), 0, "{v}");
+    }
     let log = server.stop_clean();
     assert!(log.contains("stopped cleanly"), "{log}");
     setup.check_clean();

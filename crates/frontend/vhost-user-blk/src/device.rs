@@ -54,6 +54,20 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// A snapshot of the counters.
+    pub fn totals(&self) -> crate::Totals {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        crate::Totals {
+            reads: get(&self.reads),
+            writes: get(&self.writes),
+            read_bytes: get(&self.read_bytes),
+            written_bytes: get(&self.written_bytes),
+            flushes: get(&self.flushes),
+            discards: get(&self.discards),
+            errors: get(&self.errors),
+        }
+    }
+
     /// Requests of any kind, failed ones included.
     pub fn total(&self) -> u64 {
         [

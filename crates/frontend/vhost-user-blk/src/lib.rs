@@ -68,12 +68,20 @@ pub struct Totals {
 
 /// Counts requests of every export (see [`VhostUserBlkServer::activity`]).
 #[derive(Clone)]
-pub struct Activity(Vec<Arc<Counters>>);
+pub struct Activity(Vec<(String, Arc<Counters>)>);
 
 impl Activity {
     /// Requests served so far, of any kind, failed ones included.
     pub fn requests(&self) -> u64 {
-        self.0.iter().map(|c| c.total()).sum()
+        self.0.iter().map(|(_, c)| c.total()).sum()
+    }
+
+    /// What export `name` served so far (None: not served over vhost-user).
+    pub fn export(&self, name: &str) -> Option<Totals> {
+        self.0
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, c)| c.totals())
     }
 }
 
@@ -83,6 +91,7 @@ pub struct VhostUserBlkServer {
 }
 
 struct Serving {
+    name: String,
     socket: PathBuf,
     stop: Arc<AtomicBool>,
     connection: Arc<Mutex<Option<ShutdownHandle>>>,
@@ -156,15 +165,14 @@ impl VhostUserBlkServer {
     pub fn totals(&self) -> Totals {
         let mut t = Totals::default();
         for s in &self.exports {
-            let c = &s.counters;
-            let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-            t.reads += get(&c.reads);
-            t.writes += get(&c.writes);
-            t.read_bytes += get(&c.read_bytes);
-            t.written_bytes += get(&c.written_bytes);
-            t.flushes += get(&c.flushes);
-            t.discards += get(&c.discards);
-            t.errors += get(&c.errors);
+            let c = s.counters.totals();
+            t.reads += c.reads;
+            t.writes += c.writes;
+            t.read_bytes += c.read_bytes;
+            t.written_bytes += c.written_bytes;
+            t.flushes += c.flushes;
+            t.discards += c.discards;
+            t.errors += c.errors;
         }
         t
     }
@@ -172,7 +180,12 @@ impl VhostUserBlkServer {
     /// A handle counting every request served so far, for a thread that
     /// watches for idleness.
     pub fn activity(&self) -> Activity {
-        Activity(self.exports.iter().map(|s| s.counters.clone()).collect())
+        Activity(
+            self.exports
+                .iter()
+                .map(|s| (s.name.clone(), s.counters.clone()))
+                .collect(),
+        )
     }
 
     /// Shuts every connection, waits until no request is in flight, and
@@ -233,6 +246,7 @@ impl Serving {
                 })?
         };
         Ok(Serving {
+            name: e.name,
             socket: e.socket,
             stop,
             connection,

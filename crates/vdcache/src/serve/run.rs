@@ -21,12 +21,13 @@ pub const DEFAULT_WORKERS: usize = 16;
 struct Control {
     daemon: Arc<Daemon>,
     server: Arc<Server>,
+    vhost: Option<vdcache_vhost_user_blk::Activity>,
 }
 
 impl Handler for Control {
     fn handle(&self, req: &Request) -> Result<serde_json::Value> {
         match req {
-            Request::Stats => Ok(stats_json(&self.daemon, &self.server)),
+            Request::Stats => Ok(stats_json(&self.daemon, &self.server, self.vhost.as_ref())),
             Request::Flush { fill } => {
                 for d in &self.daemon.disks {
                     d.disk.write_back(*fill)?;
@@ -105,7 +106,11 @@ fn change_share(
     Ok(serde_json::to_value(share).unwrap_or_default())
 }
 
-fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
+fn stats_json(
+    daemon: &Daemon,
+    server: &Server,
+    vhost: Option<&vdcache_vhost_user_blk::Activity>,
+) -> serde_json::Value {
     let nbd = server.stats();
     let disks: Vec<serde_json::Value> = daemon
         .disks
@@ -123,6 +128,16 @@ fn stats_json(daemon: &Daemon, server: &Server) -> serde_json::Value {
                 "partially_valid_bytes": d.disk.partially_valid_bytes().ok(),
                 "meta_zero_map_bytes": meta.map(|m| m.zero_map_bytes),
                 "journal": daemon.cache.as_ref().and_then(|c| c.journal_counts(d.id)),
+                "vhost_user": vhost.and_then(|v| v.export(&d.config.name)).map(|t| serde_json::json!({
+                    "requests": t.reads + t.writes + t.flushes + t.discards + t.errors,
+                    "reads": t.reads,
+                    "writes": t.writes,
+                    "bytes_read": t.read_bytes,
+                    "bytes_written": t.written_bytes,
+                    "flushes": t.flushes,
+                    "discards": t.discards,
+                    "errors": t.errors,
+                })),
             })
         })
         .collect();
@@ -242,6 +257,16 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         })?;
         tracing::info!("listening on tcp {bound}");
     }
+    let vhost = match start_vhost_user(&daemon, &access) {
+        Ok(v) => v,
+        Err(e) => {
+            server.shutdown();
+            if let Err(stop) = daemon.stop() {
+                tracing::error!("closing the disks: {stop:#}");
+            }
+            return Err(e);
+        }
+    };
     let _metrics = match &cfg.server.metrics {
         Some(addr) => {
             let m = MetricsServer::start(addr, metrics::registry(daemon.clone(), server.clone()))?;
@@ -257,6 +282,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             Arc::new(Control {
                 daemon: daemon.clone(),
                 server: server.clone(),
+                vhost: vhost.as_ref().map(|v| v.activity()),
             }),
         )?),
         None => None,
@@ -320,17 +346,6 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             Some(mounted)
         }
         None => None,
-    };
-    let vhost = match start_vhost_user(&daemon, &access) {
-        Ok(v) => v,
-        Err(e) => {
-            drop(fuse);
-            server.shutdown();
-            if let Err(stop) = daemon.stop() {
-                tracing::error!("closing the disks: {stop:#}");
-            }
-            return Err(e);
-        }
     };
     let idle_fill = cfg
         .cache
