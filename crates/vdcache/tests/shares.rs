@@ -243,5 +243,15 @@ fn shares_change_at_run_time_through_the_control_socket() {
     assert_eq!(a2["min_bytes"], a["min_bytes"]);
     assert_eq!(a2["max_bytes"], a["max_bytes"]);
     server.stop_clean();
+    // A server without shares says so.
+    let (conf, sock) = config(&s, false, "");
+    let server = serve_config(&s, &conf, &sock);
+    let out = share(&["a", "--weight", "2"]);
+    assert!(
+        !out.success() && out.stderr.contains("shares are off"),
+        "{}",
+        out.report()
+    );
+    server.stop_clean();
     s.finish();
 }
