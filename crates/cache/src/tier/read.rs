@@ -330,9 +330,20 @@ impl FlashCache {
                 .map_err(CacheError::device("read backend"))?;
             drop(foreground);
             bump(&counters.backend_bytes_read, len);
+            // Only the missing runs reach the guest's buffer: the cached
+            // blocks between them were served from flash, and the backend
+            // may hold older bytes for them.
             for &(s, e) in &group {
                 let part = &data[((s - first) * BLOCK) as usize..((e - first) * BLOCK) as usize];
                 copy_overlap(part, s * BLOCK, buf, off);
+            }
+            if let [(s, _)] = group[..] {
+                // One run (the usual case): its buffer is the promotion's.
+                out.push((s, data));
+                continue;
+            }
+            for &(s, e) in &group {
+                let part = &data[((s - first) * BLOCK) as usize..((e - first) * BLOCK) as usize];
                 out.push((s, part.to_vec()));
             }
         }
