@@ -106,6 +106,29 @@ fn data_sockets_admit_another_user_only_when_configured() {
     );
     server.stop_clean();
 
+    // A second server on a vhost-user socket in use is refused, and the
+    // first keeps serving.
+    let vhost = s.path("vm.vhost");
+    let vhost_arg = vhost.to_str().unwrap();
+    let first = serve(&s, &sock, &["--vhost-user-blk", vhost_arg, &image]);
+    let other = s.path("other.qcow2");
+    qcow2(&s, &other, 8 << 20, None);
+    let log = serving::serve_refused(
+        &s,
+        &s.path("other.sock"),
+        &["--vhost-user-blk", vhost_arg, other.to_str().unwrap()],
+    );
+    assert!(
+        log.contains("vhost-user-blk socket") && log.contains("in use by a running server"),
+        "{log}"
+    );
+    assert!(
+        nbdinfo_as(0, 0, &target).success(),
+        "the first server stopped serving"
+    );
+    first.stop_clean();
+    assert!(!vhost.exists(), "the socket stays after a clean stop");
+
     // Mistakes are refused before anything is served, in words.
     for (args, word) in [
         (

@@ -54,7 +54,7 @@ pub enum VhostUserBlkError {
     },
 }
 
-/// The request counters of all exports, summed.
+/// What one export served over vhost-user so far.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Totals {
     pub reads: u64,
@@ -158,23 +158,6 @@ impl VhostUserBlkServer {
             server.exports.push(Serving::start(e)?);
         }
         Ok(server)
-    }
-
-    /// Sums of the requests served so far (what tells a busy disk from an
-    /// idle one).
-    pub fn totals(&self) -> Totals {
-        let mut t = Totals::default();
-        for s in &self.exports {
-            let c = s.counters.totals();
-            t.reads += c.reads;
-            t.writes += c.writes;
-            t.read_bytes += c.read_bytes;
-            t.written_bytes += c.written_bytes;
-            t.flushes += c.flushes;
-            t.discards += c.discards;
-            t.errors += c.errors;
-        }
-        t
     }
 
     /// A handle counting every request served so far, for a thread that
