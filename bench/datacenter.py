@@ -78,11 +78,14 @@ def stop(proc, sig=signal.SIGTERM, timeout=120):
 class StorageServer:
     """nbdkit exporting a directory of images, with latency and byte counts."""
 
-    def __init__(self, work, images, delay_ms, name="storage"):
+    def __init__(self, work, images, delay_ms, name="storage", request_log=None):
+        """request_log: a file for nbdkit's log filter (one line per request
+        as it arrives, with a timestamp), or None (no log filter)."""
         self.sock = str(work / f"{name}.sock")
         self.stats = work / f"{name}-stats.txt"
         self.images = images
         self.delay_ms = delay_ms
+        self.request_log = request_log
         self.proc = None
 
     def uri(self, name):
@@ -93,10 +96,15 @@ class StorageServer:
             self.stats.unlink()
         if os.path.exists(self.sock):
             os.unlink(self.sock)
+        logging = []
+        if self.request_log:
+            Path(self.request_log).unlink(missing_ok=True)
+            logging = ["--filter=log", f"logfile={self.request_log}"]
         self.proc = subprocess.Popen(
-            ["nbdkit", "--foreground", "--unix", self.sock, "--threads", "64",
+            ["nbdkit", "--foreground", "--unix", self.sock, "--threads", "64", *logging[:1],
              "--filter=stats", "--filter=delay", "file", f"dir={self.images}",
-             f"rdelay={self.delay_ms}ms", f"wdelay={self.delay_ms}ms", f"statsfile={self.stats}"],
+             f"rdelay={self.delay_ms}ms", f"wdelay={self.delay_ms}ms", f"statsfile={self.stats}",
+             *logging[1:]],
             stderr=subprocess.PIPE, text=True)
         wait_for_socket(self.sock, self.proc, "nbdkit")
 

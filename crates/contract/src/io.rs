@@ -28,6 +28,8 @@ pub enum MetaTable {
     RefcountBlock,
     SnapshotTable,
     Bitmap,
+    /// vdcache's per-disk metadata journal inside the image.
+    Journal,
 }
 
 /// What an I/O carries.
@@ -60,12 +62,13 @@ impl IoClass {
                     MetaTable::RefcountBlock => 4,
                     MetaTable::SnapshotTable => 5,
                     MetaTable::Bitmap => 6,
+                    MetaTable::Journal => 7,
                 }
             }
         }
     }
 
-    pub const COUNT: usize = 10;
+    pub const COUNT: usize = 11;
 
     pub fn name(self) -> &'static str {
         match self {
@@ -80,6 +83,7 @@ impl IoClass {
                 MetaTable::RefcountBlock => "meta-refcount-block",
                 MetaTable::SnapshotTable => "meta-snapshot-table",
                 MetaTable::Bitmap => "meta-bitmap",
+                MetaTable::Journal => "meta-journal",
             },
         }
     }
@@ -96,6 +100,7 @@ impl IoClass {
             IoClass::Metadata(MetaTable::RefcountBlock),
             IoClass::Metadata(MetaTable::SnapshotTable),
             IoClass::Metadata(MetaTable::Bitmap),
+            IoClass::Metadata(MetaTable::Journal),
         ]
         .into_iter()
     }

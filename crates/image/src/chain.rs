@@ -184,6 +184,22 @@ pub struct OpenOptions {
     pub for_check: bool,
     pub io: Option<Arc<dyn HostIo>>,
     pub opener: Arc<dyn StoreOpener>,
+    /// The writable top image's metadata journal (see `qimage::journal`).
+    pub metadata_journal: JournalMode,
+}
+
+/// Whether a writable qcow2 top image logs its table updates in a
+/// per-disk journal, so one guest flush costs one sync of the store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum JournalMode {
+    /// Tables are written in place, ordered by syncs.
+    #[default]
+    Off,
+    /// Journaled; an image that cannot carry a journal (version 2) is
+    /// served without one.
+    IfPossible,
+    /// Journaled, or the open fails.
+    Required,
 }
 
 impl Default for OpenOptions {
@@ -199,6 +215,7 @@ impl Default for OpenOptions {
             for_check: false,
             io: None,
             opener: Arc::new(LocalFiles),
+            metadata_journal: JournalMode::Off,
         }
     }
 }
@@ -349,29 +366,11 @@ fn open_layer(
         return Ok((Layer::Raw(RawImage { handle, size }), None));
     }
     let (header, _) = qimage::read_header(&handle, &**io, opts.disk)?;
-    let data = match (
-        &header.extensions.external_data_file,
-        header.has_external_data_file(),
-    ) {
-        (Some(file), true) => {
-            let path = opts.opener.resolve(&canonical, file);
-            let backend = opts.opener.open(&path, writable, lock)?;
-            let data = ImageHandle {
-                name: Arc::from(opts.opener.canonical(&path)?.as_str()),
-                depth: depth as u32,
-                backend,
-            };
-            attach(io, &data, opts.disk, writable)?;
-            Some(data)
-        }
-        (None, true) => {
-            return Err(ImageError::Unsupported {
-                image: canonical,
-                reason: "external data file feature is set but the header names no data file"
-                    .into(),
-            });
-        }
-        _ => None,
+    let data = external_data(&header, &canonical, depth, writable, lock, io, opts)?;
+    let (header, replayed) = if opts.inspect {
+        (header, 0)
+    } else {
+        qimage::recover_journal(&handle, data.as_ref(), &**io, header, writable, opts.disk)?
     };
     let next = header
         .backing_file
@@ -384,13 +383,67 @@ fn open_layer(
         header,
         ImageOptions {
             read_only: !writable,
-            cache: opts.cache,
+            cache: journal_slices(opts, writable),
             disk: opts.disk,
             for_check: opts.for_check,
         },
     )?;
     img.check_cache_mark(opts.inspect && !writable)?;
+    img.journal_replayed
+        .store(replayed, std::sync::atomic::Ordering::SeqCst);
     Ok((Layer::Qcow2(Box::new(img)), next))
+}
+
+/// A journaled image's metadata cache works in 4 KiB slices unless told
+/// otherwise: a record holds whole dirty slices, and a whole-table slice
+/// would log a cluster of table for one 8-byte entry.
+fn journal_slices(opts: &OpenOptions, writable: bool) -> MetaCacheConfig {
+    let mut cache = opts.cache;
+    if writable && opts.metadata_journal != JournalMode::Off && cache.slice_bytes.is_none() {
+        cache.slice_bytes = Some(JOURNAL_SLICE);
+    }
+    cache
+}
+
+/// Metadata cache slice of a journaled image (see [`journal_slices`]).
+const JOURNAL_SLICE: u64 = 4096;
+
+/// The external data file a header names, opened like its image.
+fn external_data(
+    header: &vdcache_qcow2::Header,
+    canonical: &str,
+    depth: usize,
+    writable: bool,
+    lock: Option<LockMode>,
+    io: &Arc<dyn HostIo>,
+    opts: &OpenOptions,
+) -> Result<Option<ImageHandle>> {
+    Ok(
+        match (
+            &header.extensions.external_data_file,
+            header.has_external_data_file(),
+        ) {
+            (Some(file), true) => {
+                let path = opts.opener.resolve(canonical, file);
+                let backend = opts.opener.open(&path, writable, lock)?;
+                let data = ImageHandle {
+                    name: Arc::from(opts.opener.canonical(&path)?.as_str()),
+                    depth: depth as u32,
+                    backend,
+                };
+                attach(io, &data, opts.disk, writable)?;
+                Some(data)
+            }
+            (None, true) => {
+                return Err(ImageError::Unsupported {
+                    image: canonical.to_string(),
+                    reason: "external data file feature is set but the header names no data file"
+                        .into(),
+                });
+            }
+            _ => None,
+        },
+    )
 }
 
 /// Once the whole chain opened (nothing is written to an image whose chain
@@ -409,6 +462,11 @@ fn prepare_top(layers: &[Layer], opts: &OpenOptions) -> Result<()> {
         if crashed {
             // A session through a cache keeps the bit until its clean close.
             img.repair_dirty(img.is_stamped())?;
+        }
+        match opts.metadata_journal {
+            JournalMode::Off => img.drop_leftover_journal()?,
+            JournalMode::IfPossible => img.start_journal(false)?,
+            JournalMode::Required => img.start_journal(true)?,
         }
     }
     img.prepare_for_writes()

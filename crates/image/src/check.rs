@@ -268,6 +268,7 @@ impl Locked<'_> {
             }
         }
         self.tally_bitmaps(&mut t)?;
+        self.tally_journal(&mut t);
         for o in crate::qimage::overlap_report(&g, &self.m) {
             if o.involves_refcounts() {
                 t.refcount_damage(format!("ERROR metadata overlap: {o}"));
@@ -373,6 +374,13 @@ impl Locked<'_> {
             }
         }
         Ok(())
+    }
+
+    /// vdcache's metadata journal area, while the header names it.
+    fn tally_journal(&mut self, t: &mut Tally) {
+        if let Some(j) = self.m.header.extensions.meta_journal {
+            t.add_range("metadata journal", j.offset, j.size, &self.img.geometry);
+        }
     }
 
     fn tally_bitmaps(&mut self, t: &mut Tally) -> Result<()> {

@@ -11,7 +11,7 @@
 use crate::disk::{VirtualDisk, released, sub_mask};
 use crate::error::{ImageError, Result};
 use crate::hostio::{DCOW_BLOCK, DCOW_SECTOR, IoClass, WriteSegment};
-use crate::qimage::{Locked, Qcow2Image};
+use crate::qimage::{Locked, Placement, Qcow2Image};
 use vdcache_qcow2::entries::{L2Mapping, StandardCluster, SubclusterState, all_subclusters};
 use vdcache_qcow2::{Geometry, HostOffset};
 
@@ -304,7 +304,9 @@ impl VirtualDisk {
     }
 
     /// Reads the filler, then writes guest bytes and filler; plans whose
-    /// host ranges touch are merged into one backend request.
+    /// host ranges touch are merged into one backend request. With the
+    /// metadata journal on, a plan's bytes may be held for the journal
+    /// instead (see `qimage::journal`).
     fn write_planned(
         &self,
         img: &Qcow2Image,
@@ -328,6 +330,28 @@ impl VirtualDisk {
             };
             let base = g.cluster_offset(p.cluster);
             let start = host.0 + p.w_lo;
+            let mut segments = Vec::with_capacity(3);
+            if !head.is_empty() {
+                segments.push(WriteSegment {
+                    data: head,
+                    tag: self.tag(IoClass::CowFill, base),
+                });
+            }
+            let len = (p.hi - p.lo) as usize;
+            segments.push(WriteSegment {
+                data: &data[p.data_at..p.data_at + len],
+                tag: self.tag(IoClass::GuestData, base + p.lo),
+            });
+            if !tail.is_empty() {
+                segments.push(WriteSegment {
+                    data: tail,
+                    tag: self.tag(IoClass::CowFill, base + p.hi),
+                });
+            }
+            let maps_new = !matches!(p.target, Target::InPlace(_));
+            if !self.goes_in_place(img, start, &segments, maps_new)? {
+                continue;
+            }
             if !batch.is_empty() && start != batch_end {
                 self.flush_batch(img, batch_start, &batch)?;
                 batch.clear();
@@ -335,29 +359,34 @@ impl VirtualDisk {
             if batch.is_empty() {
                 batch_start = HostOffset(start);
             }
-            if !head.is_empty() {
-                batch.push(WriteSegment {
-                    data: head,
-                    tag: self.tag(IoClass::CowFill, base),
-                });
-            }
-            let len = (p.hi - p.lo) as usize;
-            batch.push(WriteSegment {
-                data: &data[p.data_at..p.data_at + len],
-                tag: self.tag(IoClass::GuestData, base + p.lo),
-            });
-            if !tail.is_empty() {
-                batch.push(WriteSegment {
-                    data: tail,
-                    tag: self.tag(IoClass::CowFill, base + p.hi),
-                });
-            }
+            batch.extend(segments);
             batch_end = host.0 + p.w_hi;
         }
         if !batch.is_empty() {
             self.flush_batch(img, batch_start, &batch)?;
         }
         Ok(())
+    }
+
+    /// Whether a plan's bytes are written in place now (else the journal
+    /// holds them). A write too big to hold waits for the records that
+    /// need the old bytes to be proven by two commits.
+    fn goes_in_place(
+        &self,
+        img: &Qcow2Image,
+        at: u64,
+        segments: &[WriteSegment<'_>],
+        maps_new: bool,
+    ) -> Result<bool> {
+        let placement = match img.place_data(at, segments, maps_new, false) {
+            Placement::ProveFirst => {
+                img.commit()?;
+                img.commit()?;
+                img.place_data(at, segments, maps_new, true)
+            }
+            p => p,
+        };
+        Ok(placement == Placement::InPlace)
     }
 
     fn flush_batch(

@@ -413,7 +413,19 @@ impl VirtualDisk {
                     .map_err(|err| ImageError::io(img.name(), "read", err))?;
             }
         }
+        img.overlay_held(host.0, buf);
         Ok(())
+    }
+
+    /// Metadata journal records of the top image a crash left and this
+    /// open applied.
+    pub fn journal_records_applied(&self) -> usize {
+        match &self.layers[0] {
+            Layer::Qcow2(img) => img
+                .journal_replayed
+                .load(std::sync::atomic::Ordering::SeqCst),
+            Layer::Raw(_) => 0,
+        }
     }
 
     /// Bytes of the top image the layer below keeps not yet valid (what
@@ -533,8 +545,19 @@ impl VirtualDisk {
         self.before_change()?;
         self.write_locked(offset, data)?;
         drop(guard);
+        self.after_change(fua)
+    }
+
+    /// A FUA change is flushed; a journal transaction grown big is
+    /// committed without waiting for the guest's flush.
+    fn after_change(&self, fua: bool) -> Result<()> {
         if fua {
-            self.flush()?;
+            return self.flush();
+        }
+        if let Layer::Qcow2(img) = &self.layers[0]
+            && img.journal_wants_commit()
+        {
+            img.commit()?;
         }
         Ok(())
     }
@@ -572,10 +595,7 @@ impl VirtualDisk {
             Layer::Qcow2(img) => self.zero_qcow2(img, offset, len, flags.may_unmap)?,
         }
         drop(guard);
-        if flags.fua {
-            self.flush()?;
-        }
-        Ok(())
+        self.after_change(flags.fua)
     }
 
     fn write_zero_buffers(&self, offset: u64, len: u64) -> Result<()> {
@@ -692,7 +712,7 @@ impl VirtualDisk {
             return Ok(());
         }
         let (first, end) = self.cluster_range(offset, len);
-        let _guard = self.locks.lock(first, end, Mode::Exclusive);
+        let guard = self.locks.lock(first, end, Mode::Exclusive);
         self.before_change()?;
         match &self.layers[0] {
             Layer::Raw(r) => {
@@ -700,10 +720,11 @@ impl VirtualDisk {
                 // Advisory: a store that cannot punch holes keeps the bytes.
                 let tag = self.tag(IoClass::GuestData, offset);
                 let _ = self.io.discard(&r.handle, HostOffset(offset), len, tag);
-                Ok(())
             }
-            Layer::Qcow2(img) => self.discard_qcow2(img, offset, len),
+            Layer::Qcow2(img) => self.discard_qcow2(img, offset, len)?,
         }
+        drop(guard);
+        self.after_change(false)
     }
 
     fn discard_qcow2(&self, img: &Qcow2Image, offset: u64, len: u64) -> Result<()> {

@@ -21,7 +21,9 @@ pub mod meta_cache;
 pub mod qimage;
 mod range_lock;
 
-pub use chain::{ImageFormat, LocalFiles, MemFiles, OpenOptions, StoreOpener, Stores, open_chain};
+pub use chain::{
+    ImageFormat, JournalMode, LocalFiles, MemFiles, OpenOptions, StoreOpener, Stores, open_chain,
+};
 pub use check::CheckReport;
 pub use create::{CreateOptions, create_qcow2, create_raw, qcow2_image_bytes};
 pub use disk::{BlockState, FillReport, Layer, VirtualDisk, ZeroFlags};

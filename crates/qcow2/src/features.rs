@@ -11,8 +11,12 @@ pub mod incompatible {
     /// lacks (see [`crate::cache_mark`]). QEMU refuses such an image, so
     /// nobody reads the stale file alone.
     pub const IN_CACHE: u64 = 1 << 56;
+    /// vdcache: the image's metadata journal may hold table updates the
+    /// tables lack (see [`crate::meta_journal`]). QEMU refuses such an
+    /// image until vdcache applies the journal.
+    pub const META_JOURNAL: u64 = 1 << 57;
     pub const KNOWN: u64 =
-        DIRTY | CORRUPT | EXTERNAL_DATA | COMPRESSION_TYPE | EXTENDED_L2 | IN_CACHE;
+        DIRTY | CORRUPT | EXTERNAL_DATA | COMPRESSION_TYPE | EXTENDED_L2 | IN_CACHE | META_JOURNAL;
 }
 
 /// Compatible feature bits: unknown ones may be ignored.
@@ -73,6 +77,11 @@ pub const KNOWN_NAMES: &[(FeatureKind, u8, &str)] = &[
         FeatureKind::Incompatible,
         56,
         "data in vdcache cache; vdcache recover --full",
+    ),
+    (
+        FeatureKind::Incompatible,
+        57,
+        "vdcache metadata journal; vdcache recover",
     ),
     (FeatureKind::Compatible, 0, "lazy refcounts"),
     (FeatureKind::Autoclear, 0, "bitmaps"),

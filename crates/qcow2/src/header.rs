@@ -8,6 +8,7 @@ use crate::bytes::{Reader, pad8};
 use crate::cache_mark::{EXT_CACHE_MARK, MarkSlots};
 use crate::features::{self, FeatureKind, autoclear, compatible, incompatible};
 use crate::geometry::{Geometry, MAX_CLUSTER_BITS, MIN_CLUSTER_BITS};
+use crate::meta_journal::{EXT_META_JOURNAL, JournalExtension};
 use crate::{FormatError, Result};
 
 pub const MAGIC: u32 = 0x5146_49fb;
@@ -84,6 +85,8 @@ pub struct Extensions {
     pub crypto: Option<(u64, u64)>,
     /// vdcache's identity of the image and the cache serving it.
     pub cache_mark: Option<MarkSlots>,
+    /// Where vdcache's metadata journal lies (see [`crate::meta_journal`]).
+    pub meta_journal: Option<JournalExtension>,
     pub unknown: Vec<(u32, Vec<u8>)>,
 }
 
@@ -775,6 +778,7 @@ fn parse_extensions(buf: &[u8], h: &Header) -> Result<Extensions> {
                 ext.crypto = Some((c.u64()?, c.u64()?));
             }
             EXT_CACHE_MARK => ext.cache_mark = Some(MarkSlots::decode(data)?),
+            EXT_META_JOURNAL => ext.meta_journal = Some(JournalExtension::decode(data)?),
             _ => ext.unknown.push((kind, data.to_vec())),
         }
         Ok(())
@@ -880,6 +884,7 @@ fn is_known_ext(kind: u32) -> bool {
             | EXT_CRYPTO
             | EXT_DATA_FILE
             | EXT_CACHE_MARK
+            | EXT_META_JOURNAL
     )
 }
 
@@ -993,6 +998,9 @@ fn encode_extensions(ext: &Extensions) -> Result<Vec<u8>> {
     }
     if let Some(m) = &ext.cache_mark {
         push_ext(&mut out, EXT_CACHE_MARK, &m.encode());
+    }
+    if let Some(j) = &ext.meta_journal {
+        push_ext(&mut out, EXT_META_JOURNAL, &j.encode());
     }
     for (kind, data) in &ext.unknown {
         push_ext(&mut out, *kind, data);

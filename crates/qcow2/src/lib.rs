@@ -16,6 +16,7 @@ pub mod features;
 pub mod fuzzing;
 pub mod geometry;
 pub mod header;
+pub mod meta_journal;
 pub mod refcount;
 pub mod snapshot;
 

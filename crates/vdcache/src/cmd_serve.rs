@@ -130,6 +130,11 @@ pub struct ServeArgs {
     /// With --config, this replaces the file's `[server] metrics`.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
+    /// The image's per-disk metadata journal (one store sync per guest
+    /// flush): auto (default: on unless a writeback cache serves the
+    /// disk), on, or off.
+    #[arg(long, value_name = "auto|on|off", conflicts_with = "config")]
+    metadata_journal: Option<String>,
     #[command(flatten)]
     meta: crate::meta_args::MetaCacheArgs,
     image: Option<String>,
@@ -214,6 +219,7 @@ impl ServeArgs {
                 refcount_cache_size: meta.refcount_cache_size.clone(),
                 meta_slice_size: meta.slice_size.clone(),
                 vhost_user_blk: self.vhost_user_blk,
+                metadata_journal: self.metadata_journal,
                 ..ExportConfig::default()
             }],
         };
@@ -505,11 +511,18 @@ pub struct RecoverArgs {
     /// the newer data the cache held (then check it: `vdcache check -r all`).
     #[arg(long, value_name = "IMAGE", conflicts_with_all = ["full", "cache"])]
     without_cache: Option<PathBuf>,
+    /// Apply what a crash left in IMAGE's metadata journal, so QEMU can
+    /// open it (a writable open by vdcache does the same by itself).
+    #[arg(value_name = "IMAGE", conflicts_with_all = ["full", "cache", "without_cache"])]
+    image: Option<PathBuf>,
 }
 
 pub fn recover(a: RecoverArgs) -> Result<u8> {
     if let Some(image) = &a.without_cache {
         return abandon(image);
+    }
+    if let Some(image) = &a.image {
+        return apply_metadata_journal(image);
     }
     let Some(cache) = a.cache.as_ref().filter(|_| a.full) else {
         bail!(
@@ -559,6 +572,21 @@ fn remove_journal_markers(cache: &std::path::Path) {
             let _ = std::fs::remove_file(e.path());
         }
     }
+}
+
+fn apply_metadata_journal(image: &std::path::Path) -> Result<u8> {
+    let name = image.to_string_lossy();
+    let disk = vdcache_image::open_chain(&name, &vdcache_image::OpenOptions::default())
+        .with_context(|| format!("cannot recover {name}"))?;
+    let applied = disk.journal_records_applied();
+    disk.close()
+        .with_context(|| format!("cannot close {name} after recovery"))?;
+    if applied == 0 {
+        outln!("{name}: no metadata journal to apply; nothing was changed");
+    } else {
+        outln!("{name}: applied {applied} metadata journal record(s); QEMU can open it again");
+    }
+    Ok(0)
 }
 
 fn abandon(image: &std::path::Path) -> Result<u8> {

@@ -216,6 +216,41 @@ pub struct ExportConfig {
     pub share_min: Option<String>,
     pub share_max: Option<String>,
     pub share_weight: Option<f64>,
+    /// The per-disk metadata journal of the top image: auto (default: on
+    /// without a cache or with a writethrough/writearound one, off with
+    /// writeback, which syncs nothing per flush anyway), on, or off.
+    pub metadata_journal: Option<String>,
+}
+
+/// Values of `metadata_journal`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetadataJournal {
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for MetadataJournal {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(MetadataJournal::Auto),
+            "on" => Ok(MetadataJournal::On),
+            "off" => Ok(MetadataJournal::Off),
+            _ => bail!("metadata_journal must be auto, on or off, not '{s}'"),
+        }
+    }
+}
+
+impl ExportConfig {
+    /// The export's `metadata_journal` setting (validated by `validate`).
+    pub fn metadata_journal(&self) -> Result<MetadataJournal> {
+        self.metadata_journal
+            .as_deref()
+            .map_or(Ok(MetadataJournal::Auto), str::parse)
+            .with_context(|| format!("export '{}'", self.name))
+    }
 }
 
 /// Most vhost-user-blk queues an export may offer.
@@ -323,6 +358,7 @@ impl ServerConfig {
             if e.image.is_empty() {
                 bail!("export '{}': image is empty", e.name);
             }
+            e.metadata_journal()?;
             for (key, v) in [
                 ("l2_cache_size", &e.l2_cache_size),
                 ("refcount_cache_size", &e.refcount_cache_size),

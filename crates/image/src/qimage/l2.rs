@@ -6,7 +6,6 @@ use super::overlap::MetaKind;
 use crate::error::{ImageError, Result};
 use crate::hostio::{IoTag, MetaTable};
 use crate::meta_cache::{Probe, SliceCache, Slot};
-use vdcache_qcow2::HostOffset;
 use vdcache_qcow2::bytes::{be64_at, put_be64_at};
 use vdcache_qcow2::entries::{COPIED, L1Entry, L2Mapping};
 
@@ -79,10 +78,7 @@ impl Locked<'_> {
         self.make_room(kind)?;
         let mut data = vec![0u8; size].into_boxed_slice();
         if found == Probe::Missing {
-            self.img
-                .io
-                .read(&self.img.handle, HostOffset(start), &mut data, tag)
-                .map_err(|e| ImageError::io(self.name(), "read metadata", e))?;
+            self.read_meta(start, &mut data, tag)?;
         }
         self.cache(kind).insert(start, Slot { data, dirty: false });
         Ok(())
@@ -349,10 +345,7 @@ impl Locked<'_> {
         let cs = self.img.geometry.cluster_size() as usize;
         let mut content = vec![0u8; cs];
         let tag = self.l2_tag(guest_cluster);
-        self.img
-            .io
-            .read(&self.img.handle, HostOffset(table), &mut content, tag)
-            .map_err(|e| ImageError::io(self.name(), "read L2 table", e))?;
+        self.read_meta(table, &mut content, tag)?;
         let slice = self.m.l2.slice_size() as usize;
         for (i, chunk) in content.chunks_mut(slice).enumerate() {
             if let Some(s) = self.m.l2.peek_mut(table + (i * slice) as u64) {

@@ -147,7 +147,7 @@ impl Qcow2Image {
     fn make_room_for_mark(&self, l: &mut Locked<'_>) -> Result<()> {
         let h = &l.m.header;
         let mut wanted = h.extensions.clone();
-        name_mark_bits(&mut wanted.feature_names);
+        name_bits(&mut wanted.feature_names, &MARK_BITS);
         wanted.cache_mark.get_or_insert_with(MarkSlots::default);
         if wanted == h.extensions {
             return Ok(());
@@ -169,7 +169,7 @@ impl Qcow2Image {
 
     /// The first cluster as the layers below hold it (the file's length
     /// at most).
-    fn read_first_cluster(&self) -> Result<Vec<u8>> {
+    pub(crate) fn read_first_cluster(&self) -> Result<Vec<u8>> {
         let len = self
             .io
             .len(&self.handle)
@@ -251,7 +251,7 @@ impl Qcow2Image {
         Ok(())
     }
 
-    fn write_header_durable(&self, writes: &[(u64, &[u8])]) -> Result<()> {
+    pub(crate) fn write_header_durable(&self, writes: &[(u64, &[u8])]) -> Result<()> {
         let writes: Vec<(HostOffset, &[u8])> =
             writes.iter().map(|&(o, b)| (HostOffset(o), b)).collect();
         self.io
@@ -284,9 +284,9 @@ fn next_mark(old: Option<&CacheMark>, holder: &Holder) -> CacheMark {
     }
 }
 
-/// Adds the names of the mark's bits to a feature name table lacking them.
-fn name_mark_bits(names: &mut Vec<FeatureName>) {
-    for (kind, bit) in MARK_BITS {
+/// Adds the names of `bits` to a feature name table lacking them.
+pub(crate) fn name_bits(names: &mut Vec<FeatureName>, bits: &[(FeatureKind, u8)]) {
+    for &(kind, bit) in bits {
         if names.iter().any(|f| f.kind == kind && f.bit == bit) {
             continue;
         }
@@ -301,7 +301,7 @@ fn name_mark_bits(names: &mut Vec<FeatureName>) {
 }
 
 /// A random 128-bit id from the kernel.
-fn random_id() -> [u8; 16] {
+pub(crate) fn random_id() -> [u8; 16] {
     let mut id = [0u8; 16];
     if getrandom(&mut id).is_err() {
         // No entropy source: time and process make it unique enough here.

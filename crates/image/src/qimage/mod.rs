@@ -13,10 +13,12 @@
 //! metadata that stopped referencing the cluster is durable (frees are
 //! queued and applied after the next flush). See `persist.rs`.
 
+mod journal;
 mod l2;
 mod marks;
 mod overlap;
 mod persist;
+mod prealloc;
 mod refcount;
 
 use crate::error::{ImageError, Result};
@@ -33,6 +35,7 @@ use vdcache_qcow2::header::{self, CompressionType, field_offset};
 use vdcache_qcow2::snapshot::{self, Snapshot};
 use vdcache_qcow2::{Geometry, Header, HostOffset};
 
+pub(crate) use journal::{Placement, recover as recover_journal};
 pub use l2::TableReads;
 pub use marks::abandon_cache;
 pub use persist::FlushReport;
@@ -123,6 +126,10 @@ pub(crate) struct Meta {
     pub(crate) bitmaps: Vec<BitmapEntry>,
     /// Where the metadata lives (see `overlap`).
     pub(crate) map: overlap::MetaMap,
+    /// Table writes go to the metadata journal (see `journal`).
+    pub(crate) journal: Option<journal::Journal>,
+    /// Zeros written ahead of allocation (see `prealloc`).
+    pub(crate) prealloc: Option<prealloc::Prealloc>,
 }
 
 /// An open qcow2 image.
@@ -149,6 +156,18 @@ pub struct Qcow2Image {
     /// Found inconsistent while open (and marked so, if writable): further
     /// writes are refused.
     pub(crate) corrupt: AtomicBool,
+    /// Serializes journal commits (taken before `meta`).
+    pub(crate) commit_lock: Mutex<()>,
+    /// Guest flushes asked of the journal, and how many of them the
+    /// newest finished commit covers (group commit).
+    pub(crate) commit_requests: std::sync::atomic::AtomicU64,
+    pub(crate) commits_cover: std::sync::atomic::AtomicU64,
+    /// Metadata cache sizes (the journal's slots are sized by them).
+    pub(crate) cache_config: MetaCacheConfig,
+    /// The journal holds data writes in memory that reads must see.
+    pub(crate) held: AtomicBool,
+    /// Journal records a crash left that this open applied.
+    pub(crate) journal_replayed: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for Qcow2Image {
@@ -304,6 +323,8 @@ impl Qcow2Image {
             bitmaps,
             header: header.clone(),
             map: overlap::MetaMap::default(),
+            journal: None,
+            prealloc: None,
         };
         let (map, overlaps) = overlap::build(&geometry, &meta);
         if let Some(o) = overlaps.first()
@@ -336,6 +357,12 @@ impl Qcow2Image {
             marked: AtomicBool::new(false),
             keeps_newer: AtomicBool::new(false),
             corrupt: AtomicBool::new(false),
+            commit_lock: Mutex::new(()),
+            commit_requests: std::sync::atomic::AtomicU64::new(0),
+            commits_cover: std::sync::atomic::AtomicU64::new(0),
+            cache_config: opts.cache,
+            held: AtomicBool::new(false),
+            journal_replayed: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -556,6 +583,7 @@ impl Qcow2Image {
         if self.read_only {
             return Ok(());
         }
+        self.stop_journal()?;
         let mut l = self.lock();
         l.flush_all(true)?;
         if l.m.dirty_on_disk {
@@ -659,19 +687,50 @@ impl Locked<'_> {
         IoTag::meta(table, self.img.disk)
     }
 
+    /// A table write: into the open journal transaction when the journal
+    /// is on, else in place.
     pub(crate) fn write_meta(&mut self, table: MetaTable, offset: u64, data: &[u8]) -> Result<()> {
-        let g = self.img.geometry;
-        if let Some((cluster, kind)) =
-            self.m
-                .map
-                .conflict(&g, offset, data.len() as u64, Some(table))
+        self.check_meta_write(table, offset, data.len() as u64)?;
+        if let Some(j) = self.m.journal.as_mut()
+            && !matches!(table, MetaTable::Bitmap | MetaTable::Journal)
         {
+            j.add_meta(table, offset, data);
+            return Ok(());
+        }
+        self.write_in_place(table, offset, data)
+    }
+
+    /// Reads table bytes as they stand, journaled writes included.
+    pub(crate) fn read_meta(&self, offset: u64, buf: &mut [u8], tag: IoTag) -> Result<()> {
+        self.img
+            .io
+            .read(&self.img.handle, HostOffset(offset), buf, tag)
+            .map_err(|e| ImageError::io(self.name(), "read metadata", e))?;
+        if let Some(j) = &self.m.journal {
+            j.overlay_meta(offset, buf);
+        }
+        Ok(())
+    }
+
+    fn check_meta_write(&mut self, table: MetaTable, offset: u64, len: u64) -> Result<()> {
+        let g = self.img.geometry;
+        if let Some((cluster, kind)) = self.m.map.conflict(&g, offset, len, Some(table)) {
             return Err(self.corruption(format!(
                 "Preventing invalid write on metadata: a write of the {} at {offset:#x} overlaps the {} at cluster {cluster}",
                 overlap::table_name(table),
                 kind.describe()
             )));
         }
+        Ok(())
+    }
+
+    /// A table write that goes to the file now, journal or not.
+    pub(crate) fn write_in_place(
+        &mut self,
+        table: MetaTable,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
         self.img
             .io
             .write(
@@ -687,7 +746,12 @@ impl Locked<'_> {
 
     /// An ordering point: writes issued before it are durable no later
     /// than writes issued after it.
+    /// A journal transaction needs none: its tables reach their places
+    /// only after its record is durable.
     pub(crate) fn barrier(&mut self) -> Result<()> {
+        if self.journaling() {
+            return Ok(());
+        }
         self.sync(FlushKind::Barrier)
     }
 
@@ -711,8 +775,12 @@ impl Locked<'_> {
         self.m.unsynced_marks != self.m.synced_marks
     }
 
+    /// A header field written in place (feature bits are for readers of
+    /// the file; fields that must change with a transaction go through
+    /// [`Self::write_meta`]).
     pub(crate) fn write_header_field(&mut self, offset: u64, bytes: &[u8]) -> Result<()> {
-        self.write_meta(MetaTable::Header, offset, bytes)
+        self.check_meta_write(MetaTable::Header, offset, bytes.len() as u64)?;
+        self.write_in_place(MetaTable::Header, offset, bytes)
     }
 
     /// The image turned out inconsistent: unless it is read-only, it is

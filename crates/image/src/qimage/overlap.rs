@@ -34,6 +34,8 @@ pub(crate) enum MetaKind {
     InactiveL1,
     BitmapDirectory,
     BitmapTable,
+    /// vdcache's metadata journal area.
+    Journal,
 }
 
 impl MetaKind {
@@ -49,6 +51,7 @@ impl MetaKind {
             MetaKind::InactiveL1 => "inactive L1 table",
             MetaKind::BitmapDirectory => "bitmap directory",
             MetaKind::BitmapTable => "bitmap table",
+            MetaKind::Journal => "vdcache metadata journal",
         }
     }
 
@@ -62,6 +65,7 @@ impl MetaKind {
                 | (MetaKind::RefcountTable, MetaTable::RefcountTable)
                 | (MetaKind::RefcountBlock(_), MetaTable::RefcountBlock)
                 | (MetaKind::SnapshotTable, MetaTable::SnapshotTable)
+                | (MetaKind::Journal, MetaTable::Journal)
                 | (
                     MetaKind::BitmapDirectory | MetaKind::BitmapTable,
                     MetaTable::Bitmap
@@ -187,6 +191,7 @@ pub(crate) fn table_name(table: MetaTable) -> &'static str {
         MetaTable::RefcountBlock => "refcount block",
         MetaTable::SnapshotTable => "snapshot table",
         MetaTable::Bitmap => "bitmap directory",
+        MetaTable::Journal => "metadata journal",
     }
 }
 
@@ -232,6 +237,9 @@ pub(crate) fn build(g: &Geometry, m: &Meta) -> (MetaMap, Vec<Overlap>) {
                 MetaKind::BitmapTable,
             ));
         }
+    }
+    if let Some(j) = h.extensions.meta_journal {
+        places.push((j.offset, j.size, MetaKind::Journal));
     }
     for (i, &block) in m.reftable.iter().enumerate() {
         if block != 0 && g.is_cluster_aligned(block) {

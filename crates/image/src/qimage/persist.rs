@@ -38,13 +38,16 @@ pub(crate) struct SyncTicket {
 
 /// Queued frees beyond this many trigger an internal flush, so that a guest
 /// that discards without flushing does not grow the file without bound.
-const MAX_PENDING_FREES: usize = 16384;
+pub(crate) const MAX_PENDING_FREES: usize = 16384;
 
 impl super::Qcow2Image {
     /// A guest flush. The durable sync runs without the metadata lock, so
     /// the disk's reads and writes go on while it takes its time; what it
     /// covers was fixed under the lock before it.
     pub(crate) fn flush(&self) -> Result<FlushReport> {
+        if self.lock().journaling() {
+            return self.commit();
+        }
         let (mut report, ticket) = self.lock().write_back_metadata(false)?;
         self.io
             .flush(&self.handle, FlushKind::Durable)
@@ -57,8 +60,9 @@ impl super::Qcow2Image {
 
 impl Locked<'_> {
     /// Whether refcounts must be durable before L2 entries that use them.
+    /// (A journal transaction logs refcounts with everything else.)
     fn ordered_refcounts(&self) -> bool {
-        !(self.img.lazy_refcounts && self.m.dirty_on_disk)
+        self.journaling() || !(self.img.lazy_refcounts && self.m.dirty_on_disk)
     }
 
     /// Writes dirty refcount slices and table entries. Returns whether
@@ -86,7 +90,11 @@ impl Locked<'_> {
             let mut fields = Vec::with_capacity(12);
             fields.extend_from_slice(&table_off.to_be_bytes());
             fields.extend_from_slice(&self.m.header.refcount_table_clusters.to_be_bytes());
-            self.write_header_field(field_offset::REFCOUNT_TABLE_OFFSET, &fields)?;
+            self.write_meta(
+                MetaTable::Header,
+                field_offset::REFCOUNT_TABLE_OFFSET,
+                &fields,
+            )?;
             let g = self.img.geometry;
             let cs = g.cluster_size();
             let old_len = u64::from(old_clusters) * cs;
@@ -256,7 +264,9 @@ impl Locked<'_> {
 
     /// Flushes internally when too many frees wait, bounding file growth.
     pub(crate) fn maybe_flush_for_frees(&mut self) -> Result<()> {
-        if self.m.pending_frees.len() > MAX_PENDING_FREES {
+        // With the journal on, the caller commits once the lock is free
+        // (`Qcow2Image::journal_wants_commit`).
+        if self.m.pending_frees.len() > MAX_PENDING_FREES && !self.journaling() {
             self.flush_all(false)?;
         }
         Ok(())

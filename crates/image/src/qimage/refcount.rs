@@ -115,6 +115,7 @@ impl Locked<'_> {
         for c in start..start + n {
             self.add_refcount(c, 1)?;
         }
+        self.preallocate_past(g.cluster_offset(start + n))?;
         // Whatever the clusters held before (a freed table) is gone.
         let (off, len) = (g.cluster_offset(start), n * g.cluster_size());
         self.m.l2.forget_zero(off, len);

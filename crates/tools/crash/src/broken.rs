@@ -31,6 +31,12 @@ pub enum Breakage {
     /// a durable flush: the L2 entries pointing to new data reach the store
     /// before the data, with no barrier between them.
     DataAfterMetadata,
+    /// The durable flush that follows a metadata journal record is
+    /// dropped (a journal that skips its sync).
+    SkipJournalSync,
+    /// A metadata journal record's table updates are written in place
+    /// before the record itself (tables ahead of their transaction).
+    TablesBeforeRecord,
 }
 
 /// A [`HostIo`] that breaks one ordering rule over direct I/O.
@@ -40,6 +46,8 @@ pub struct BrokenIo {
     breakage: Breakage,
     /// Held-back writes per image, in order.
     held: Mutex<Held>,
+    /// Images whose last write was a journal record.
+    after_record: Mutex<std::collections::HashSet<Arc<str>>>,
 }
 
 /// A write not yet issued: offset, bytes, tag.
@@ -52,6 +60,7 @@ impl BrokenIo {
             inner: DirectIo::default(),
             breakage,
             held: Mutex::new(HashMap::new()),
+            after_record: Mutex::new(std::collections::HashSet::new()),
         })
     }
 
@@ -69,6 +78,35 @@ impl BrokenIo {
                 HostOffset(off),
                 &[WriteSegment { data: &bytes, tag }],
             )?;
+        }
+        Ok(())
+    }
+
+    /// Writes the table updates of a journal record in place.
+    fn write_tables_early(
+        &self,
+        image: &ImageHandle,
+        segments: &[WriteSegment<'_>],
+    ) -> HostResult<()> {
+        let bytes: Vec<u8> = segments
+            .iter()
+            .flat_map(|s| s.data.iter().copied())
+            .collect();
+        let Some(id) = bytes.get(8..24).and_then(|b| <[u8; 16]>::try_from(b).ok()) else {
+            return Ok(());
+        };
+        let Some(record) = vdcache_qcow2::meta_journal::Record::decode(&bytes, &id) else {
+            return Ok(());
+        };
+        for e in record.entries {
+            if let vdcache_qcow2::meta_journal::Entry::Meta { offset, bytes } = e {
+                let tag = IoTag::meta(MetaTable::L2, segments[0].tag.disk);
+                self.inner.write(
+                    image,
+                    HostOffset(offset),
+                    &[WriteSegment { data: &bytes, tag }],
+                )?;
+            }
         }
         Ok(())
     }
@@ -110,6 +148,20 @@ impl HostIo for BrokenIo {
         offset: HostOffset,
         segments: &[WriteSegment<'_>],
     ) -> HostResult<()> {
+        let record = segments
+            .iter()
+            .any(|s| s.tag.class == IoClass::Metadata(MetaTable::Journal));
+        {
+            let mut after = self.after_record.lock().unwrap_or_else(|p| p.into_inner());
+            if record {
+                after.insert(image.name.clone());
+            } else {
+                after.remove(&image.name);
+            }
+        }
+        if record && self.breakage == Breakage::TablesBeforeRecord {
+            self.write_tables_early(image, segments)?;
+        }
         if self.breakage != Breakage::DataAfterMetadata || segments.is_empty() {
             return self.inner.write(image, offset, segments);
         }
@@ -146,7 +198,16 @@ impl HostIo for BrokenIo {
     }
 
     fn flush(&self, image: &ImageHandle, kind: FlushKind) -> HostResult<()> {
+        let after_record = self
+            .after_record
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&image.name);
         match (self.breakage, kind) {
+            (Breakage::SkipJournalSync, FlushKind::Durable) if after_record => Ok(()),
+            (Breakage::SkipJournalSync | Breakage::TablesBeforeRecord, _) => {
+                self.inner.flush(image, kind)
+            }
             (Breakage::DropFlushes, _) | (Breakage::DropBarriers, FlushKind::Barrier) => Ok(()),
             (Breakage::DropBarriers, FlushKind::Durable) => self.inner.flush(image, kind),
             (Breakage::DataAfterMetadata, FlushKind::Barrier) => self.inner.flush(image, kind),

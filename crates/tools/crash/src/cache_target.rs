@@ -89,6 +89,7 @@ impl CacheTarget {
             opener,
             io,
             disk: DiskId(1),
+            metadata_journal: self.images.journal,
             ..OpenOptions::default()
         }
     }

@@ -19,8 +19,8 @@ use vdcache_backend::recording::{CrashState, Log, RecordingBackend};
 use vdcache_backend::{BackendRef, LockMode};
 use vdcache_image::chain::StoreOpener;
 use vdcache_image::{
-    CreateOptions, HostIo, ImageError, ImageFormat, MemFiles, MetaCacheConfig, OpenOptions,
-    VirtualDisk, open_chain, qcow2_image_bytes,
+    CreateOptions, HostIo, ImageError, ImageFormat, JournalMode, MemFiles, MetaCacheConfig,
+    OpenOptions, VirtualDisk, open_chain, qcow2_image_bytes,
 };
 
 /// A system under crash test.
@@ -154,6 +154,8 @@ pub struct Qcow2Target {
     /// HostIo for the workload's opens; `None` is the engine's direct I/O.
     /// Recovery always uses direct I/O.
     pub io: Option<IoFactory>,
+    /// The top image's metadata journal (workload and recovery opens).
+    pub journal: JournalMode,
 }
 
 impl std::fmt::Debug for Qcow2Target {
@@ -165,6 +167,7 @@ impl std::fmt::Debug for Qcow2Target {
             .field("backing", &self.backing)
             .field("cache", &self.cache)
             .field("io", &self.io.is_some())
+            .field("journal", &self.journal)
             .finish()
     }
 }
@@ -183,7 +186,14 @@ impl Qcow2Target {
             backing: Backing::None,
             cache: MetaCacheConfig::default(),
             io: None,
+            journal: JournalMode::Off,
         }
+    }
+
+    /// Serves the top image with its metadata journal.
+    pub fn with_journal(mut self, journal: JournalMode) -> Self {
+        self.journal = journal;
+        self
     }
 
     pub fn with_backing(mut self, backing: Backing) -> Self {
@@ -207,6 +217,7 @@ impl Qcow2Target {
             cache: self.cache,
             opener,
             io,
+            metadata_journal: self.journal,
             ..OpenOptions::default()
         }
     }
@@ -253,7 +264,7 @@ impl CrashTarget for Qcow2Target {
     fn label(&self) -> String {
         let c = &self.create;
         format!(
-            "{} (qcow2 v{} cluster {} refcount_bits {}{}{}{}, size {}, l2 cache {} slice {:?})",
+            "{} (qcow2 v{} cluster {} refcount_bits {}{}{}{}{}, size {}, l2 cache {} slice {:?})",
             self.label,
             c.version,
             c.cluster_size,
@@ -268,6 +279,11 @@ impl CrashTarget for Qcow2Target {
                 Backing::None => "",
                 Backing::Raw => " over raw",
                 Backing::Qcow2 => " over qcow2",
+            },
+            if self.journal == JournalMode::Off {
+                ""
+            } else {
+                " metadata journal"
             },
             self.size,
             self.cache.l2_bytes,
@@ -301,10 +317,16 @@ impl CrashTarget for Qcow2Target {
         Ok(open_chain(Self::TOP, &self.options(opener, io))?)
     }
 
+    /// A writable open replays what a crash left in a metadata journal
+    /// whatever its mode; recovery opens as `vdcache recover` does (the
+    /// journal applied, then dropped), so checks see a plain image.
     fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
         Ok(open_chain(
             Self::TOP,
-            &self.options(mem_files(state), None),
+            &OpenOptions {
+                metadata_journal: JournalMode::Off,
+                ..self.options(mem_files(state), None)
+            },
         )?)
     }
 }

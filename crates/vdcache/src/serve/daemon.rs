@@ -3,15 +3,15 @@
 //! cache device is opened and recovered), one VirtualDisk per export with
 //! its own policy, and an orderly stop that leaves every image clean.
 
-use super::config::{CacheSection, ExportConfig, ServerConfig, journal_marker};
+use super::config::{CacheSection, ExportConfig, MetadataJournal, ServerConfig, journal_marker};
 use crate::size::{human, parse_size};
 use anyhow::{Context, Result};
 use std::path::PathBuf;
 use std::sync::Arc;
-use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache};
+use vdcache_cache::{CacheConfig, CowMode, DiskPolicy, FlashCache, WriteMode};
 use vdcache_image::{
-    DiskId, HostIo, ImageError, ImageFormat, MetaCacheConfig, OpenOptions, Stores, VirtualDisk,
-    open_chain,
+    DiskId, HostIo, ImageError, ImageFormat, JournalMode, MetaCacheConfig, OpenOptions, Stores,
+    VirtualDisk, open_chain,
 };
 
 /// One served disk.
@@ -183,6 +183,18 @@ fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
     Ok(p)
 }
 
+/// The metadata journal an export's top image gets: with a writeback
+/// cache a guest flush syncs no store, so `auto` leaves it off.
+fn journal_mode(e: &ExportConfig, cached: Option<WriteMode>) -> Result<JournalMode> {
+    Ok(match e.metadata_journal()? {
+        MetadataJournal::Off => JournalMode::Off,
+        MetadataJournal::On => JournalMode::Required,
+        MetadataJournal::Auto if cached == Some(WriteMode::WriteBack) => JournalMode::Off,
+        MetadataJournal::Auto if e.journal_for.is_some() => JournalMode::Off,
+        MetadataJournal::Auto => JournalMode::IfPossible,
+    })
+}
+
 impl Daemon {
     /// Opens the cache and every export's chain.
     pub fn build(cfg: &ServerConfig, format_cache: bool) -> Result<Daemon> {
@@ -253,6 +265,7 @@ impl Daemon {
         };
         for (i, e) in cfg.exports.iter().chain(&journals).enumerate() {
             let id = DiskId(i as u32 + 1);
+            let mut write_mode = None;
             let (io, cow): (Option<Arc<dyn HostIo>>, Option<CowMode>) =
                 match (&self.cache, e.no_cache) {
                     (Some(c), false) => {
@@ -262,6 +275,7 @@ impl Daemon {
                             disk_policy(e, c.config().default_policy)?
                         };
                         c.set_policy(id, policy);
+                        write_mode = Some(policy.mode);
                         c.set_share(id, share_of(e)?);
                         (Some(c.clone()), Some(policy.cow))
                     }
@@ -283,6 +297,7 @@ impl Daemon {
                     disk: id,
                     io,
                     opener: opener.clone(),
+                    metadata_journal: journal_mode(e, write_mode)?,
                     ..OpenOptions::default()
                 },
             )

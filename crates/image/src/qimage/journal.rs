@@ -1,0 +1,935 @@
+//! The per-disk metadata journal of one open image (paper 003): every
+//! table update is kept out of place and logged; a guest flush writes one
+//! record and makes it durable together with the interval's guest data by
+//! one sync. Tables reach their places lazily, at checkpoints, so a table
+//! sector changed by a thousand flushes is written in place once.
+//!
+//! Records are cumulative: each holds every update not yet known durable
+//! in place, so recovery replays one record. Updates written in place at a
+//! checkpoint (after a commit's sync) stay in records until the next
+//! commit's sync has made them durable there.
+//!
+//! No-data mode: guest data is written in place right away and the record
+//! holds a checksum of every piece of data its transaction newly maps, so
+//! recovery can tell a complete transaction (its sync finished) from one
+//! whose data was torn, and then replays the record before it instead. A
+//! record is written only after the previous commit's sync returned, so a
+//! newer record proves the older; only the newest record's checksums count.
+//!
+//! Full mode: a write into data whose checksum the newest record (or the
+//! one being committed) still needs would make that record look torn. Such
+//! a write is held in memory (reads see it), logged whole in records, and
+//! written in place once the data it replaces is proven.
+//!
+//! Records go to the area's two slots in turn, so a record never
+//! overwrites the one before it.
+//!
+//! Lock order: the image's commit lock, then `Meta`. Commits are strictly
+//! one after another.
+//!
+//! Must not: decide what is metadata (callers route every table write
+//! here), or order writes by barriers (a transaction needs none).
+
+use super::overlap::MetaKind;
+use super::{Locked, Qcow2Image};
+use crate::error::{ImageError, Result};
+use crate::hostio::{FlushKind, IoClass, IoTag, MetaTable, WriteSegment};
+use std::collections::{BTreeMap, HashMap};
+use vdcache_qcow2::Header;
+use vdcache_qcow2::HostOffset;
+use vdcache_qcow2::features::{FeatureKind, incompatible};
+use vdcache_qcow2::header::field_offset;
+use vdcache_qcow2::meta_journal::{CHECKSUM_BYTES, Entry, JournalExtension, Record, record_len};
+
+/// Checksums cover data in pieces that never cross one of these.
+const PIECE: u64 = 4096;
+/// An interval this big is committed without waiting for a guest flush.
+const COMMIT_AT_BYTES: usize = 512 << 10;
+/// Logged updates beyond this many bytes are written in place after the
+/// next commit (a checkpoint), so records stay small.
+const CHECKPOINT_AT_BYTES: usize = 256 << 10;
+/// A full-mode write this big is not held in memory: the records that
+/// need the old data are proven first.
+const MAX_HELD_WRITE: usize = 256 << 10;
+
+/// Where a data write goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// In place now.
+    InPlace,
+    /// Held in memory and logged (full mode).
+    Held,
+    /// Too big to hold: commit twice, then write in place.
+    ProveFirst,
+}
+
+type Sum = [u8; CHECKSUM_BYTES];
+
+/// Where an update goes: a table of the image file, or guest data of the
+/// data file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Target {
+    Table(MetaTable),
+    Data,
+}
+
+/// One logged update.
+struct Update {
+    target: Target,
+    offset: u64,
+    bytes: Vec<u8>,
+    /// Written in place; durable there once the commit with this sequence
+    /// number has synced.
+    placed: Option<u64>,
+}
+
+/// Updates in the order made; an older update of the same range is
+/// dropped when a newer one arrives.
+#[derive(Default)]
+struct Log {
+    updates: Vec<Option<Update>>,
+    at: HashMap<(Target, u64, usize), usize>,
+    bytes: usize,
+}
+
+impl Log {
+    fn add(&mut self, target: Target, offset: u64, bytes: Vec<u8>) {
+        let key = (target, offset, bytes.len());
+        if let Some(i) = self.at.remove(&key)
+            && let Some(old) = self.updates[i].take()
+        {
+            self.bytes -= old.bytes.len() + 16;
+        }
+        self.at.insert(key, self.updates.len());
+        self.bytes += bytes.len() + 16;
+        self.updates.push(Some(Update {
+            target,
+            offset,
+            bytes,
+            placed: None,
+        }));
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Update> {
+        self.updates.iter().flatten()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.at.is_empty()
+    }
+
+    fn overlay(&self, target: Target, offset: u64, buf: &mut [u8]) {
+        for u in self.iter().filter(|u| u.target == target) {
+            overlay(offset, buf, u.offset, &u.bytes);
+        }
+    }
+
+    fn holds_data(&self) -> bool {
+        self.iter().any(|u| u.target == Target::Data)
+    }
+
+    fn overlaps_data(&self, at: u64, end: u64) -> bool {
+        self.iter().any(|u| {
+            u.target == Target::Data && u.offset < end && at < u.offset + u.bytes.len() as u64
+        })
+    }
+
+    /// Drops updates durable in place once commit `seq` synced.
+    fn forget_placed(&mut self, seq: u64) {
+        for slot in &mut self.updates {
+            if slot
+                .as_ref()
+                .and_then(|u| u.placed)
+                .is_some_and(|p| p <= seq)
+                && let Some(u) = slot.take()
+            {
+                self.at.remove(&(u.target, u.offset, u.bytes.len()));
+                self.bytes -= u.bytes.len() + 16;
+            }
+        }
+        if self.at.is_empty() {
+            self.updates.clear();
+        }
+    }
+
+    fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
+        self.iter().map(|u| match u.target {
+            Target::Table(_) => Entry::Meta {
+                offset: u.offset,
+                bytes: u.bytes.clone(),
+            },
+            Target::Data => Entry::Data {
+                offset: u.offset,
+                bytes: u.bytes.clone(),
+            },
+        })
+    }
+}
+
+/// The journal of an image open for writing.
+pub(crate) struct Journal {
+    pub(crate) ext: JournalExtension,
+    /// Sequence number of the next record (its slot is `seq % 2`).
+    next_seq: u64,
+    /// Every update not yet known durable in place, this interval's
+    /// included.
+    log: Log,
+    /// Checksums of data this interval newly maps, by piece start.
+    sums: BTreeMap<u64, (u32, Sum)>,
+    /// The checksums of the commit in flight (back to `sums` if it fails).
+    committing: Option<BTreeMap<u64, (u32, Sum)>>,
+    /// Pieces whose checksums the newest record (or the one in flight)
+    /// holds: start -> end. Nothing is written over them in place.
+    unproven: BTreeMap<u64, u64>,
+    /// Bytes this interval added (commits early when large).
+    interval_bytes: usize,
+    /// Records written, for statistics.
+    pub(crate) records: u64,
+}
+
+impl Journal {
+    pub(crate) fn new(ext: JournalExtension) -> Journal {
+        Journal {
+            ext,
+            next_seq: 1,
+            log: Log::default(),
+            sums: BTreeMap::new(),
+            committing: None,
+            unproven: BTreeMap::new(),
+            interval_bytes: 0,
+            records: 0,
+        }
+    }
+
+    /// A table write.
+    pub(crate) fn add_meta(&mut self, table: MetaTable, offset: u64, bytes: &[u8]) {
+        self.interval_bytes += bytes.len();
+        self.log.add(Target::Table(table), offset, bytes.to_vec());
+    }
+
+    /// Whether this interval has grown enough to commit on its own.
+    pub(crate) fn wants_commit(&self) -> bool {
+        self.interval_bytes >= COMMIT_AT_BYTES
+    }
+
+    /// Whether any write is held in memory (reads must look).
+    pub(crate) fn holds_data(&self) -> bool {
+        self.log.holds_data()
+    }
+
+    /// Lays table writes not yet in place over `buf`, read from `offset`.
+    pub(crate) fn overlay_meta(&self, offset: u64, buf: &mut [u8]) {
+        for table in [
+            MetaTable::Header,
+            MetaTable::L1,
+            MetaTable::L2,
+            MetaTable::RefcountTable,
+            MetaTable::RefcountBlock,
+            MetaTable::SnapshotTable,
+        ] {
+            self.log.overlay(Target::Table(table), offset, buf);
+        }
+    }
+
+    /// Lays held data writes over `buf`, read from data offset `offset`.
+    pub(crate) fn overlay_data(&self, offset: u64, buf: &mut [u8]) {
+        self.log.overlay(Target::Data, offset, buf);
+    }
+
+    fn is_unproven(&self, at: u64, end: u64) -> bool {
+        self.unproven
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &e)| e > at)
+    }
+
+    /// Decides where a data write of `segments` at `at` goes, recording
+    /// what the journal must know of it. `maps_new` says the write fills
+    /// space this interval maps for the first time.
+    pub(crate) fn place_data(
+        &mut self,
+        at: u64,
+        segments: &[WriteSegment<'_>],
+        maps_new: bool,
+        may_hold_big: bool,
+    ) -> Placement {
+        let len: usize = segments.iter().map(|s| s.data.len()).sum();
+        let end = at + len as u64;
+        if self.log.overlaps_data(at, end)
+            || self.is_unproven(at, end)
+            || !self.sums_cover_whole(at, end)
+        {
+            if len > MAX_HELD_WRITE && !may_hold_big {
+                return Placement::ProveFirst;
+            }
+            let bytes: Vec<u8> = segments
+                .iter()
+                .flat_map(|s| s.data.iter().copied())
+                .collect();
+            self.interval_bytes += len;
+            self.log.add(Target::Data, at, bytes);
+            return Placement::Held;
+        }
+        let touches_sums = self
+            .sums
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, &(l, _))| s + u64::from(l) > at);
+        if maps_new || touches_sums {
+            self.add_sums(at, segments);
+        }
+        Placement::InPlace
+    }
+
+    /// Whether every checksummed piece the range touches lies inside it
+    /// (a partly rewritten piece's checksum could not be recomputed).
+    fn sums_cover_whole(&self, at: u64, end: u64) -> bool {
+        let first = self.sums.range(..=at).next_back().map_or(at, |(&s, _)| s);
+        self.sums
+            .range(first..end)
+            .all(|(&s, &(l, _))| s + u64::from(l) <= at || (s >= at && s + u64::from(l) <= end))
+    }
+
+    fn add_sums(&mut self, at: u64, segments: &[WriteSegment<'_>]) {
+        let mut pos = at;
+        let mut hasher = blake3::Hasher::new();
+        let mut piece_start = at;
+        for seg in segments {
+            let mut data = seg.data;
+            while !data.is_empty() {
+                let piece_end = (pos / PIECE + 1) * PIECE;
+                let take = data.len().min((piece_end - pos) as usize);
+                hasher.update(&data[..take]);
+                data = &data[take..];
+                pos += take as u64;
+                if pos == piece_end {
+                    self.put_sum(piece_start, pos, &hasher);
+                    hasher.reset();
+                    piece_start = pos;
+                }
+            }
+        }
+        if pos > piece_start {
+            self.put_sum(piece_start, pos, &hasher);
+        }
+    }
+
+    fn put_sum(&mut self, start: u64, end: u64, hasher: &blake3::Hasher) {
+        let stale: Vec<u64> = self.sums.range(start..end).map(|(&s, _)| s).collect();
+        for s in stale {
+            self.sums.remove(&s);
+        }
+        let mut sum = [0u8; CHECKSUM_BYTES];
+        sum.copy_from_slice(&hasher.finalize().as_bytes()[..CHECKSUM_BYTES]);
+        self.sums.insert(start, ((end - start) as u32, sum));
+        self.interval_bytes += 32;
+    }
+
+    /// Starts a commit: the record (every logged update and this
+    /// interval's checksums) and where it goes, or `None` if nothing needs
+    /// logging. Clusters the interval freed need no checksum: nothing maps
+    /// them once the record is durable, and they may be discarded after.
+    fn begin_commit(
+        &mut self,
+        freed: &[u64],
+        cluster: u64,
+        forced: bool,
+    ) -> Option<(u64, Vec<u8>)> {
+        if self.committing.is_some() {
+            return None;
+        }
+        let mut sums = std::mem::take(&mut self.sums);
+        self.interval_bytes = 0;
+        if !freed.is_empty() {
+            let freed: std::collections::HashSet<u64> = freed.iter().copied().collect();
+            sums.retain(|s, _| !freed.contains(&(s / cluster)));
+        }
+        let proves_something = forced && !self.unproven.is_empty();
+        if self.log.is_empty() && sums.is_empty() && !proves_something {
+            return None;
+        }
+        let checks = sums
+            .iter()
+            .map(|(&offset, &(len, sum))| Entry::Checksum { offset, len, sum });
+        let record = Record {
+            seq: self.next_seq,
+            entries: self.log.entries().chain(checks).collect(),
+        };
+        for (&s, &(l, _)) in &sums {
+            self.unproven.insert(s, s + u64::from(l));
+        }
+        self.committing = Some(sums);
+        Some((
+            self.ext.slot_offset(self.next_seq),
+            record.encode(&self.ext.id),
+        ))
+    }
+
+    /// The commit's sync returned: its record is the newest, what the one
+    /// before needed is proven, and updates placed before it are durable.
+    fn end_commit(&mut self) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.records += 1;
+        let sums = self.committing.take().unwrap_or_default();
+        self.unproven = sums
+            .iter()
+            .map(|(&s, &(l, _))| (s, s + u64::from(l)))
+            .collect();
+        self.log.forget_placed(seq);
+    }
+
+    /// The commit failed before its record was known durable: its
+    /// checksums are needed again, and the next attempt reuses the same
+    /// slot (the other one holds the last good record).
+    fn abort_commit(&mut self) {
+        if let Some(mut sums) = self.committing.take() {
+            sums.append(&mut self.sums);
+            self.sums = sums;
+        }
+    }
+
+    /// Updates to write in place now (after commit `seq` synced): all
+    /// once the log is big (or `all`), except held data over pieces still
+    /// unproven. They stay logged until the next commit's sync.
+    fn take_checkpoint(&mut self, all: bool) -> Vec<(Target, u64, Vec<u8>)> {
+        if !all && self.log.bytes < CHECKPOINT_AT_BYTES {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let seq = self.next_seq;
+        let unproven = std::mem::take(&mut self.unproven);
+        let blocked = |u: &Update| {
+            u.target == Target::Data
+                && unproven
+                    .range(..u.offset + u.bytes.len() as u64)
+                    .next_back()
+                    .is_some_and(|(_, &e)| e > u.offset)
+        };
+        for u in self.log.updates.iter_mut().flatten() {
+            if u.placed.is_none() && !blocked(u) {
+                u.placed = Some(seq);
+                out.push((u.target, u.offset, u.bytes.clone()));
+            }
+        }
+        self.unproven = unproven;
+        out
+    }
+
+    /// Whether a record of `bytes` fits a slot.
+    fn fits(&self, bytes: usize) -> bool {
+        bytes as u64 <= self.ext.slot_bytes()
+    }
+}
+
+/// Copies the part of `src` (at `src_at`) that overlaps `buf` (at `at`).
+fn overlay(at: u64, buf: &mut [u8], src_at: u64, src: &[u8]) {
+    let start = at.max(src_at);
+    let end = (at + buf.len() as u64).min(src_at + src.len() as u64);
+    if start < end {
+        buf[(start - at) as usize..(end - at) as usize]
+            .copy_from_slice(&src[(start - src_at) as usize..(end - src_at) as usize]);
+    }
+}
+
+impl Locked<'_> {
+    /// Whether table writes go to the journal.
+    pub(crate) fn journaling(&self) -> bool {
+        self.m.journal.is_some()
+    }
+
+    /// Writes a checkpoint's updates in place.
+    fn write_updates(&mut self, updates: &[(Target, u64, Vec<u8>)]) -> Result<()> {
+        for (target, offset, bytes) in updates {
+            match *target {
+                Target::Table(table) => self.write_in_place(table, *offset, bytes)?,
+                Target::Data => self
+                    .img
+                    .io
+                    .write(
+                        &self.img.data,
+                        HostOffset(*offset),
+                        &[WriteSegment {
+                            data: bytes,
+                            tag: IoTag {
+                                class: IoClass::GuestData,
+                                disk: self.img.disk,
+                                guest_cluster: None,
+                                unit: None,
+                            },
+                        }],
+                    )
+                    .map_err(|e| ImageError::io(self.name(), "write journaled data", e))?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Qcow2Image {
+    /// A guest flush with the journal on: one record, one sync. Flushes
+    /// that arrive while a commit runs are served together by the next
+    /// one (group commit): a commit that starts after a flush arrived
+    /// covers every write that completed before it.
+    pub(crate) fn commit(&self) -> Result<super::FlushReport> {
+        use std::sync::atomic::Ordering;
+        let ticket = self.commit_requests.fetch_add(1, Ordering::SeqCst) + 1;
+        let _commit = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        if self.commits_cover.load(Ordering::SeqCst) >= ticket {
+            return Ok(super::FlushReport::default());
+        }
+        let covers = self.commit_requests.load(Ordering::SeqCst);
+        let report = self.commit_locked(false, false)?;
+        self.commits_cover.fetch_max(covers, Ordering::SeqCst);
+        Ok(report)
+    }
+
+    /// `forced`: write a record even with nothing new, so the newest
+    /// checksums are proven; `checkpoint_all`: afterwards write every
+    /// update in place.
+    fn commit_with(&self, forced: bool, checkpoint_all: bool) -> Result<super::FlushReport> {
+        let _commit = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.commit_locked(forced, checkpoint_all)
+    }
+
+    /// [`Self::commit_with`] with the commit lock held.
+    fn commit_locked(&self, forced: bool, checkpoint_all: bool) -> Result<super::FlushReport> {
+        let (report, ticket, record) = {
+            let mut l = self.lock();
+            let (report, ticket) = l.write_back_metadata(false)?;
+            let freed = if self.external_data {
+                Vec::new()
+            } else {
+                l.m.pending_frees.clone()
+            };
+            let cluster = self.geometry.cluster_size();
+            let Some(j) = l.m.journal.as_mut() else {
+                return Err(ImageError::corrupt(self.name(), "the journal vanished"));
+            };
+            let record = j.begin_commit(&freed, cluster, forced);
+            if let Some((_, bytes)) = &record
+                && !j.fits(bytes.len())
+            {
+                j.abort_commit();
+                return Err(ImageError::Unsupported {
+                    image: self.name().to_string(),
+                    reason: format!(
+                        "a metadata journal record of {} bytes does not fit the journal's {}-byte slot",
+                        bytes.len(),
+                        j.ext.slot_bytes()
+                    ),
+                });
+            }
+            (report, ticket, record)
+        };
+        let synced = record
+            .as_ref()
+            .map_or(Ok(()), |(at, bytes)| self.write_record(*at, bytes))
+            .and_then(|()| {
+                self.io
+                    .flush(&self.handle, FlushKind::Durable)
+                    .map_err(|e| ImageError::io(self.name(), "flush", e))
+            });
+        let mut l = self.lock();
+        let Some(j) = l.m.journal.as_mut() else {
+            return Err(ImageError::corrupt(self.name(), "the journal vanished"));
+        };
+        if let Err(e) = synced {
+            j.abort_commit();
+            return Err(e);
+        }
+        if record.is_some() {
+            j.end_commit();
+        }
+        let updates = j.take_checkpoint(checkpoint_all);
+        l.write_updates(&updates)?;
+        let held = l.m.journal.as_ref().is_some_and(Journal::holds_data);
+        self.held.store(held, std::sync::atomic::Ordering::SeqCst);
+        l.sync_done(ticket)?;
+        Ok(super::FlushReport {
+            barriers: 1,
+            ..report
+        })
+    }
+
+    fn write_record(&self, at: u64, bytes: &[u8]) -> Result<()> {
+        self.io
+            .write(
+                &self.handle,
+                HostOffset(at),
+                &[WriteSegment {
+                    data: bytes,
+                    tag: IoTag::meta(MetaTable::Journal, self.disk),
+                }],
+            )
+            .map_err(|e| ImageError::io(self.name(), "write the metadata journal", e))
+    }
+
+    /// Lays held full-mode writes over data just read (cheap when none).
+    pub(crate) fn overlay_held(&self, offset: u64, buf: &mut [u8]) {
+        if !self.held.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        if let Some(j) = self.lock().m.journal.as_ref() {
+            j.overlay_data(offset, buf);
+        }
+    }
+
+    /// Where a data write goes (see [`Journal::place_data`]).
+    pub(crate) fn place_data(
+        &self,
+        at: u64,
+        segments: &[WriteSegment<'_>],
+        maps_new: bool,
+        may_hold_big: bool,
+    ) -> Placement {
+        let mut l = self.lock();
+        let Some(j) = l.m.journal.as_mut() else {
+            return Placement::InPlace;
+        };
+        let placement = j.place_data(at, segments, maps_new, may_hold_big);
+        if placement == Placement::Held {
+            self.held.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        placement
+    }
+
+    /// Whether the open interval should be committed now.
+    pub(crate) fn journal_wants_commit(&self) -> bool {
+        let l = self.lock();
+        l.m.journal.as_ref().is_some_and(Journal::wants_commit)
+            || (l.journaling() && l.m.pending_frees.len() > super::persist::MAX_PENDING_FREES)
+    }
+
+    /// Records committed since open.
+    pub fn journal_records(&self) -> u64 {
+        self.lock().m.journal.as_ref().map_or(0, |j| j.records)
+    }
+}
+
+/// The record recovery replays: the newest, if the data it checksums is
+/// all there (its sync finished), else the one before it (which the
+/// newest's existence proves complete).
+pub(crate) fn record_to_replay(
+    ext: &JournalExtension,
+    slots: [&[u8]; 2],
+    data_sum: &mut dyn FnMut(u64, u32) -> Result<Sum>,
+) -> Result<Option<Record>> {
+    let mut found: Vec<Record> = slots
+        .iter()
+        .filter_map(|s| Record::decode(s, &ext.id))
+        .collect();
+    found.sort_by_key(|r| r.seq);
+    let Some(newest) = found.pop() else {
+        return Ok(None);
+    };
+    if complete(&newest, data_sum)? {
+        return Ok(Some(newest));
+    }
+    Ok(found.pop().filter(|r| r.seq + 1 == newest.seq))
+}
+
+fn complete(r: &Record, data_sum: &mut dyn FnMut(u64, u32) -> Result<Sum>) -> Result<bool> {
+    for e in &r.entries {
+        if let Entry::Checksum { offset, len, sum } = e
+            && data_sum(*offset, *len)? != *sum
+        {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The checksum a piece of data has in a record.
+pub(crate) fn checksum(data: &[u8]) -> Sum {
+    let mut sum = [0u8; CHECKSUM_BYTES];
+    sum.copy_from_slice(&blake3::hash(data).as_bytes()[..CHECKSUM_BYTES]);
+    sum
+}
+
+/// Bytes a journal slot needs for an image with these metadata caches.
+pub(crate) fn slot_bytes(cache: &crate::meta_cache::MetaCacheConfig, cluster: u64) -> u64 {
+    // Dirty slices (at most the cache), updates placed at the last
+    // checkpoint and not yet durable, and an interval's growth before it
+    // commits on its own (each bounded by the constants above).
+    let want = cache.l2_bytes + cache.refcount_bytes + (3 << 20) + 4 * cluster;
+    record_len(want as usize).next_multiple_of(cluster)
+}
+
+impl Qcow2Image {
+    /// Turns the journal on for this open: the area (the one a crash left,
+    /// or new clusters), a new journal id, and the feature bit, all durable
+    /// before the first transaction. `required`: a version 2 image (no
+    /// feature bits to guard the journal) is refused rather than served
+    /// without one.
+    pub(crate) fn start_journal(&self, required: bool) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        let mut l = self.lock();
+        if l.m.header.version < 3 {
+            if required {
+                return Err(ImageError::Unsupported {
+                    image: self.name().to_string(),
+                    reason: "a version 2 (compat=0.10) image has no feature bit to keep QEMU away from a journaled image; upgrade it with `qemu-img amend -o compat=1.1`, or serve it with the metadata journal off".into(),
+                });
+            }
+            return Ok(());
+        }
+        let g = self.geometry;
+        let cs = g.cluster_size();
+        let ext = match l.m.header.extensions.meta_journal {
+            Some(old) => JournalExtension {
+                id: super::marks::random_id(),
+                ..old
+            },
+            None => {
+                let slot = slot_bytes(&self.cache_config, cs);
+                let first = match l.alloc_clusters(2 * slot / cs) {
+                    Ok(first) => first,
+                    Err(e @ ImageError::NoSpace { .. }) if !required => {
+                        tracing::warn!(
+                            image = self.name(),
+                            "no room for the metadata journal ({} bytes): serving without it ({e})",
+                            2 * slot
+                        );
+                        return Ok(());
+                    }
+                    Err(e) => return Err(e),
+                };
+                l.flush_all(false)?;
+                JournalExtension {
+                    offset: g.cluster_offset(first),
+                    size: 2 * slot,
+                    id: super::marks::random_id(),
+                }
+            }
+        };
+        let zero = [0u8; 512];
+        for at in [ext.offset, ext.slot_offset(1), ext.offset + ext.size - 512] {
+            l.write_in_place(MetaTable::Journal, at, &zero)?;
+        }
+        let mut wanted = l.m.header.extensions.clone();
+        wanted.meta_journal = Some(ext);
+        super::marks::name_bits(
+            &mut wanted.feature_names,
+            &[(FeatureKind::Incompatible, 57)],
+        );
+        let mut first = self.read_first_cluster()?;
+        let bits = l.m.header.incompatible_features | incompatible::META_JOURNAL;
+        first[field_offset::INCOMPATIBLE_FEATURES as usize..][..8]
+            .copy_from_slice(&bits.to_be_bytes());
+        self.rewrite_header(&mut l, &first, &wanted)?;
+        if l.m.map.kind_at(g.host_cluster(HostOffset(ext.offset))) != Some(MetaKind::Journal)
+            && let Err(o) = l.m.map.insert(&g, ext.offset, ext.size, MetaKind::Journal)
+        {
+            return Err(l.corruption(format!("the metadata journal: {o}")));
+        }
+        l.m.journal = Some(Journal::new(ext));
+        if self.io.copies().holder().is_none() {
+            // Below a cache the zeros would fill flash; without one, they
+            // spare the store's file system an allocation per flush.
+            l.m.prealloc = Some(super::prealloc::Prealloc::new());
+        }
+        Ok(())
+    }
+
+    /// Commits what is open, puts every table in place durably, then
+    /// drops the journal: the bit and the extension go first (no stale
+    /// record is ever replayed), then the area's clusters are freed.
+    pub(crate) fn stop_journal(&self) -> Result<()> {
+        if !self.lock().journaling() {
+            return Ok(());
+        }
+        self.commit()?;
+        self.commit_with(true, true)?;
+        let _commit = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut l = self.lock();
+        l.sync(FlushKind::Durable)?;
+        l.m.journal = None;
+        self.drop_journal_area(&mut l)?;
+        l.trim_preallocation()
+    }
+
+    /// A journal area an earlier session left (its records were applied
+    /// at open) goes when this session runs without one.
+    pub(crate) fn drop_leftover_journal(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        let mut l = self.lock();
+        self.drop_journal_area(&mut l)
+    }
+
+    /// Removes the journal's extension and bit and frees its area.
+    pub(crate) fn drop_journal_area(&self, l: &mut Locked<'_>) -> Result<()> {
+        let Some(ext) = l.m.header.extensions.meta_journal else {
+            return Ok(());
+        };
+        let mut wanted = l.m.header.extensions.clone();
+        wanted.meta_journal = None;
+        let mut first = self.read_first_cluster()?;
+        let bits = l.m.header.incompatible_features & !incompatible::META_JOURNAL;
+        first[field_offset::INCOMPATIBLE_FEATURES as usize..][..8]
+            .copy_from_slice(&bits.to_be_bytes());
+        self.rewrite_header(l, &first, &wanted)?;
+        let g = self.geometry;
+        l.m.map.remove(&g, ext.offset, ext.size, MetaKind::Journal);
+        let cs = g.cluster_size();
+        // Freed here rather than queued: nothing durable references the
+        // area any more, and one discard of it beats one per cluster.
+        for c in ext.offset / cs..(ext.offset + ext.size) / cs {
+            if l.refcount(c)? > 0 {
+                l.add_refcount(c, -1)?;
+                l.m.map.forget(c);
+            }
+        }
+        l.flush_all(true)?;
+        let tag = IoTag {
+            class: IoClass::Reclaim,
+            disk: self.disk,
+            guest_cluster: None,
+            unit: None,
+        };
+        // Advisory: a store without discard keeps the bytes.
+        let _ = self
+            .io
+            .discard(&self.handle, HostOffset(ext.offset), ext.size, tag);
+        Ok(())
+    }
+
+    /// Rewrites the header (from `first`, its first cluster with any field
+    /// changes) to carry `wanted` extensions, crash-safely, and reloads it.
+    fn rewrite_header(
+        &self,
+        l: &mut Locked<'_>,
+        first: &[u8],
+        wanted: &vdcache_qcow2::header::Extensions,
+    ) -> Result<()> {
+        let plan =
+            l.m.header
+                .rewrite_plan(first, wanted)
+                .map_err(|e| ImageError::Unsupported {
+                    image: self.name().to_string(),
+                    reason: format!("the metadata journal cannot be recorded in the header ({e})"),
+                })?;
+        for w in &plan {
+            self.write_header_durable(&[(w.offset, &w.bytes)])?;
+        }
+        let first = self.read_first_cluster()?;
+        let header = Header::parse(&first).map_err(|e| ImageError::format(self.name(), e))?;
+        l.m.header = Header {
+            // A reload must not forget a cache mark stamped in memory only.
+            extensions: vdcache_qcow2::header::Extensions {
+                cache_mark: header.extensions.cache_mark.clone().or(l
+                    .m
+                    .header
+                    .extensions
+                    .cache_mark
+                    .clone()),
+                ..header.extensions.clone()
+            },
+            ..header
+        };
+        Ok(())
+    }
+}
+
+/// Applies what a crash left in an image's metadata journal, before the
+/// image is opened (its tables are read from the file). Returns the
+/// header as it stands afterwards and the number of records replayed.
+/// A read-only open of an image with records to replay is refused.
+pub(crate) fn recover(
+    handle: &crate::hostio::ImageHandle,
+    data: Option<&crate::hostio::ImageHandle>,
+    io: &dyn crate::hostio::HostIo,
+    header: Header,
+    writable: bool,
+    disk: crate::hostio::DiskId,
+) -> Result<(Header, usize)> {
+    let name = &*handle.name;
+    if header.incompatible_features & incompatible::META_JOURNAL == 0 {
+        return Ok((header, 0));
+    }
+    let Some(ext) = header.extensions.meta_journal else {
+        return Err(ImageError::corrupt(
+            name,
+            "the metadata journal bit is set but the header does not say where the journal is",
+        ));
+    };
+    let file_len = io
+        .len(handle)
+        .map_err(|e| ImageError::io(name, "stat", e))?;
+    let mut slots = [Vec::new(), Vec::new()];
+    for (i, slot) in slots.iter_mut().enumerate() {
+        let at = ext.slot_offset(i as u64);
+        let len = ext.slot_bytes().min(file_len.saturating_sub(at));
+        *slot = vec![0u8; len as usize];
+        io.read(
+            handle,
+            HostOffset(at),
+            slot,
+            IoTag::meta(MetaTable::Journal, disk),
+        )
+        .map_err(|e| ImageError::io(name, "read the metadata journal", e))?;
+    }
+    let data = data.unwrap_or(handle);
+    let data_len = io.len(data).map_err(|e| ImageError::io(name, "stat", e))?;
+    let mut data_sum = |offset: u64, len: u32| -> Result<Sum> {
+        if offset.saturating_add(u64::from(len)) > data_len {
+            return Ok([0; CHECKSUM_BYTES]);
+        }
+        let mut buf = vec![0u8; len as usize];
+        io.read(
+            data,
+            HostOffset(offset),
+            &mut buf,
+            IoTag::meta(MetaTable::Journal, disk),
+        )
+        .map_err(|e| ImageError::io(name, "read data the journal checksums", e))?;
+        Ok(checksum(&buf))
+    };
+    let replay: Vec<Record> = record_to_replay(&ext, [&slots[0], &slots[1]], &mut data_sum)?
+        .into_iter()
+        .collect();
+    if replay.is_empty() {
+        return Ok((header, 0));
+    }
+    if !writable {
+        return Err(ImageError::Unsupported {
+            image: name.to_string(),
+            reason: "its metadata journal holds updates its tables lack; open it writable once (or run `vdcache recover IMAGE`) to apply them".into(),
+        });
+    }
+    for r in &replay {
+        for e in &r.entries {
+            let (target, offset, bytes, table) = match e {
+                Entry::Meta { offset, bytes } => (handle, *offset, bytes, MetaTable::Journal),
+                Entry::Data { offset, bytes } => (data, *offset, bytes, MetaTable::Journal),
+                Entry::Checksum { .. } => continue,
+            };
+            io.write(
+                target,
+                HostOffset(offset),
+                &[WriteSegment {
+                    data: bytes,
+                    tag: IoTag::meta(table, disk),
+                }],
+            )
+            .map_err(|e| ImageError::io(name, "apply the metadata journal", e))?;
+        }
+    }
+    io.flush(handle, FlushKind::Durable)
+        .map_err(|e| ImageError::io(name, "flush", e))?;
+    if !std::ptr::eq(data, handle) {
+        io.flush(data, FlushKind::Durable)
+            .map_err(|e| ImageError::io(name, "flush", e))?;
+    }
+    tracing::info!(
+        image = name,
+        records = replay.len(),
+        "applied the metadata journal"
+    );
+    let (header, _) = super::read_header(handle, io, disk)?;
+    Ok((header, replay.len()))
+}

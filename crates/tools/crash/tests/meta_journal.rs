@@ -1,0 +1,203 @@
+//! The qcow2 engine with its per-disk metadata journal (paper 003) under
+//! the crash harness: table updates logged out of place, one sync per
+//! guest flush, checkpoints, full-mode writes over data the newest record
+//! checksums, adaptive preallocation, and the same through a writethrough
+//! flash cache. Every crash state must pass invariants 1-3 after recovery
+//! replays the journal. Two deliberate mutations of the journal's ordering
+//! must be caught.
+//!
+//! Longer sweeps: `VDCACHE_CRASH_STATES=N`, `VDCACHE_CRASH_SEEDS=M` (the
+//! README's journal soak).
+
+use vdcache_cache::{Admission, CacheConfig, CowMode, DiskPolicy, Replacement, WriteMode};
+use vdcache_crash::harness::sweep_clean;
+use vdcache_crash::{
+    Backing, Breakage, BrokenIo, CacheTarget, Qcow2Target, RunConfig, SEEDS_ENV, STATES_ENV,
+    WorkloadConfig, qemu_img_available, run, seed_count, state_budget,
+};
+use vdcache_image::{CreateOptions, JournalMode, MetaCacheConfig};
+
+const MIB: u64 = 1 << 20;
+/// States per workload seed in a release run; four seeds for each of
+/// four engine configurations make over 10,000 states per CI run.
+const BUDGET: usize = 900;
+const SEEDS: u64 = 4;
+/// Distinct states each configuration must reach (some of a budget are
+/// duplicates).
+const MIN_STATES: usize = 2800;
+
+fn run_config(seed: u64) -> RunConfig {
+    RunConfig {
+        workload: WorkloadConfig {
+            seed,
+            ..WorkloadConfig::default()
+        },
+        qemu_img_check: qemu_img_available(),
+        qemu_img_every: 60,
+        ..RunConfig::default()
+    }
+}
+
+/// Sweeps `SEEDS` workloads (or `VDCACHE_CRASH_SEEDS`) and asserts no
+/// violation and, with the default budget, that at least `MIN_STATES`
+/// distinct states were checked.
+fn sweep(target: &Qcow2Target, first_seed: u64) {
+    let budget = if cfg!(debug_assertions) {
+        BUDGET / 8
+    } else {
+        BUDGET
+    };
+    let seeds = if std::env::var(SEEDS_ENV).is_ok() {
+        seed_count(1) as u64
+    } else {
+        SEEDS
+    };
+    let mut states = 0;
+    for seed in first_seed..first_seed + seeds {
+        let cfg = RunConfig {
+            budget: state_budget(budget),
+            ..run_config(seed)
+        };
+        let report = run(target, &cfg).expect("harness run");
+        eprintln!("{}", report.summary());
+        assert!(report.is_clean(), "crash violations:\n{report}");
+        states += report.states;
+    }
+    if std::env::var(STATES_ENV).is_err() && !cfg!(debug_assertions) {
+        assert!(
+            states >= MIN_STATES,
+            "only {states} distinct states over {seeds} seeds"
+        );
+    }
+}
+
+/// A small metadata cache keeps the journal area (sized by it) small.
+fn small_cache(slice: Option<u64>) -> MetaCacheConfig {
+    MetaCacheConfig {
+        l2_bytes: 64 << 10,
+        refcount_bytes: 16 << 10,
+        slice_bytes: slice,
+    }
+}
+
+fn journaled(label: &str, create: CreateOptions) -> Qcow2Target {
+    Qcow2Target::new(label, 8 * MIB, create)
+        .with_journal(JournalMode::Required)
+        .with_cache(small_cache(None))
+}
+
+#[test]
+fn journal_over_a_qcow2_base() {
+    sweep(
+        &journaled("journal", CreateOptions::default()).with_backing(Backing::Qcow2),
+        0x100,
+    );
+}
+
+#[test]
+fn journal_with_a_tiny_metadata_cache_evicting_dirty_slices() {
+    let target = journaled(
+        "journal-evicting",
+        CreateOptions {
+            cluster_size: 16384,
+            ..CreateOptions::default()
+        },
+    )
+    .with_backing(Backing::Raw)
+    .with_cache(MetaCacheConfig {
+        l2_bytes: 4096,
+        refcount_bytes: 4096,
+        slice_bytes: Some(512),
+    });
+    sweep(&target, 0x110);
+}
+
+#[test]
+fn journal_with_extended_l2_subclusters() {
+    let target = journaled(
+        "journal-subclusters",
+        CreateOptions {
+            extended_l2: true,
+            ..CreateOptions::default()
+        },
+    )
+    .with_backing(Backing::Raw);
+    sweep(&target, 0x120);
+}
+
+#[test]
+fn journal_without_backing_file() {
+    sweep(
+        &journaled("journal-standalone", CreateOptions::default()),
+        0x130,
+    );
+}
+
+#[test]
+fn journal_through_a_writethrough_cache() {
+    let images = journaled("journal-wt", CreateOptions::default()).with_backing(Backing::Raw);
+    let config = CacheConfig {
+        region_bytes: 256 << 10,
+        replacement: Replacement::Lru,
+        default_policy: DiskPolicy {
+            mode: WriteMode::WriteThrough,
+            admission: Admission::All,
+            sequential_threshold: 1 << 20,
+            sequential_write_cutoff: 0,
+            cow: CowMode::CowAware,
+            cache_only: false,
+        },
+        host: Some("crash-host".into()),
+        inline_background: true,
+        ..CacheConfig::default()
+    };
+    let target = CacheTarget::new(images, config, 16 << 20);
+    let budget = if cfg!(debug_assertions) { 60 } else { 500 };
+    sweep_clean(&target, &run_config(0x140), budget);
+}
+
+fn mutation_is_caught(breakage: Breakage, seed: u64) {
+    // Small slices: records then differ in what they cover, so a table
+    // written early is not always overwritten by an older record's copy.
+    let target = Qcow2Target::new("journal-mutation", 8 * MIB, CreateOptions::default())
+        .with_journal(JournalMode::Required)
+        .with_backing(Backing::Raw)
+        .with_cache(MetaCacheConfig {
+            l2_bytes: 4096,
+            refcount_bytes: 4096,
+            slice_bytes: Some(512),
+        })
+        .with_io(BrokenIo::factory(breakage));
+    let report = run(
+        &target,
+        &RunConfig {
+            workload: WorkloadConfig {
+                seed,
+                ..WorkloadConfig::default()
+            },
+            budget: 800,
+            ..RunConfig::default()
+        },
+    )
+    .expect("run");
+    eprintln!("{report}");
+    assert!(
+        report.live.is_empty(),
+        "the live disk must still read right: {:?}",
+        report.live
+    );
+    assert!(
+        report.violating_states > 0,
+        "{breakage:?} must leave crash states that lose or garble data: {report}"
+    );
+}
+
+#[test]
+fn a_journal_that_skips_its_sync_is_caught() {
+    mutation_is_caught(Breakage::SkipJournalSync, 0x21);
+}
+
+#[test]
+fn tables_written_before_their_record_is_durable_are_caught() {
+    mutation_is_caught(Breakage::TablesBeforeRecord, 0x22);
+}
