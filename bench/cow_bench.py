@@ -47,6 +47,8 @@ def vdcache_contender(work, a, cow, mode, extra=()):
     name = f"{cow}-{'wb' if mode == 'writeback' else 'wt'}"
     args = ["--cache", "{cache}", "--cache-size", a.cache_size, "--cache-mode", mode, "--cow", cow,
             "--keep-dirty", *extra]
+    if a.metadata_journal:
+        args += ["--metadata-journal", a.metadata_journal]
     return Contender(name, work, a.vdcache, args)
 
 
@@ -338,6 +340,8 @@ def main():
     ap.add_argument("--cowratio-ios", type=int, default=40000, help="I/Os per COW-ratio cell")
     ap.add_argument("--modes", default="writeback,writethrough", help="cache write modes")
     ap.add_argument("--cache-size", default="4g")
+    ap.add_argument("--metadata-journal", choices=("auto", "on", "off"),
+                    help="vdcache's metadata journal (default: vdcache's own, auto)")
     ap.add_argument("--quick", action="store_true", help="fewer points per experiment (a smoke run)")
     ap.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
     ap.add_argument("--out", default=str(REPO / "results" / "cow"))

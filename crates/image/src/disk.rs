@@ -557,7 +557,7 @@ impl VirtualDisk {
         if let Layer::Qcow2(img) = &self.layers[0]
             && img.journal_wants_commit()
         {
-            img.commit()?;
+            img.commit_grown_interval()?;
         }
         Ok(())
     }

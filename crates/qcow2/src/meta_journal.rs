@@ -15,7 +15,7 @@
 //! body, 12 reserved bytes; then the entries, each: kind u8, 3 zero bytes,
 //! length u32, offset u64, payload padded to 8 bytes. A metadata or data
 //! entry's payload is `length` bytes to write at `offset` (of the image,
-//! or of its data file); a checksum entry's is the 16-byte checksum the
+//! or of its data file); a checksum entry's is the CRC-32C the
 //! `length` bytes of the data file at `offset` must have for the record
 //! to count (no-data mode: the data itself was written in place).
 //!
@@ -32,7 +32,9 @@ pub const RECORD_ALIGN: u64 = 512;
 /// Bytes of a record's fixed header.
 pub const RECORD_HEADER: usize = 64;
 /// Bytes of a checksum.
-pub const CHECKSUM_BYTES: usize = 16;
+/// Bytes of a data checksum: CRC-32C, as JBD2's block tags use to tell a
+/// torn journaled block from a whole one.
+pub const CHECKSUM_BYTES: usize = 4;
 const RECORD_MAGIC: u32 = 0x5644_4a52;
 const VERSION: u32 = 1;
 const ENTRY_HEADER: usize = 16;

@@ -44,10 +44,12 @@ use vdcache_qcow2::meta_journal::{CHECKSUM_BYTES, Entry, JournalExtension, Recor
 /// Checksums cover data in pieces that never cross one of these.
 const PIECE: u64 = 4096;
 /// An interval this big is committed without waiting for a guest flush.
-const COMMIT_AT_BYTES: usize = 512 << 10;
+const COMMIT_AT_BYTES: usize = 4 << 20;
 /// Logged updates beyond this many bytes are written in place after the
 /// next commit (a checkpoint), so records stay small.
 const CHECKPOINT_AT_BYTES: usize = 256 << 10;
+/// Checkpoint writes in flight at once.
+const CHECKPOINT_WRITERS: usize = 8;
 /// A full-mode write this big is not held in memory: the records that
 /// need the old data are proven first.
 const MAX_HELD_WRITE: usize = 256 << 10;
@@ -292,37 +294,35 @@ impl Journal {
 
     fn add_sums(&mut self, at: u64, segments: &[WriteSegment<'_>]) {
         let mut pos = at;
-        let mut hasher = blake3::Hasher::new();
+        let mut crc = 0u32;
         let mut piece_start = at;
         for seg in segments {
             let mut data = seg.data;
             while !data.is_empty() {
                 let piece_end = (pos / PIECE + 1) * PIECE;
                 let take = data.len().min((piece_end - pos) as usize);
-                hasher.update(&data[..take]);
+                crc = crc32c::crc32c_append(crc, &data[..take]);
                 data = &data[take..];
                 pos += take as u64;
                 if pos == piece_end {
-                    self.put_sum(piece_start, pos, &hasher);
-                    hasher.reset();
+                    self.put_sum(piece_start, pos, crc.to_be_bytes());
+                    crc = 0;
                     piece_start = pos;
                 }
             }
         }
         if pos > piece_start {
-            self.put_sum(piece_start, pos, &hasher);
+            self.put_sum(piece_start, pos, crc.to_be_bytes());
         }
     }
 
-    fn put_sum(&mut self, start: u64, end: u64, hasher: &blake3::Hasher) {
+    fn put_sum(&mut self, start: u64, end: u64, sum: Sum) {
         let stale: Vec<u64> = self.sums.range(start..end).map(|(&s, _)| s).collect();
         for s in stale {
             self.sums.remove(&s);
         }
-        let mut sum = [0u8; CHECKSUM_BYTES];
-        sum.copy_from_slice(&hasher.finalize().as_bytes()[..CHECKSUM_BYTES]);
         self.sums.insert(start, ((end - start) as u32, sum));
-        self.interval_bytes += 32;
+        self.interval_bytes += 24;
     }
 
     /// Starts a commit: the record (every logged update and this
@@ -437,33 +437,6 @@ impl Locked<'_> {
     pub(crate) fn journaling(&self) -> bool {
         self.m.journal.is_some()
     }
-
-    /// Writes a checkpoint's updates in place.
-    fn write_updates(&mut self, updates: &[(Target, u64, Vec<u8>)]) -> Result<()> {
-        for (target, offset, bytes) in updates {
-            match *target {
-                Target::Table(table) => self.write_in_place(table, *offset, bytes)?,
-                Target::Data => self
-                    .img
-                    .io
-                    .write(
-                        &self.img.data,
-                        HostOffset(*offset),
-                        &[WriteSegment {
-                            data: bytes,
-                            tag: IoTag {
-                                class: IoClass::GuestData,
-                                disk: self.img.disk,
-                                guest_cluster: None,
-                                unit: None,
-                            },
-                        }],
-                    )
-                    .map_err(|e| ImageError::io(self.name(), "write journaled data", e))?,
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Qcow2Image {
@@ -482,6 +455,15 @@ impl Qcow2Image {
         let report = self.commit_locked(false, false)?;
         self.commits_cover.fetch_max(covers, Ordering::SeqCst);
         Ok(report)
+    }
+
+    /// A commit no guest asked for (the interval grew big), followed by a
+    /// record that proves it: without the second, every write over data
+    /// the first one checksums would be held in memory until some guest
+    /// flush.
+    pub(crate) fn commit_grown_interval(&self) -> Result<()> {
+        self.commit()?;
+        self.commit_with(true, false).map(|_| ())
     }
 
     /// `forced`: write a record even with nothing new, so the newest
@@ -542,7 +524,15 @@ impl Qcow2Image {
             j.end_commit();
         }
         let updates = j.take_checkpoint(checkpoint_all);
-        l.write_updates(&updates)?;
+        if !updates.is_empty() {
+            // Without the metadata lock: the updates stay logged (reads
+            // see them), a newer update of a range is logged over them,
+            // and the commit lock keeps the next commit (whose sync makes
+            // them durable) waiting until they are all written.
+            drop(l);
+            self.write_updates(&updates)?;
+            l = self.lock();
+        }
         let held = l.m.journal.as_ref().is_some_and(Journal::holds_data);
         self.held.store(held, std::sync::atomic::Ordering::SeqCst);
         l.sync_done(ticket)?;
@@ -550,6 +540,44 @@ impl Qcow2Image {
             barriers: 1,
             ..report
         })
+    }
+
+    /// Writes a checkpoint's updates in place, several at a time: each is
+    /// a round trip to the store, and they do not depend on each other.
+    fn write_updates(&self, updates: &[(Target, u64, Vec<u8>)]) -> Result<()> {
+        let chunk = updates.len().div_ceil(CHECKPOINT_WRITERS);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = updates
+                .chunks(chunk.max(1))
+                .map(|part| scope.spawn(move || part.iter().try_for_each(|u| self.write_update(u))))
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect::<Result<()>>()
+        })
+    }
+
+    fn write_update(&self, (target, offset, bytes): &(Target, u64, Vec<u8>)) -> Result<()> {
+        let (handle, tag) = match *target {
+            Target::Table(table) => (&self.handle, IoTag::meta(table, self.disk)),
+            Target::Data => (
+                &self.data,
+                IoTag {
+                    class: IoClass::GuestData,
+                    disk: self.disk,
+                    guest_cluster: None,
+                    unit: None,
+                },
+            ),
+        };
+        self.io
+            .write(
+                handle,
+                HostOffset(*offset),
+                &[WriteSegment { data: bytes, tag }],
+            )
+            .map_err(|e| ImageError::io(self.name(), "write a checkpoint", e))
     }
 
     fn write_record(&self, at: u64, bytes: &[u8]) -> Result<()> {
@@ -642,9 +670,7 @@ fn complete(r: &Record, data_sum: &mut dyn FnMut(u64, u32) -> Result<Sum>) -> Re
 
 /// The checksum a piece of data has in a record.
 pub(crate) fn checksum(data: &[u8]) -> Sum {
-    let mut sum = [0u8; CHECKSUM_BYTES];
-    sum.copy_from_slice(&blake3::hash(data).as_bytes()[..CHECKSUM_BYTES]);
-    sum
+    crc32c::crc32c(data).to_be_bytes()
 }
 
 /// Bytes a journal slot needs for an image with these metadata caches.
@@ -652,7 +678,8 @@ pub(crate) fn slot_bytes(cache: &crate::meta_cache::MetaCacheConfig, cluster: u6
     // Dirty slices (at most the cache), updates placed at the last
     // checkpoint and not yet durable, and an interval's growth before it
     // commits on its own (each bounded by the constants above).
-    let want = cache.l2_bytes + cache.refcount_bytes + (3 << 20) + 4 * cluster;
+    let grown = 2 * (COMMIT_AT_BYTES + CHECKPOINT_AT_BYTES + MAX_HELD_WRITE) as u64;
+    let want = cache.l2_bytes + cache.refcount_bytes + grown + 4 * cluster;
     record_len(want as usize).next_multiple_of(cluster)
 }
 
