@@ -553,8 +553,7 @@ impl Qcow2Image {
                 .collect();
             workers
                 .into_iter()
-                .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect::<Result<()>>()
+                .try_for_each(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
         })
     }
 
