@@ -47,7 +47,7 @@ const PIECE: u64 = 4096;
 const COMMIT_AT_BYTES: usize = 4 << 20;
 /// Logged updates beyond this many bytes are written in place after the
 /// next commit (a checkpoint), so records stay small.
-const CHECKPOINT_AT_BYTES: usize = 256 << 10;
+const CHECKPOINT_AT_BYTES: usize = 64 << 10;
 /// Checkpoint writes in flight at once.
 const CHECKPOINT_WRITERS: usize = 8;
 /// A full-mode write this big is not held in memory: the records that
@@ -134,6 +134,20 @@ impl Log {
         self.iter().any(|u| {
             u.target == Target::Data && u.offset < end && at < u.offset + u.bytes.len() as u64
         })
+    }
+
+    /// Drops held data inside `[at, end)` (a cluster just freed: no
+    /// durable mapping reads it any more, and it may be allocated anew).
+    fn forget_data_in(&mut self, at: u64, end: u64) {
+        for slot in &mut self.updates {
+            let inside = slot.as_ref().is_some_and(|u| {
+                u.target == Target::Data && u.offset >= at && u.offset + u.bytes.len() as u64 <= end
+            });
+            if inside && let Some(u) = slot.take() {
+                self.at.remove(&(u.target, u.offset, u.bytes.len()));
+                self.bytes -= u.bytes.len() + 16;
+            }
+        }
     }
 
     /// Drops updates durable in place once commit `seq` synced.
@@ -231,6 +245,11 @@ impl Journal {
         ] {
             self.log.overlay(Target::Table(table), offset, buf);
         }
+    }
+
+    /// A cluster of the image was freed (see [`Log::forget_data_in`]).
+    pub(crate) fn cluster_freed(&mut self, at: u64, len: u64) {
+        self.log.forget_data_in(at, at + len);
     }
 
     /// Lays held data writes over `buf`, read from data offset `offset`.

@@ -245,6 +245,9 @@ impl Locked<'_> {
         for c in frees {
             if self.add_refcount(c, -1)? == 0 {
                 self.m.map.forget(c);
+                if let Some(j) = self.m.journal.as_mut() {
+                    j.cluster_freed(c * cs, cs);
+                }
                 let tag = IoTag {
                     class: IoClass::Reclaim,
                     disk: self.img.disk,
