@@ -175,6 +175,14 @@ impl VirtualDisk {
         }
     }
 
+    /// The top image's metadata journal, if it has one on.
+    pub fn journal_stats(&self) -> Option<crate::qimage::JournalStats> {
+        match &self.layers[0] {
+            Layer::Qcow2(q) => q.journal_stats(),
+            Layer::Raw(_) => None,
+        }
+    }
+
     pub(crate) fn tag(&self, class: IoClass, guest: u64) -> IoTag {
         IoTag {
             class,

@@ -54,6 +54,17 @@ const CHECKPOINT_WRITERS: usize = 8;
 /// need the old data are proven first.
 const MAX_HELD_WRITE: usize = 256 << 10;
 
+/// What a metadata journal holds (`vdcache stats`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalStats {
+    /// Records committed since the image was opened.
+    pub records: u64,
+    /// Bytes of updates not yet known durable in place.
+    pub logged_bytes: u64,
+    /// Of those, guest data held in memory (full mode).
+    pub held_bytes: u64,
+}
+
 /// Where a data write goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Placement {
@@ -441,6 +452,45 @@ impl Journal {
     }
 }
 
+/// Merges overlapping updates of one file into one write each, applying
+/// them in the order given (the log's), so the newest bytes win.
+fn coalesce(updates: Vec<(Target, u64, Vec<u8>)>) -> Vec<(Target, u64, Vec<u8>)> {
+    let file = |t: Target| matches!(t, Target::Data);
+    let mut order: Vec<usize> = (0..updates.len()).collect();
+    order.sort_by_key(|&i| (file(updates[i].0), updates[i].1));
+    let mut out = Vec::new();
+    let mut group: Vec<usize> = Vec::new();
+    let mut group_end = 0;
+    let merge = |group: &mut Vec<usize>, end: u64, out: &mut Vec<(Target, u64, Vec<u8>)>| {
+        let Some(&first) = group.first() else {
+            return;
+        };
+        let start = updates[first].1;
+        let mut bytes = vec![0u8; (end - start) as usize];
+        group.sort_unstable();
+        for &i in group.iter() {
+            let (_, at, b) = &updates[i];
+            bytes[(at - start) as usize..][..b.len()].copy_from_slice(b);
+        }
+        out.push((updates[first].0, start, bytes));
+        group.clear();
+    };
+    for i in order {
+        let (target, at, ref b) = updates[i];
+        let joins = group
+            .first()
+            .is_some_and(|&g| file(updates[g].0) == file(target) && at < group_end);
+        if !joins {
+            merge(&mut group, group_end, &mut out);
+            group_end = 0;
+        }
+        group.push(i);
+        group_end = group_end.max(at + b.len() as u64);
+    }
+    merge(&mut group, group_end, &mut out);
+    out
+}
+
 /// Copies the part of `src` (at `src_at`) that overlaps `buf` (at `at`).
 fn overlay(at: u64, buf: &mut [u8], src_at: u64, src: &[u8]) {
     let start = at.max(src_at);
@@ -549,7 +599,7 @@ impl Qcow2Image {
             // and the commit lock keeps the next commit (whose sync makes
             // them durable) waiting until they are all written.
             drop(l);
-            self.write_updates(&updates)?;
+            self.write_updates(updates)?;
             l = self.lock();
         }
         let held = l.m.journal.as_ref().is_some_and(Journal::holds_data);
@@ -562,8 +612,10 @@ impl Qcow2Image {
     }
 
     /// Writes a checkpoint's updates in place, several at a time: each is
-    /// a round trip to the store, and they do not depend on each other.
-    fn write_updates(&self, updates: &[(Target, u64, Vec<u8>)]) -> Result<()> {
+    /// a round trip to the store. Overlapping updates are first merged in
+    /// log order, so what is written at once never overlaps.
+    fn write_updates(&self, updates: Vec<(Target, u64, Vec<u8>)>) -> Result<()> {
+        let updates = coalesce(updates);
         let chunk = updates.len().div_ceil(CHECKPOINT_WRITERS);
         std::thread::scope(|scope| {
             let workers: Vec<_> = updates
@@ -647,9 +699,20 @@ impl Qcow2Image {
             || (l.journaling() && l.m.pending_frees.len() > super::persist::MAX_PENDING_FREES)
     }
 
-    /// Records committed since open.
-    pub fn journal_records(&self) -> u64 {
-        self.lock().m.journal.as_ref().map_or(0, |j| j.records)
+    /// What the metadata journal holds, if it is on.
+    pub fn journal_stats(&self) -> Option<JournalStats> {
+        let l = self.lock();
+        let j = l.m.journal.as_ref()?;
+        Some(JournalStats {
+            records: j.records,
+            logged_bytes: j.log.bytes as u64,
+            held_bytes: j
+                .log
+                .iter()
+                .filter(|u| u.target == Target::Data)
+                .map(|u| u.bytes.len() as u64)
+                .sum(),
+        })
     }
 }
 
@@ -977,4 +1040,45 @@ pub(crate) fn recover(
     );
     let (header, _) = super::read_header(handle, io, disk)?;
     Ok((header, replay.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlapping_updates_merge_in_log_order_and_never_overlap() {
+        let l2 = Target::Table(MetaTable::L2);
+        let updates = vec![
+            (l2, 0x1000, vec![1u8; 0x1000]),
+            (Target::Data, 0x1000, vec![7u8; 16]),
+            (l2, 0x1000, vec![2u8; 0x200]),
+            (l2, 0x1800, vec![3u8; 0x1000]),
+            (l2, 0x4000, vec![4u8; 0x200]),
+        ];
+        let merged = coalesce(updates);
+        assert_eq!(
+            merged.len(),
+            3,
+            "{:?}",
+            merged.iter().map(|m| (m.1, m.2.len())).collect::<Vec<_>>()
+        );
+        let table = merged
+            .iter()
+            .find(|m| m.0 == l2 && m.1 == 0x1000)
+            .expect("merged table write");
+        assert_eq!(table.2.len(), 0x1800);
+        assert_eq!(
+            &table.2[..0x200],
+            &[2u8; 0x200][..],
+            "the newer update wins"
+        );
+        assert_eq!(&table.2[0x200..0x800], &[1u8; 0x600][..]);
+        assert_eq!(&table.2[0x800..], &[3u8; 0x1000][..]);
+        assert!(
+            merged
+                .iter()
+                .any(|m| m.0 == Target::Data && m.2 == vec![7u8; 16])
+        );
+    }
 }

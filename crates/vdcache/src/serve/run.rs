@@ -128,6 +128,11 @@ fn stats_json(
                 "partially_valid_bytes": d.disk.partially_valid_bytes().ok(),
                 "meta_zero_map_bytes": meta.map(|m| m.zero_map_bytes),
                 "journal": daemon.cache.as_ref().and_then(|c| c.journal_counts(d.id)),
+                "metadata_journal": d.disk.journal_stats().map(|j| serde_json::json!({
+                    "records": j.records,
+                    "logged_bytes": j.logged_bytes,
+                    "held_bytes": j.held_bytes,
+                })),
                 "vhost_user": vhost.and_then(|v| v.export(&d.config.name)).map(|t| serde_json::json!({
                     "requests": t.reads + t.writes + t.flushes + t.discards + t.errors,
                     "reads": t.reads,
