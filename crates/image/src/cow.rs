@@ -11,7 +11,7 @@
 use crate::disk::{VirtualDisk, released, sub_mask};
 use crate::error::{ImageError, Result};
 use crate::hostio::{DCOW_BLOCK, DCOW_SECTOR, IoClass, WriteSegment};
-use crate::qimage::{Locked, Placement, Qcow2Image};
+use crate::qimage::{Locked, Piece, Placement, Qcow2Image};
 use vdcache_qcow2::entries::{L2Mapping, StandardCluster, SubclusterState, all_subclusters};
 use vdcache_qcow2::{Geometry, HostOffset};
 
@@ -85,13 +85,16 @@ impl VirtualDisk {
         let written = self
             .mark_decoupled(img, &g, &plans)
             .and_then(|()| self.write_planned(img, &g, &plans, data));
-        if let Err(e) = written {
-            if let Some(first) = first_new {
-                img.lock().release_clusters(first, new_count)?;
+        let pieces = match written {
+            Ok(pieces) => pieces,
+            Err(e) => {
+                if let Some(first) = first_new {
+                    img.lock().release_clusters(first, new_count)?;
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
-        self.commit(img, &plans)?;
+        };
+        self.commit(img, &plans, &pieces)?;
         self.forget_masked_blocks(&g, &plans);
         Ok(())
     }
@@ -306,14 +309,16 @@ impl VirtualDisk {
     /// Reads the filler, then writes guest bytes and filler; plans whose
     /// host ranges touch are merged into one backend request. With the
     /// metadata journal on, a plan's bytes may be held for the journal
-    /// instead (see `qimage::journal`).
+    /// instead (see `qimage::journal`). Returns the checksummed pieces of
+    /// what was written in place, for the journal once it is mapped.
     fn write_planned(
         &self,
         img: &Qcow2Image,
         g: &Geometry,
         plans: &[ClusterPlan],
         data: &[u8],
-    ) -> Result<()> {
+    ) -> Result<Vec<Piece>> {
+        let mut pieces = Vec::new();
         let fills: Vec<(Vec<u8>, Vec<u8>)> = plans
             .iter()
             .map(|p| self.read_fill(img, g, p))
@@ -349,9 +354,10 @@ impl VirtualDisk {
                 });
             }
             let maps_new = !matches!(p.target, Target::InPlace(_));
-            if !self.goes_in_place(img, start, &segments, maps_new)? {
+            let Some(written) = self.goes_in_place(img, start, &segments, maps_new)? else {
                 continue;
-            }
+            };
+            pieces.extend(written);
             if !batch.is_empty() && start != batch_end {
                 self.flush_batch(img, batch_start, &batch)?;
                 batch.clear();
@@ -365,19 +371,20 @@ impl VirtualDisk {
         if !batch.is_empty() {
             self.flush_batch(img, batch_start, &batch)?;
         }
-        Ok(())
+        Ok(pieces)
     }
 
-    /// Whether a plan's bytes are written in place now (else the journal
-    /// holds them). A write too big to hold waits for the records that
-    /// need the old bytes to be proven by two commits.
+    /// Whether a plan's bytes are written in place now (with the pieces
+    /// the journal checksums once they are), or held by the journal
+    /// (`None`). A write too big to hold waits for the records that need
+    /// the old bytes to be proven by two commits.
     fn goes_in_place(
         &self,
         img: &Qcow2Image,
         at: u64,
         segments: &[WriteSegment<'_>],
         maps_new: bool,
-    ) -> Result<bool> {
+    ) -> Result<Option<Vec<Piece>>> {
         let placement = match img.place_data(at, segments, maps_new, false) {
             Placement::ProveFirst => {
                 img.commit()?;
@@ -386,7 +393,10 @@ impl VirtualDisk {
             }
             p => p,
         };
-        Ok(placement == Placement::InPlace)
+        Ok(match placement {
+            Placement::InPlace(pieces) => Some(pieces),
+            Placement::Held | Placement::ProveFirst => None,
+        })
     }
 
     fn flush_batch(
@@ -477,12 +487,13 @@ impl VirtualDisk {
 
     /// Points L2 entries at the written clusters and queues the release of
     /// the clusters they replaced.
-    fn commit(&self, img: &Qcow2Image, plans: &[ClusterPlan]) -> Result<()> {
-        if plans.iter().all(|p| p.new.is_none()) {
+    fn commit(&self, img: &Qcow2Image, plans: &[ClusterPlan], pieces: &[Piece]) -> Result<()> {
+        if plans.iter().all(|p| p.new.is_none()) && pieces.is_empty() {
             return Ok(());
         }
         let g = *img.geometry();
         let mut l: Locked<'_> = img.lock();
+        Qcow2Image::data_written(&mut l, pieces);
         // The data just written must be durable before these entries are.
         l.mark_unsynced();
         for p in plans {

@@ -131,8 +131,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
     /// The image's per-disk metadata journal (one store sync per guest
-    /// flush): auto (default: on unless a writeback cache serves the
-    /// disk), on, or off.
+    /// flush): auto (default: on without a flash cache), on (not with a
+    /// cache, for now), or off.
     #[arg(long, value_name = "auto|on|off", conflicts_with = "config")]
     metadata_journal: Option<String>,
     #[command(flatten)]

@@ -217,8 +217,8 @@ pub struct ExportConfig {
     pub share_max: Option<String>,
     pub share_weight: Option<f64>,
     /// The per-disk metadata journal of the top image: auto (default: on
-    /// without a cache or with a writethrough/writearound one, off with
-    /// writeback, which syncs nothing per flush anyway), on, or off.
+    /// for a disk served without a flash cache), on (refused with a
+    /// cache for now), or off.
     pub metadata_journal: Option<String>,
 }
 

@@ -2,8 +2,8 @@
 //! A server killed with -9 leaves an image that QEMU refuses, naming the
 //! feature; `vdcache recover` applies the journal, after which `qemu-img
 //! check` is clean and `qemu-img compare` finds it equal to a reference
-//! written by qemu-io alone. A guest flush through a writethrough cache
-//! costs exactly one backend sync with the journal, and more without it.
+//! written by qemu-io alone. With a flash cache the journal is refused
+//! (`on`) or left off (`auto`) for now.
 
 #![allow(clippy::unwrap_used)]
 
@@ -32,17 +32,23 @@ fn workload() -> Vec<String> {
     cmds
 }
 
+/// A full 8 MiB base and an empty delta over it.
+fn delta_over_full_base(s: &Scratch, name: &str) -> std::path::PathBuf {
+    let base = s.path("base.qcow2");
+    if !base.exists() {
+        qcow2(s, &base, 8 * M, None);
+        ok(s.qemu_io().args(["-c", "write -P 0x5a 0 8M"]).arg(&base));
+    }
+    let delta = s.path(name);
+    qcow2(s, &delta, 8 * M, Some("base.qcow2"));
+    delta
+}
+
 #[test]
 fn qemu_refuses_a_journaled_image_until_vdcache_recover_applies_it() {
     let s = Scratch::new();
-    let base = s.path("base.qcow2");
-    qcow2(&s, &base, 8 * M, None);
-    ok(s.qemu_io().args(["-c", "write -P 0x5a 0 8M"]).arg(&base));
-    let delta = s.path("delta.qcow2");
-    let reference = s.path("reference.qcow2");
-    for img in [&delta, &reference] {
-        qcow2(&s, img, 8 * M, Some("base.qcow2"));
-    }
+    let delta = delta_over_full_base(&s, "delta.qcow2");
+    let reference = delta_over_full_base(&s, "reference.qcow2");
     let sock = s.path("nbd.sock");
     let server = serve(
         &s,
@@ -89,6 +95,9 @@ fn a_clean_stop_leaves_no_journal_behind() {
         &["--metadata-journal", "on", delta.to_str().unwrap()],
     );
     qemu_io(&s, "raw", &uri(&sock, ""), &workload());
+    let st = stats(&s, &sock);
+    let records = st["disks"][0]["metadata_journal"]["records"].as_u64();
+    assert!(records.is_some_and(|r| r > 0), "{st:#}");
     server.stop_clean();
     let info = ok(s.qemu_img().args(["info", "--output=json"]).arg(&delta));
     assert!(!info.stdout.contains("journal"), "{}", info.report());
@@ -96,57 +105,36 @@ fn a_clean_stop_leaves_no_journal_behind() {
     assert!(chk.stdout.contains("No errors"), "{}", chk.report());
 }
 
-/// Backend syncs and guest flushes a writethrough server counted while
-/// qemu-io ran `cmds`.
-fn syncs_per_flush(journal: &str) -> (u64, u64) {
+#[test]
+fn the_journal_is_refused_with_a_flash_cache_and_off_by_default_there() {
     let s = Scratch::new();
-    let base = s.path("base.qcow2");
-    qcow2(&s, &base, 8 * M, None);
-    ok(s.qemu_io().args(["-c", "write -P 0x5a 0 8M"]).arg(&base));
-    let delta = s.path("delta.qcow2");
-    qcow2(&s, &delta, 8 * M, Some("base.qcow2"));
+    let delta = delta_over_full_base(&s, "delta.qcow2");
     let sock = s.path("nbd.sock");
     let cache = s.path("flash.cache");
-    let server = serve(
-        &s,
-        &sock,
-        &[
-            "--cache",
-            cache.to_str().unwrap(),
-            "--cache-size",
-            "64M",
-            "--cache-mode",
-            "writethrough",
-            "--metadata-journal",
-            journal,
-            delta.to_str().unwrap(),
-        ],
+    let cached = |journal: &'static str| {
+        vec![
+            "--cache".to_string(),
+            cache.to_str().unwrap().to_string(),
+            "--cache-size".into(),
+            "64M".into(),
+            "--cache-mode".into(),
+            "writethrough".into(),
+            "--metadata-journal".into(),
+            journal.into(),
+            delta.to_str().unwrap().to_string(),
+        ]
+    };
+    let on = cached("on");
+    let on: Vec<&str> = on.iter().map(String::as_str).collect();
+    let refused = serving::serve_refused(&s, &sock, &on);
+    assert!(
+        refused.contains("cannot be combined with the flash cache"),
+        "{refused}"
     );
-    let before = stats(&s, &sock);
-    let cmds: Vec<String> = (0..20u64)
-        .flat_map(|i| [format!("write -P 7 {} 4096", i * 3 * 65536), "flush".into()])
-        .collect();
-    qemu_io(&s, "raw", &uri(&sock, ""), &cmds);
-    let after = stats(&s, &sock);
+    let auto = cached("auto");
+    let auto: Vec<&str> = auto.iter().map(String::as_str).collect();
+    let server = serve(&s, &sock, &auto);
+    let st = stats(&s, &sock);
+    assert!(st["disks"][0]["metadata_journal"].is_null(), "{st:#}");
     server.stop_clean();
-    let count = |st: &serde_json::Value, key: &str| st["cache"]["total"][key].as_u64().unwrap();
-    (
-        count(&after, "backend_syncs") - count(&before, "backend_syncs"),
-        count(&after, "guest_flushes") - count(&before, "guest_flushes"),
-    )
-}
-
-#[test]
-fn a_guest_flush_costs_one_backend_sync_with_the_journal() {
-    let (syncs, flushes) = syncs_per_flush("on");
-    assert!(flushes >= 20, "{flushes} guest flushes counted");
-    assert!(
-        syncs <= flushes,
-        "journal on: {syncs} backend syncs for {flushes} guest flushes"
-    );
-    let (syncs_off, flushes_off) = syncs_per_flush("off");
-    assert!(
-        syncs_off > flushes_off,
-        "journal off must cost more than one sync per flush ({syncs_off} for {flushes_off}), or this test proves nothing"
-    );
 }

@@ -65,11 +65,16 @@ pub struct JournalStats {
     pub held_bytes: u64,
 }
 
+/// A checksummed piece of data: start, end, checksum.
+pub(crate) type Piece = (u64, u64, Sum);
+
 /// Where a data write goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Placement {
-    /// In place now.
-    InPlace,
+    /// In place now; once written, these pieces' checksums join the open
+    /// interval ([`Qcow2Image::data_written`]), not before: a commit in
+    /// between must not vouch for bytes not yet issued.
+    InPlace(Vec<Piece>),
     /// Held in memory and logged (full mode).
     Held,
     /// Too big to hold: commit twice, then write in place.
@@ -308,9 +313,16 @@ impl Journal {
             .next_back()
             .is_some_and(|(&s, &(l, _))| s + u64::from(l) > at);
         if maps_new || touches_sums {
-            self.add_sums(at, segments);
+            return Placement::InPlace(pieces(at, segments));
         }
-        Placement::InPlace
+        Placement::InPlace(Vec::new())
+    }
+
+    /// The checksums of data written in place, now that it is.
+    fn add_written(&mut self, written: &[Piece]) {
+        for &(start, end, sum) in written {
+            self.put_sum(start, end, sum);
+        }
     }
 
     /// Whether every checksummed piece the range touches lies inside it
@@ -320,30 +332,6 @@ impl Journal {
         self.sums
             .range(first..end)
             .all(|(&s, &(l, _))| s + u64::from(l) <= at || (s >= at && s + u64::from(l) <= end))
-    }
-
-    fn add_sums(&mut self, at: u64, segments: &[WriteSegment<'_>]) {
-        let mut pos = at;
-        let mut crc = 0u32;
-        let mut piece_start = at;
-        for seg in segments {
-            let mut data = seg.data;
-            while !data.is_empty() {
-                let piece_end = (pos / PIECE + 1) * PIECE;
-                let take = data.len().min((piece_end - pos) as usize);
-                crc = crc32c::crc32c_append(crc, &data[..take]);
-                data = &data[take..];
-                pos += take as u64;
-                if pos == piece_end {
-                    self.put_sum(piece_start, pos, crc.to_be_bytes());
-                    crc = 0;
-                    piece_start = pos;
-                }
-            }
-        }
-        if pos > piece_start {
-            self.put_sum(piece_start, pos, crc.to_be_bytes());
-        }
     }
 
     fn put_sum(&mut self, start: u64, end: u64, sum: Sum) {
@@ -488,6 +476,34 @@ fn coalesce(updates: Vec<(Target, u64, Vec<u8>)>) -> Vec<(Target, u64, Vec<u8>)>
         group_end = group_end.max(at + b.len() as u64);
     }
     merge(&mut group, group_end, &mut out);
+    out
+}
+
+/// The checksummed pieces of a write of `segments` at `at`: no piece
+/// crosses a [`PIECE`] boundary.
+fn pieces(at: u64, segments: &[WriteSegment<'_>]) -> Vec<Piece> {
+    let mut out = Vec::new();
+    let mut pos = at;
+    let mut crc = 0u32;
+    let mut piece_start = at;
+    for seg in segments {
+        let mut data = seg.data;
+        while !data.is_empty() {
+            let piece_end = (pos / PIECE + 1) * PIECE;
+            let take = data.len().min((piece_end - pos) as usize);
+            crc = crc32c::crc32c_append(crc, &data[..take]);
+            data = &data[take..];
+            pos += take as u64;
+            if pos == piece_end {
+                out.push((piece_start, pos, crc.to_be_bytes()));
+                crc = 0;
+                piece_start = pos;
+            }
+        }
+    }
+    if pos > piece_start {
+        out.push((piece_start, pos, crc.to_be_bytes()));
+    }
     out
 }
 
@@ -683,13 +699,22 @@ impl Qcow2Image {
     ) -> Placement {
         let mut l = self.lock();
         let Some(j) = l.m.journal.as_mut() else {
-            return Placement::InPlace;
+            return Placement::InPlace(Vec::new());
         };
         let placement = j.place_data(at, segments, maps_new, may_hold_big);
         if placement == Placement::Held {
             self.held.store(true, std::sync::atomic::Ordering::SeqCst);
         }
         placement
+    }
+
+    /// Data placed in place was written: its pieces join the interval
+    /// (with the metadata lock held by the caller, who maps the data in
+    /// the same hold).
+    pub(crate) fn data_written(l: &mut Locked<'_>, written: &[Piece]) {
+        if let Some(j) = l.m.journal.as_mut() {
+            j.add_written(written);
+        }
     }
 
     /// Whether the open interval should be committed now.

@@ -36,7 +36,7 @@ use vdcache_qcow2::snapshot::{self, Snapshot};
 use vdcache_qcow2::{Geometry, Header, HostOffset};
 
 pub use journal::JournalStats;
-pub(crate) use journal::{Placement, recover as recover_journal};
+pub(crate) use journal::{Piece, Placement, recover as recover_journal};
 pub use l2::TableReads;
 pub use marks::abandon_cache;
 pub use persist::FlushReport;

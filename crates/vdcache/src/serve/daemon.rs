@@ -183,15 +183,19 @@ fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
     Ok(p)
 }
 
-/// The metadata journal an export's top image gets: with a writeback
-/// cache a guest flush syncs no store, so `auto` leaves it off.
+/// The metadata journal an export's top image gets. Only without a flash
+/// cache for now: through a writethrough cache, a kill -9 soak (seed 116,
+/// about one run in 25) lost flushed writes after a crash during
+/// recovery, so the combination is refused rather than offered unsafe.
 fn journal_mode(e: &ExportConfig, cached: Option<WriteMode>) -> Result<JournalMode> {
-    Ok(match e.metadata_journal()? {
-        MetadataJournal::Off => JournalMode::Off,
-        MetadataJournal::On => JournalMode::Required,
-        MetadataJournal::Auto if cached == Some(WriteMode::WriteBack) => JournalMode::Off,
-        MetadataJournal::Auto if e.journal_for.is_some() => JournalMode::Off,
-        MetadataJournal::Auto => JournalMode::IfPossible,
+    Ok(match (e.metadata_journal()?, cached) {
+        (MetadataJournal::Off, _) | (MetadataJournal::Auto, Some(_)) => JournalMode::Off,
+        (MetadataJournal::On, Some(_)) => anyhow::bail!(
+            "export '{}': metadata_journal = \"on\" cannot be combined with the flash cache yet (a kill -9 soak through a writethrough cache lost flushed writes); serve it without the cache, or with the journal off",
+            e.name
+        ),
+        (MetadataJournal::On, None) => JournalMode::Required,
+        (MetadataJournal::Auto, None) => JournalMode::IfPossible,
     })
 }
 
