@@ -12,8 +12,9 @@
 //! A record (big endian, padded with zeros to a 512-byte multiple):
 //! magic u32, version u32, journal id 16 bytes, sequence u64, body length
 //! u32, entry count u32, CRC-32C u32 of the header (this field zero) and
-//! body, 12 reserved bytes; then the entries, each: kind u8, 3 zero bytes,
-//! length u32, offset u64, payload padded to 8 bytes. A metadata or data
+//! body, 12 reserved bytes; then the entries, each: kind u8, table u8
+//! (metadata entries: which table, as the writer numbers them), 2 zero
+//! bytes, length u32, offset u64, payload padded to 8 bytes. A metadata or data
 //! entry's payload is `length` bytes to write at `offset` (of the image,
 //! or of its data file); a checksum entry's is the CRC-32C the
 //! `length` bytes of the data file at `offset` must have for the record
@@ -94,8 +95,14 @@ impl JournalExtension {
 /// What a record asks recovery to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Entry {
-    /// Metadata bytes for the image file.
-    Meta { offset: u64, bytes: Vec<u8> },
+    /// Metadata bytes for the image file, and which table they belong to
+    /// (a code the writer chooses; recovery writes them as that table, so
+    /// a cache below treats them as it treated the original writes).
+    Meta {
+        offset: u64,
+        table: u8,
+        bytes: Vec<u8>,
+    },
     /// Guest data for the data file, journaled whole (full mode).
     Data { offset: u64, bytes: Vec<u8> },
     /// Data written in place whose checksum must match (no-data mode).
@@ -129,7 +136,7 @@ impl Entry {
 
     fn offset_and_len(&self) -> (u64, u32) {
         match self {
-            Entry::Meta { offset, bytes } | Entry::Data { offset, bytes } => {
+            Entry::Meta { offset, bytes, .. } | Entry::Data { offset, bytes } => {
                 (*offset, bytes.len() as u32)
             }
             Entry::Checksum { offset, len, .. } => (*offset, *len),
@@ -164,7 +171,11 @@ impl Record {
         for e in &self.entries {
             let (offset, len) = e.offset_and_len();
             out.push(e.kind());
-            out.extend_from_slice(&[0; 3]);
+            out.push(match e {
+                Entry::Meta { table, .. } => *table,
+                _ => 0,
+            });
+            out.extend_from_slice(&[0; 2]);
             out.extend_from_slice(&len.to_be_bytes());
             out.extend_from_slice(&offset.to_be_bytes());
             out.extend_from_slice(e.payload());
@@ -229,6 +240,7 @@ fn decode_entry(buf: &[u8], pos: usize) -> Option<(Entry, usize)> {
     let entry = match kind {
         0 => Entry::Meta {
             offset,
+            table: head[1],
             bytes: payload.to_vec(),
         },
         1 => Entry::Data {
@@ -267,6 +279,7 @@ mod tests {
             entries: vec![
                 Entry::Meta {
                     offset: 0x3_0000,
+                    table: 2,
                     bytes: vec![1; 512],
                 },
                 Entry::Data {

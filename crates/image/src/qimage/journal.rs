@@ -186,8 +186,9 @@ impl Log {
 
     fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
         self.iter().map(|u| match u.target {
-            Target::Table(_) => Entry::Meta {
+            Target::Table(table) => Entry::Meta {
                 offset: u.offset,
+                table: table_code(table),
                 bytes: u.bytes.clone(),
             },
             Target::Data => Entry::Data {
@@ -477,6 +478,34 @@ fn coalesce(updates: Vec<(Target, u64, Vec<u8>)>) -> Vec<(Target, u64, Vec<u8>)>
     }
     merge(&mut group, group_end, &mut out);
     out
+}
+
+/// A table's code in records (any unknown code replays as plain
+/// metadata of the journal's own class).
+fn table_code(table: MetaTable) -> u8 {
+    match table {
+        MetaTable::Header => 1,
+        MetaTable::L1 => 2,
+        MetaTable::L2 => 3,
+        MetaTable::RefcountTable => 4,
+        MetaTable::RefcountBlock => 5,
+        MetaTable::SnapshotTable => 6,
+        MetaTable::Bitmap => 7,
+        MetaTable::Journal => 8,
+    }
+}
+
+fn table_of(code: u8) -> MetaTable {
+    match code {
+        1 => MetaTable::Header,
+        2 => MetaTable::L1,
+        3 => MetaTable::L2,
+        4 => MetaTable::RefcountTable,
+        5 => MetaTable::RefcountBlock,
+        6 => MetaTable::SnapshotTable,
+        7 => MetaTable::Bitmap,
+        _ => MetaTable::Journal,
+    }
 }
 
 /// The checksummed pieces of a write of `segments` at `at`: no piece
@@ -1036,18 +1065,29 @@ pub(crate) fn recover(
     }
     for r in &replay {
         for e in &r.entries {
-            let (target, offset, bytes, table) = match e {
-                Entry::Meta { offset, bytes } => (handle, *offset, bytes, MetaTable::Journal),
-                Entry::Data { offset, bytes } => (data, *offset, bytes, MetaTable::Journal),
+            let (target, offset, bytes, tag) = match e {
+                Entry::Meta {
+                    offset,
+                    table,
+                    bytes,
+                } => (handle, *offset, bytes, IoTag::meta(table_of(*table), disk)),
+                Entry::Data { offset, bytes } => (
+                    data,
+                    *offset,
+                    bytes,
+                    IoTag {
+                        class: IoClass::GuestData,
+                        disk,
+                        guest_cluster: None,
+                        unit: None,
+                    },
+                ),
                 Entry::Checksum { .. } => continue,
             };
             io.write(
                 target,
                 HostOffset(offset),
-                &[WriteSegment {
-                    data: bytes,
-                    tag: IoTag::meta(table, disk),
-                }],
+                &[WriteSegment { data: bytes, tag }],
             )
             .map_err(|e| ImageError::io(name, "apply the metadata journal", e))?;
         }
@@ -1070,6 +1110,22 @@ pub(crate) fn recover(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_table_replays_as_itself() {
+        for t in [
+            MetaTable::Header,
+            MetaTable::L1,
+            MetaTable::L2,
+            MetaTable::RefcountTable,
+            MetaTable::RefcountBlock,
+            MetaTable::SnapshotTable,
+            MetaTable::Bitmap,
+            MetaTable::Journal,
+        ] {
+            assert_eq!(table_of(table_code(t)), t);
+        }
+    }
 
     #[test]
     fn overlapping_updates_merge_in_log_order_and_never_overlap() {

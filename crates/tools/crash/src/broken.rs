@@ -99,7 +99,7 @@ impl BrokenIo {
             return Ok(());
         };
         for e in record.entries {
-            if let vdcache_qcow2::meta_journal::Entry::Meta { offset, bytes } = e {
+            if let vdcache_qcow2::meta_journal::Entry::Meta { offset, bytes, .. } = e {
                 let tag = IoTag::meta(MetaTable::L2, segments[0].tag.disk);
                 self.inner.write(
                     image,
