@@ -84,11 +84,17 @@ pub(crate) enum Placement {
 type Sum = [u8; CHECKSUM_BYTES];
 
 /// Where an update goes: a table of the image file, or guest data of the
-/// data file.
+/// data file (with the guest cluster it belongs to).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Target {
     Table(MetaTable),
-    Data,
+    Data(Option<vdcache_contract::GuestCluster>),
+}
+
+impl Target {
+    fn is_data(self) -> bool {
+        matches!(self, Target::Data(_))
+    }
 }
 
 /// One logged update.
@@ -136,20 +142,23 @@ impl Log {
         self.at.is_empty()
     }
 
-    fn overlay(&self, target: Target, offset: u64, buf: &mut [u8]) {
-        for u in self.iter().filter(|u| u.target == target) {
+    fn overlay(&self, data: bool, table: Option<MetaTable>, offset: u64, buf: &mut [u8]) {
+        let wanted = |t: Target| match t {
+            Target::Data(_) => data,
+            Target::Table(x) => table == Some(x),
+        };
+        for u in self.iter().filter(|u| wanted(u.target)) {
             overlay(offset, buf, u.offset, &u.bytes);
         }
     }
 
     fn holds_data(&self) -> bool {
-        self.iter().any(|u| u.target == Target::Data)
+        self.iter().any(|u| u.target.is_data())
     }
 
     fn overlaps_data(&self, at: u64, end: u64) -> bool {
-        self.iter().any(|u| {
-            u.target == Target::Data && u.offset < end && at < u.offset + u.bytes.len() as u64
-        })
+        self.iter()
+            .any(|u| u.target.is_data() && u.offset < end && at < u.offset + u.bytes.len() as u64)
     }
 
     /// Drops held data inside `[at, end)` (a cluster just freed: no
@@ -157,7 +166,7 @@ impl Log {
     fn forget_data_in(&mut self, at: u64, end: u64) {
         for slot in &mut self.updates {
             let inside = slot.as_ref().is_some_and(|u| {
-                u.target == Target::Data && u.offset >= at && u.offset + u.bytes.len() as u64 <= end
+                u.target.is_data() && u.offset >= at && u.offset + u.bytes.len() as u64 <= end
             });
             if inside && let Some(u) = slot.take() {
                 self.at.remove(&(u.target, u.offset, u.bytes.len()));
@@ -191,7 +200,7 @@ impl Log {
                 table: table_code(table),
                 bytes: u.bytes.clone(),
             },
-            Target::Data => Entry::Data {
+            Target::Data(_) => Entry::Data {
                 offset: u.offset,
                 bytes: u.bytes.clone(),
             },
@@ -260,7 +269,7 @@ impl Journal {
             MetaTable::RefcountBlock,
             MetaTable::SnapshotTable,
         ] {
-            self.log.overlay(Target::Table(table), offset, buf);
+            self.log.overlay(false, Some(table), offset, buf);
         }
     }
 
@@ -271,7 +280,7 @@ impl Journal {
 
     /// Lays held data writes over `buf`, read from data offset `offset`.
     pub(crate) fn overlay_data(&self, offset: u64, buf: &mut [u8]) {
-        self.log.overlay(Target::Data, offset, buf);
+        self.log.overlay(true, None, offset, buf);
     }
 
     fn is_unproven(&self, at: u64, end: u64) -> bool {
@@ -305,7 +314,10 @@ impl Journal {
                 .flat_map(|s| s.data.iter().copied())
                 .collect();
             self.interval_bytes += len;
-            self.log.add(Target::Data, at, bytes);
+            // The guest cluster goes with the bytes: a cache below files
+            // them under it when a checkpoint writes them.
+            let guest = segments.first().and_then(|s| s.tag.guest_cluster);
+            self.log.add(Target::Data(guest), at, bytes);
             return Placement::Held;
         }
         let touches_sums = self
@@ -419,7 +431,7 @@ impl Journal {
         let seq = self.next_seq;
         let unproven = std::mem::take(&mut self.unproven);
         let blocked = |u: &Update| {
-            u.target == Target::Data
+            u.target.is_data()
                 && unproven
                     .range(..u.offset + u.bytes.len() as u64)
                     .next_back()
@@ -444,7 +456,7 @@ impl Journal {
 /// Merges overlapping updates of one file into one write each, applying
 /// them in the order given (the log's), so the newest bytes win.
 fn coalesce(updates: Vec<(Target, u64, Vec<u8>)>) -> Vec<(Target, u64, Vec<u8>)> {
-    let file = |t: Target| matches!(t, Target::Data);
+    let file = |t: Target| t.is_data();
     let mut order: Vec<usize> = (0..updates.len()).collect();
     order.sort_by_key(|&i| (file(updates[i].0), updates[i].1));
     let mut out = Vec::new();
@@ -676,12 +688,12 @@ impl Qcow2Image {
     fn write_update(&self, (target, offset, bytes): &(Target, u64, Vec<u8>)) -> Result<()> {
         let (handle, tag) = match *target {
             Target::Table(table) => (&self.handle, IoTag::meta(table, self.disk)),
-            Target::Data => (
+            Target::Data(guest) => (
                 &self.data,
                 IoTag {
                     class: IoClass::GuestData,
                     disk: self.disk,
-                    guest_cluster: None,
+                    guest_cluster: guest,
                     unit: None,
                 },
             ),
@@ -763,7 +775,7 @@ impl Qcow2Image {
             held_bytes: j
                 .log
                 .iter()
-                .filter(|u| u.target == Target::Data)
+                .filter(|u| u.target.is_data())
                 .map(|u| u.bytes.len() as u64)
                 .sum(),
         })
@@ -1132,7 +1144,7 @@ mod tests {
         let l2 = Target::Table(MetaTable::L2);
         let updates = vec![
             (l2, 0x1000, vec![1u8; 0x1000]),
-            (Target::Data, 0x1000, vec![7u8; 16]),
+            (Target::Data(None), 0x1000, vec![7u8; 16]),
             (l2, 0x1000, vec![2u8; 0x200]),
             (l2, 0x1800, vec![3u8; 0x1000]),
             (l2, 0x4000, vec![4u8; 0x200]),
@@ -1156,10 +1168,6 @@ mod tests {
         );
         assert_eq!(&table.2[0x200..0x800], &[1u8; 0x600][..]);
         assert_eq!(&table.2[0x800..], &[3u8; 0x1000][..]);
-        assert!(
-            merged
-                .iter()
-                .any(|m| m.0 == Target::Data && m.2 == vec![7u8; 16])
-        );
+        assert!(merged.iter().any(|m| m.0.is_data() && m.2 == vec![7u8; 16]));
     }
 }
