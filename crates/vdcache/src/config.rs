@@ -216,9 +216,8 @@ pub struct ExportConfig {
     pub share_min: Option<String>,
     pub share_max: Option<String>,
     pub share_weight: Option<f64>,
-    /// The per-disk metadata journal of the top image: auto (default: on
-    /// for a disk served without a flash cache), on (refused with a
-    /// cache for now), or off.
+    /// The per-disk metadata journal of the top image: on (not with a
+    /// flash cache, for now), off, or auto (the default: off for now).
     pub metadata_journal: Option<String>,
 }
 

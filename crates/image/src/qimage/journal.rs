@@ -302,10 +302,15 @@ impl Journal {
     ) -> Placement {
         let len: usize = segments.iter().map(|s| s.data.len()).sum();
         let end = at + len as u64;
-        if self.log.overlaps_data(at, end)
-            || self.is_unproven(at, end)
-            || !self.sums_cover_whole(at, end)
-        {
+        let touches_sums = self
+            .sums
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, &(l, _))| s + u64::from(l) > at);
+        // Over pieces of the open interval too: a commit may take their
+        // checksums while this write is still on its way to the store, and
+        // would then vouch for bytes this write replaces.
+        if touches_sums || self.log.overlaps_data(at, end) || self.is_unproven(at, end) {
             if len > MAX_HELD_WRITE && !may_hold_big {
                 return Placement::ProveFirst;
             }
@@ -320,12 +325,7 @@ impl Journal {
             self.log.add(Target::Data(guest), at, bytes);
             return Placement::Held;
         }
-        let touches_sums = self
-            .sums
-            .range(..end)
-            .next_back()
-            .is_some_and(|(&s, &(l, _))| s + u64::from(l) > at);
-        if maps_new || touches_sums {
+        if maps_new {
             return Placement::InPlace(pieces(at, segments));
         }
         Placement::InPlace(Vec::new())
@@ -336,15 +336,6 @@ impl Journal {
         for &(start, end, sum) in written {
             self.put_sum(start, end, sum);
         }
-    }
-
-    /// Whether every checksummed piece the range touches lies inside it
-    /// (a partly rewritten piece's checksum could not be recomputed).
-    fn sums_cover_whole(&self, at: u64, end: u64) -> bool {
-        let first = self.sums.range(..=at).next_back().map_or(at, |(&s, _)| s);
-        self.sums
-            .range(first..end)
-            .all(|(&s, &(l, _))| s + u64::from(l) <= at || (s >= at && s + u64::from(l) <= end))
     }
 
     fn put_sum(&mut self, start: u64, end: u64, sum: Sum) {
