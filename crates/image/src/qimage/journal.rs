@@ -142,12 +142,11 @@ impl Log {
         self.at.is_empty()
     }
 
-    fn overlay(&self, data: bool, table: Option<MetaTable>, offset: u64, buf: &mut [u8]) {
-        let wanted = |t: Target| match t {
-            Target::Data(_) => data,
-            Target::Table(x) => table == Some(x),
-        };
-        for u in self.iter().filter(|u| wanted(u.target)) {
+    /// Lays the logged data updates (`data`) or table updates over `buf`,
+    /// in log order, so the newest bytes win even where a cluster changed
+    /// from one table kind to another.
+    fn overlay(&self, data: bool, offset: u64, buf: &mut [u8]) {
+        for u in self.iter().filter(|u| u.target.is_data() == data) {
             overlay(offset, buf, u.offset, &u.bytes);
         }
     }
@@ -261,16 +260,7 @@ impl Journal {
 
     /// Lays table writes not yet in place over `buf`, read from `offset`.
     pub(crate) fn overlay_meta(&self, offset: u64, buf: &mut [u8]) {
-        for table in [
-            MetaTable::Header,
-            MetaTable::L1,
-            MetaTable::L2,
-            MetaTable::RefcountTable,
-            MetaTable::RefcountBlock,
-            MetaTable::SnapshotTable,
-        ] {
-            self.log.overlay(false, Some(table), offset, buf);
-        }
+        self.log.overlay(false, offset, buf);
     }
 
     /// A cluster of the image was freed (see [`Log::forget_data_in`]).
@@ -280,7 +270,7 @@ impl Journal {
 
     /// Lays held data writes over `buf`, read from data offset `offset`.
     pub(crate) fn overlay_data(&self, offset: u64, buf: &mut [u8]) {
-        self.log.overlay(true, None, offset, buf);
+        self.log.overlay(true, offset, buf);
     }
 
     fn is_unproven(&self, at: u64, end: u64) -> bool {
