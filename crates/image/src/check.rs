@@ -166,10 +166,13 @@ impl Qcow2Image {
         Ok(tally.report)
     }
 
-    /// Whether the dirty bit is set: a crash may have left refcounts
-    /// inconsistent (lazy refcounts, or a session through a cache).
+    /// Whether a crash may have left refcounts inconsistent: the dirty bit
+    /// is set (lazy refcounts, or a session through a cache), or a metadata
+    /// journal is still named in the header (a clean close removes it; a
+    /// free whose refcount update had not committed yet is a leak).
     pub(crate) fn is_dirty(&self) -> bool {
-        self.lock().m.dirty_on_disk
+        let l = self.lock();
+        l.m.dirty_on_disk || l.m.header.extensions.meta_journal.is_some()
     }
 
     /// Rebuilds refcounts of an image a crash left dirty, then clears the
@@ -179,7 +182,10 @@ impl Qcow2Image {
         if self.read_only {
             return Ok(());
         }
-        tracing::info!(image = self.name(), "image is dirty: rebuilding refcounts");
+        tracing::info!(
+            image = self.name(),
+            "image was not closed cleanly: rebuilding refcounts"
+        );
         let report = self.repair()?;
         if !report.corruptions.is_empty() {
             return Err(ImageError::corrupt(
@@ -190,10 +196,10 @@ impl Qcow2Image {
                 ),
             ));
         }
-        if keep_dirty_bit {
+        let mut l = self.lock();
+        if keep_dirty_bit || !l.m.dirty_on_disk {
             return Ok(());
         }
-        let mut l = self.lock();
         l.set_dirty_bit(false)
     }
 }

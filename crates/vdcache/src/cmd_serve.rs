@@ -131,8 +131,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
     /// The image's per-disk metadata journal (one store sync per guest
-    /// flush): on (not with a flash cache, for now), off, or auto (the
-    /// default: off for now, see docs/internals.md).
+    /// flush): on (without a cache, or with a writethrough or writearound
+    /// one), off, or auto (the default: off for now, see docs/internals.md).
     #[arg(long, value_name = "auto|on|off", conflicts_with = "config")]
     metadata_journal: Option<String>,
     #[command(flatten)]

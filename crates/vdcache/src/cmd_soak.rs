@@ -14,7 +14,8 @@ use crate::soak::writer::Counts;
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 
-const MODES: [&str; 3] = ["writeback", "writethrough", "writearound"];
+/// Cache modes, and `nocache`: the image served without flash.
+const MODES: [&str; 4] = ["writeback", "writethrough", "writearound", "nocache"];
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -28,7 +29,8 @@ pub struct Args {
     /// timing of threads and kills still varies: a run does not repeat exactly.
     #[arg(long)]
     seed: Option<u64>,
-    /// Cache modes to run, one after the other, each on its own images.
+    /// Cache modes to run, one after the other, each on its own images
+    /// (`nocache`: served without a flash cache).
     #[arg(long, value_delimiter = ',', default_value = "writeback,writethrough")]
     modes: Vec<String>,
     /// Virtual disk size (a multiple of 64 KiB).

@@ -397,6 +397,15 @@ impl FlashCache {
                 self.read_fingerprints(tag.disk, first, &data)
             };
             let copies = self.dedup_copies(tag.disk, first * BLOCK, &[&data], &fps, &[])?;
+            // A write to these blocks still on its way to the backend is
+            // not in the history yet, and the backend bytes this read got
+            // may predate it: wait for it, so the staleness check sees it.
+            // (Guest reads and writes of a block never overlap, but a
+            // metadata journal's checkpoint writes guest data outside the
+            // guest's range locks.)
+            let _range = self
+                .ranges
+                .lock(&[(id, first * BLOCK, (first + n) * BLOCK)]);
             let shared = self.promote_shared(id, tag, read_seq, &copies);
             let mut at = first;
             for c in shared.into_iter().chain([first + n]) {

@@ -280,6 +280,21 @@ impl Journal {
             .is_some_and(|(_, &e)| e > at)
     }
 
+    /// Whether `[at, end)` holds data whose checksum the open interval
+    /// has taken: its next record vouches for the bytes there now.
+    fn touches_sums(&self, at: u64, end: u64) -> bool {
+        self.sums
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, &(l, _))| s + u64::from(l) > at)
+    }
+
+    /// Whether a record still needs the bytes now in `[at, end)`: the
+    /// newest, the one being committed, or the open interval's next.
+    fn old_bytes_needed(&self, at: u64, end: u64) -> bool {
+        self.is_unproven(at, end) || self.touches_sums(at, end)
+    }
+
     /// Decides where a data write of `segments` at `at` goes, recording
     /// what the journal must know of it. `maps_new` says the write fills
     /// space this interval maps for the first time.
@@ -292,15 +307,10 @@ impl Journal {
     ) -> Placement {
         let len: usize = segments.iter().map(|s| s.data.len()).sum();
         let end = at + len as u64;
-        let touches_sums = self
-            .sums
-            .range(..end)
-            .next_back()
-            .is_some_and(|(&s, &(l, _))| s + u64::from(l) > at);
         // Over pieces of the open interval too: a commit may take their
         // checksums while this write is still on its way to the store, and
         // would then vouch for bytes this write replaces.
-        if touches_sums || self.log.overlaps_data(at, end) || self.is_unproven(at, end) {
+        if self.old_bytes_needed(at, end) || self.log.overlaps_data(at, end) {
             if len > MAX_HELD_WRITE && !may_hold_big {
                 return Placement::ProveFirst;
             }
@@ -402,29 +412,48 @@ impl Journal {
     }
 
     /// Updates to write in place now (after commit `seq` synced): all
-    /// once the log is big (or `all`), except held data over pieces still
-    /// unproven. They stay logged until the next commit's sync.
+    /// once the log is big (or `all`), except held data over bytes a
+    /// record still needs, including the open interval's pieces (a write
+    /// held during the commit's sync may cover data checksummed after the
+    /// record was taken). They stay logged until the next commit's sync.
     fn take_checkpoint(&mut self, all: bool) -> Vec<(Target, u64, Vec<u8>)> {
         if !all && self.log.bytes < CHECKPOINT_AT_BYTES {
             return Vec::new();
         }
-        let mut out = Vec::new();
         let seq = self.next_seq;
-        let unproven = std::mem::take(&mut self.unproven);
-        let blocked = |u: &Update| {
-            u.target.is_data()
-                && unproven
-                    .range(..u.offset + u.bytes.len() as u64)
-                    .next_back()
-                    .is_some_and(|(_, &e)| e > u.offset)
-        };
-        for u in self.log.updates.iter_mut().flatten() {
-            if u.placed.is_none() && !blocked(u) {
+        // In log order: a held write that waits keeps every newer one over
+        // the same bytes waiting too, or the older would land last.
+        let mut waiting: Vec<(u64, u64)> = Vec::new();
+        let blocked: Vec<bool> = self
+            .log
+            .updates
+            .iter()
+            .map(|slot| {
+                let Some(u) = slot
+                    .as_ref()
+                    .filter(|u| u.target.is_data() && u.placed.is_none())
+                else {
+                    return false;
+                };
+                let (at, end) = (u.offset, u.offset + u.bytes.len() as u64);
+                let blocked = self.old_bytes_needed(at, end)
+                    || waiting.iter().any(|&(a, e)| a < end && at < e);
+                if blocked {
+                    waiting.push((at, end));
+                }
+                blocked
+            })
+            .collect();
+        let mut out = Vec::new();
+        for (slot, blocked) in self.log.updates.iter_mut().zip(blocked) {
+            if let Some(u) = slot
+                && u.placed.is_none()
+                && !blocked
+            {
                 u.placed = Some(seq);
                 out.push((u.target, u.offset, u.bytes.clone()));
             }
         }
-        self.unproven = unproven;
         out
     }
 
@@ -765,12 +794,13 @@ impl Qcow2Image {
 
 /// The record recovery replays: the newest, if the data it checksums is
 /// all there (its sync finished), else the one before it (which the
-/// newest's existence proves complete).
+/// newest's existence proves complete). Also returns the newest record's
+/// sequence number.
 pub(crate) fn record_to_replay(
     ext: &JournalExtension,
     slots: [&[u8]; 2],
     data_sum: &mut dyn FnMut(u64, u32) -> Result<Sum>,
-) -> Result<Option<Record>> {
+) -> Result<Option<(Record, u64)>> {
     let mut found: Vec<Record> = slots
         .iter()
         .filter_map(|s| Record::decode(s, &ext.id))
@@ -779,21 +809,74 @@ pub(crate) fn record_to_replay(
     let Some(newest) = found.pop() else {
         return Ok(None);
     };
-    if complete(&newest, data_sum)? {
-        return Ok(Some(newest));
-    }
-    Ok(found.pop().filter(|r| r.seq + 1 == newest.seq))
+    let newest_seq = newest.seq;
+    let Some(torn) = first_torn(&newest, data_sum)? else {
+        return Ok(Some((newest, newest_seq)));
+    };
+    let previous = found.pop().filter(|r| r.seq + 1 == newest_seq);
+    tracing::info!(
+        newest = newest_seq,
+        torn_data_at = torn,
+        replaying = previous.as_ref().map(|r| r.seq),
+        "the newest metadata journal record's data is torn: its sync never finished"
+    );
+    Ok(previous.map(|r| (r, newest_seq)))
 }
 
-fn complete(r: &Record, data_sum: &mut dyn FnMut(u64, u32) -> Result<Sum>) -> Result<bool> {
+/// Makes recovery's choice of `chosen` final before any of it is
+/// replayed: a copy without checksums, numbered above every record and
+/// put in the slot `chosen` does not use, made durable with the data the
+/// checksums vouched for. Replaying a held write can change bytes the
+/// record checksums; without this, a crash in mid-replay would make the
+/// next recovery take the record for torn and replay an older one.
+fn settle(
+    handle: &crate::hostio::ImageHandle,
+    io: &dyn crate::hostio::HostIo,
+    ext: &JournalExtension,
+    chosen: &Record,
+    newest: u64,
+    disk: crate::hostio::DiskId,
+) -> Result<()> {
+    let name = &*handle.name;
+    let settled = Record {
+        seq: if (newest + 1) % 2 == chosen.seq % 2 {
+            newest + 2
+        } else {
+            newest + 1
+        },
+        entries: chosen
+            .entries
+            .iter()
+            .filter(|e| !matches!(e, Entry::Checksum { .. }))
+            .cloned()
+            .collect(),
+    };
+    io.write(
+        handle,
+        HostOffset(ext.slot_offset(settled.seq)),
+        &[WriteSegment {
+            data: &settled.encode(&ext.id),
+            tag: IoTag::meta(MetaTable::Journal, disk),
+        }],
+    )
+    .map_err(|e| ImageError::io(name, "settle the metadata journal", e))?;
+    io.flush(handle, FlushKind::Durable)
+        .map_err(|e| ImageError::io(name, "flush", e))
+}
+
+/// Where the first piece of data `r` checksums differs from it, if any.
+fn first_torn(
+    r: &Record,
+    data_sum: &mut dyn FnMut(u64, u32) -> Result<Sum>,
+) -> Result<Option<u64>> {
     for e in &r.entries {
         if let Entry::Checksum { offset, len, sum } = e
             && data_sum(*offset, *len)? != *sum
         {
-            return Ok(false);
+            return Ok(Some(*offset));
         }
     }
-    Ok(true)
+    Ok(None)
 }
 
 /// The checksum a piece of data has in a record.
@@ -1044,46 +1127,48 @@ pub(crate) fn recover(
         .map_err(|e| ImageError::io(name, "read data the journal checksums", e))?;
         Ok(checksum(&buf))
     };
-    let replay: Vec<Record> = record_to_replay(&ext, [&slots[0], &slots[1]], &mut data_sum)?
-        .into_iter()
-        .collect();
-    if replay.is_empty() {
+    let Some((record, newest)) = record_to_replay(&ext, [&slots[0], &slots[1]], &mut data_sum)?
+    else {
         return Ok((header, 0));
-    }
+    };
     if !writable {
         return Err(ImageError::Unsupported {
             image: name.to_string(),
             reason: "its metadata journal holds updates its tables lack; open it writable once (or run `vdcache recover IMAGE`) to apply them".into(),
         });
     }
-    for r in &replay {
-        for e in &r.entries {
-            let (target, offset, bytes, tag) = match e {
-                Entry::Meta {
-                    offset,
-                    table,
-                    bytes,
-                } => (handle, *offset, bytes, IoTag::meta(table_of(*table), disk)),
-                Entry::Data { offset, bytes } => (
-                    data,
-                    *offset,
-                    bytes,
-                    IoTag {
-                        class: IoClass::GuestData,
-                        disk,
-                        guest_cluster: None,
-                        unit: None,
-                    },
-                ),
-                Entry::Checksum { .. } => continue,
-            };
-            io.write(
-                target,
-                HostOffset(offset),
-                &[WriteSegment { data: bytes, tag }],
-            )
-            .map_err(|e| ImageError::io(name, "apply the metadata journal", e))?;
-        }
+    // The data first: the checksums that chose the record vouch for it.
+    if !std::ptr::eq(data, handle) {
+        io.flush(data, FlushKind::Durable)
+            .map_err(|e| ImageError::io(name, "flush", e))?;
+    }
+    settle(handle, io, &ext, &record, newest, disk)?;
+    for e in &record.entries {
+        let (target, offset, bytes, tag) = match e {
+            Entry::Meta {
+                offset,
+                table,
+                bytes,
+            } => (handle, *offset, bytes, IoTag::meta(table_of(*table), disk)),
+            Entry::Data { offset, bytes } => (
+                data,
+                *offset,
+                bytes,
+                IoTag {
+                    class: IoClass::GuestData,
+                    disk,
+                    guest_cluster: None,
+                    unit: None,
+                },
+            ),
+            Entry::Checksum { .. } => continue,
+        };
+        io.write(
+            target,
+            HostOffset(offset),
+            &[WriteSegment { data: bytes, tag }],
+        )
+        .map_err(|e| ImageError::io(name, "apply the metadata journal", e))?;
     }
     io.flush(handle, FlushKind::Durable)
         .map_err(|e| ImageError::io(name, "flush", e))?;
@@ -1093,11 +1178,11 @@ pub(crate) fn recover(
     }
     tracing::info!(
         image = name,
-        records = replay.len(),
+        record = record.seq,
         "applied the metadata journal"
     );
     let (header, _) = super::read_header(handle, io, disk)?;
-    Ok((header, replay.len()))
+    Ok((header, 1))
 }
 
 #[cfg(test)]
@@ -1118,6 +1203,103 @@ mod tests {
         ] {
             assert_eq!(table_of(table_code(t)), t);
         }
+    }
+
+    fn data(bytes: &[u8]) -> [WriteSegment<'_>; 1] {
+        [WriteSegment {
+            data: bytes,
+            tag: IoTag {
+                class: IoClass::GuestData,
+                disk: crate::hostio::DiskId(0),
+                guest_cluster: None,
+                unit: None,
+            },
+        }]
+    }
+
+    fn journal() -> Journal {
+        Journal::new(JournalExtension {
+            offset: 1 << 20,
+            size: 2 << 20,
+            id: [7; 16],
+        })
+    }
+
+    /// A whole commit whose sync returned (`forced`: even with nothing new).
+    fn commit(j: &mut Journal, forced: bool) {
+        assert!(j.begin_commit(&[], 65536, forced).is_some());
+        j.end_commit();
+    }
+
+    #[test]
+    fn a_write_held_during_a_commit_is_not_checkpointed_over_the_next_records_pieces() {
+        let mut j = journal();
+        j.add_meta(MetaTable::L2, 0x10000, &[1; 8]);
+        assert!(j.begin_commit(&[], 65536, false).is_some());
+        // While that record is written and synced, a new cluster's data
+        // lands (its checksum goes to the next record), and a write over
+        // it is held.
+        let Placement::InPlace(pieces) = j.place_data(0x40000, &data(&[5; 4096]), true, false)
+        else {
+            panic!("new data over nothing is written in place");
+        };
+        j.add_written(&pieces);
+        let over = j.place_data(0x40200, &data(&[6; 512]), false, false);
+        assert_eq!(over, Placement::Held);
+        j.end_commit();
+        let placed = j.take_checkpoint(true);
+        assert!(
+            placed.iter().all(|(t, ..)| !t.is_data()),
+            "the held write went in place over bytes the next record checksums"
+        );
+        // Once a record with that checksum is proven by the next, it goes.
+        commit(&mut j, true);
+        commit(&mut j, true);
+        let placed = j.take_checkpoint(true);
+        assert!(
+            placed
+                .iter()
+                .any(|(t, at, b)| t.is_data() && *at == 0x40200 && b == &vec![6u8; 512]),
+            "the held write reaches its place once nothing needs the old bytes"
+        );
+    }
+
+    #[test]
+    fn a_held_write_waiting_for_proof_keeps_newer_writes_over_it_waiting() {
+        let mut j = journal();
+        // New data in the second half of a cluster; the open interval
+        // checksums it.
+        let Placement::InPlace(pieces) = j.place_data(0x48000, &data(&[1; 0x8000]), true, false)
+        else {
+            panic!("new data over nothing is written in place");
+        };
+        j.add_written(&pieces);
+        // A write of the whole cluster is held (it covers that data), then
+        // a newer one of its first half (over nothing a record needs).
+        let older = j.place_data(0x40000, &data(&[2; 0x10000]), false, false);
+        let newer = j.place_data(0x40000, &data(&[3; 0x2000]), false, false);
+        assert_eq!((older, newer), (Placement::Held, Placement::Held));
+        commit(&mut j, false);
+        let placed = j.take_checkpoint(true);
+        assert!(
+            placed.iter().all(|(t, ..)| !t.is_data()),
+            "a newer write went in place before an older one over the same bytes, which would land last"
+        );
+        commit(&mut j, true);
+        commit(&mut j, true);
+        let data: Vec<_> = j
+            .take_checkpoint(true)
+            .into_iter()
+            .filter(|(t, ..)| t.is_data())
+            .collect();
+        let merged = coalesce(data);
+        assert_eq!(merged.len(), 1);
+        assert_eq!(
+            &merged[0].2[..0x2000],
+            &[3; 0x2000][..],
+            "the newer bytes win"
+        );
+        assert_eq!(&merged[0].2[0x2000..], &[2; 0xe000][..]);
     }
 
     #[test]

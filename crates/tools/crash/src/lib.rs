@@ -30,6 +30,7 @@ pub mod cache_target;
 mod check;
 pub mod error;
 pub mod harness;
+pub mod interrupted;
 pub mod model;
 mod rng;
 pub mod target;

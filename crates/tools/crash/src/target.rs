@@ -10,6 +10,7 @@
 //! the target's back.
 
 use crate::error::BoxError;
+use crate::interrupted::DiesAfter;
 use crate::rng::{Rng, SeedableRng};
 use rand::Rng as _;
 use std::collections::HashMap;
@@ -156,6 +157,9 @@ pub struct Qcow2Target {
     pub io: Option<IoFactory>,
     /// The top image's metadata journal (workload and recovery opens).
     pub journal: JournalMode,
+    /// Recovery is first killed after a few changes (how many varies with
+    /// the crash point), then run again over what it left.
+    pub interrupted_recovery: bool,
 }
 
 impl std::fmt::Debug for Qcow2Target {
@@ -168,6 +172,7 @@ impl std::fmt::Debug for Qcow2Target {
             .field("cache", &self.cache)
             .field("io", &self.io.is_some())
             .field("journal", &self.journal)
+            .field("interrupted_recovery", &self.interrupted_recovery)
             .finish()
     }
 }
@@ -187,7 +192,15 @@ impl Qcow2Target {
             cache: MetaCacheConfig::default(),
             io: None,
             journal: JournalMode::Off,
+            interrupted_recovery: false,
         }
+    }
+
+    /// Kills each recovery once in mid-flight before recovering again
+    /// ([`crate::interrupted`]).
+    pub fn with_interrupted_recovery(mut self) -> Self {
+        self.interrupted_recovery = true;
+        self
     }
 
     /// Serves the top image with its metadata journal.
@@ -280,10 +293,11 @@ impl CrashTarget for Qcow2Target {
                 Backing::Raw => " over raw",
                 Backing::Qcow2 => " over qcow2",
             },
-            if self.journal == JournalMode::Off {
-                ""
-            } else {
-                " metadata journal"
+            match (self.journal, self.interrupted_recovery) {
+                (JournalMode::Off, false) => "",
+                (JournalMode::Off, true) => " interrupted recovery",
+                (_, false) => " metadata journal",
+                (_, true) => " metadata journal, interrupted recovery",
             },
             self.size,
             self.cache.l2_bytes,
@@ -321,13 +335,23 @@ impl CrashTarget for Qcow2Target {
     /// whatever its mode; recovery opens as `vdcache recover` does (the
     /// journal applied, then dropped), so checks see a plain image.
     fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
-        Ok(open_chain(
-            Self::TOP,
-            &OpenOptions {
-                metadata_journal: JournalMode::Off,
-                ..self.options(mem_files(state), None)
-            },
-        )?)
+        let files = mem_files(state);
+        let recovery = |io: Option<Arc<dyn HostIo>>| {
+            open_chain(
+                Self::TOP,
+                &OpenOptions {
+                    metadata_journal: JournalMode::Off,
+                    ..self.options(files.clone(), io)
+                },
+            )
+        };
+        if self.interrupted_recovery {
+            let changes = 1 + state.point % 7;
+            // Whatever the killed recovery did or failed to do, the next
+            // one must cope: its error (or disk) is dropped unseen.
+            drop(recovery(Some(Arc::new(DiesAfter::new(changes)))));
+        }
+        Ok(recovery(None)?)
     }
 }
 
