@@ -18,8 +18,8 @@ full base (every byte written), recreated per contender per row:
   vd-nocache-j-off     vdcache serve, no cache, --metadata-journal off
   vd-nocache-j-on      vdcache serve, no cache, --metadata-journal on
   vd-wt-j-off          vdcache serve, 1 GiB flash cache in writethrough mode,
-                       --metadata-journal off (vdcache refuses the journal with
-                       a flash cache for now: see docs/internals.md)
+                       --metadata-journal off
+  vd-wt-j-on           the same with --metadata-journal on
 
 Rows:
 
@@ -275,7 +275,8 @@ def main():
     contenders = [Contender("qemu-nbd", work, a.vdcache),
                   Contender("vd-nocache-j-off", work, a.vdcache, jrnl(False)),
                   Contender("vd-nocache-j-on", work, a.vdcache, jrnl(True)),
-                  Contender("vd-wt-j-off", work, a.vdcache, cache + jrnl(False))]
+                  Contender("vd-wt-j-off", work, a.vdcache, cache + jrnl(False)),
+                  Contender("vd-wt-j-on", work, a.vdcache, cache + jrnl(True))]
     results = []
     try:
         for row in rows:
