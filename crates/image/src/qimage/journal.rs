@@ -935,7 +935,10 @@ impl Qcow2Image {
                     }
                     Err(e) => return Err(e),
                 };
-                l.flush_all(false)?;
+                // Its refcounts reach the file only after the header names
+                // it (below): a crash in between leaves a named journal,
+                // and the next open rebuilds refcounts, instead of a
+                // leaked area nothing names.
                 JournalExtension {
                     offset: g.cluster_offset(first),
                     size: 2 * slot,
@@ -958,6 +961,7 @@ impl Qcow2Image {
         first[field_offset::INCOMPATIBLE_FEATURES as usize..][..8]
             .copy_from_slice(&bits.to_be_bytes());
         self.rewrite_header(&mut l, &first, &wanted)?;
+        l.flush_all(false)?;
         if l.m.map.kind_at(g.host_cluster(HostOffset(ext.offset))) != Some(MetaKind::Journal)
             && let Err(o) = l.m.map.insert(&g, ext.offset, ext.size, MetaKind::Journal)
         {
@@ -999,23 +1003,20 @@ impl Qcow2Image {
         self.drop_journal_area(&mut l)
     }
 
-    /// Removes the journal's extension and bit and frees its area.
+    /// Frees the journal's area, then removes its extension and bit. In
+    /// that order: a crash in between leaves a journal the header still
+    /// names (its last record, if any, replays what the tables already
+    /// hold), and the next open rebuilds the refcounts; the other order
+    /// would leak the area.
     pub(crate) fn drop_journal_area(&self, l: &mut Locked<'_>) -> Result<()> {
         let Some(ext) = l.m.header.extensions.meta_journal else {
             return Ok(());
         };
-        let mut wanted = l.m.header.extensions.clone();
-        wanted.meta_journal = None;
-        let mut first = self.read_first_cluster()?;
-        let bits = l.m.header.incompatible_features & !incompatible::META_JOURNAL;
-        first[field_offset::INCOMPATIBLE_FEATURES as usize..][..8]
-            .copy_from_slice(&bits.to_be_bytes());
-        self.rewrite_header(l, &first, &wanted)?;
         let g = self.geometry;
         l.m.map.remove(&g, ext.offset, ext.size, MetaKind::Journal);
         let cs = g.cluster_size();
-        // Freed here rather than queued: nothing durable references the
-        // area any more, and one discard of it beats one per cluster.
+        // Freed here rather than queued: nothing but the header references
+        // the area, and one discard of it beats one per cluster.
         for c in ext.offset / cs..(ext.offset + ext.size) / cs {
             if l.refcount(c)? > 0 {
                 l.add_refcount(c, -1)?;
@@ -1023,6 +1024,13 @@ impl Qcow2Image {
             }
         }
         l.flush_all(true)?;
+        let mut wanted = l.m.header.extensions.clone();
+        wanted.meta_journal = None;
+        let mut first = self.read_first_cluster()?;
+        let bits = l.m.header.incompatible_features & !incompatible::META_JOURNAL;
+        first[field_offset::INCOMPATIBLE_FEATURES as usize..][..8]
+            .copy_from_slice(&bits.to_be_bytes());
+        self.rewrite_header(l, &first, &wanted)?;
         let tag = IoTag {
             class: IoClass::Reclaim,
             disk: self.disk,
