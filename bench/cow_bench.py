@@ -26,6 +26,8 @@ acceptance checks and whether this run met them.
 
 Usage: bench/cow_bench.py [--experiments metadata,dcow,cowratio,fsync]
                           [--runtime S] [--delay MS] [--quick] [--out DIR]
+                          [--modes writeback,writethrough[,nocache]]
+                          [--metadata-journal auto|on|off] [--preallocate]
 """
 
 import argparse
@@ -44,12 +46,19 @@ EXPERIMENTS = ("metadata", "dcow", "cowratio", "fsync")
 
 
 def vdcache_contender(work, a, cow, mode, extra=()):
+    journal = ["--metadata-journal", a.metadata_journal] if a.metadata_journal else []
+    if mode == "nocache":
+        prealloc = ["--preallocate"] if a.preallocate else []
+        return Contender("nocache", work, a.vdcache, [*journal, *prealloc, *extra])
     name = f"{cow}-{'wb' if mode == 'writeback' else 'wt'}"
     args = ["--cache", "{cache}", "--cache-size", a.cache_size, "--cache-mode", mode, "--cow", cow,
-            "--keep-dirty", *extra]
-    if a.metadata_journal:
-        args += ["--metadata-journal", a.metadata_journal]
+            "--keep-dirty", *extra, *journal]
     return Contender(name, work, a.vdcache, args)
+
+
+def cow_kinds(mode):
+    """The COW placements a mode is measured with (none without a cache)."""
+    return ("stacked", "cow-aware") if mode != "nocache" else ("none",)
 
 
 def cache_of(stats):
@@ -171,7 +180,7 @@ class Bench:
         sizes = ["4k", "8k", "16k", "32k", "64k"] if not a.quick else ["4k", "64k"]
         contenders = [Contender("qemu-nbd", self.work, a.vdcache)]
         for mode in a.modes:
-            contenders += [vdcache_contender(self.work, a, cow, mode) for cow in ("stacked", "cow-aware")]
+            contenders += [vdcache_contender(self.work, a, cow, mode) for cow in cow_kinds(mode)]
         rows = []
         for bs in sizes:
             for aligned in (True, False):
@@ -338,7 +347,10 @@ def main():
     ap.add_argument("--meta-writes", type=int, default=20000, help="writes per metadata cell")
     ap.add_argument("--dcow-writes", type=int, default=8192, help="writes per decoupled-COW cell")
     ap.add_argument("--cowratio-ios", type=int, default=40000, help="I/Os per COW-ratio cell")
-    ap.add_argument("--modes", default="writeback,writethrough", help="cache write modes")
+    ap.add_argument("--modes", default="writeback,writethrough",
+                    help="cache write modes; dcow also takes nocache (vdcache without a cache)")
+    ap.add_argument("--preallocate", action="store_true",
+                    help="nocache contender: --preallocate (needs --metadata-journal on)")
     ap.add_argument("--cache-size", default="4g")
     ap.add_argument("--metadata-journal", choices=("auto", "on", "off"),
                     help="vdcache's metadata journal (default: vdcache's own, auto)")
@@ -349,10 +361,14 @@ def main():
     a = ap.parse_args()
     a.modes = [m for m in a.modes.split(",") if m]
     for m in a.modes:
-        if m not in ("writeback", "writethrough"):
+        if m not in ("writeback", "writethrough", "nocache"):
             raise SystemExit(f"unknown mode {m!r}")
     parse_size(a.cache_size)
     chosen = [e for e in a.experiments.split(",") if e]
+    if "nocache" in a.modes and chosen != ["dcow"]:
+        raise SystemExit("mode nocache is measured by the dcow experiment only (--experiments dcow)")
+    if a.preallocate and a.metadata_journal != "on":
+        raise SystemExit("--preallocate needs --metadata-journal on")
     for e in chosen:
         if e not in EXPERIMENTS:
             raise SystemExit(f"unknown experiment {e!r}; experiments: {', '.join(EXPERIMENTS)}")

@@ -186,6 +186,9 @@ pub struct OpenOptions {
     pub opener: Arc<dyn StoreOpener>,
     /// The writable top image's metadata journal (see `qimage::journal`).
     pub metadata_journal: JournalMode,
+    /// With the journal on and no cache below: zeros written ahead of
+    /// allocation (see `qimage::prealloc`).
+    pub preallocate: bool,
 }
 
 /// Whether a writable qcow2 top image logs its table updates in a
@@ -216,6 +219,7 @@ impl Default for OpenOptions {
             io: None,
             opener: Arc::new(LocalFiles),
             metadata_journal: JournalMode::Off,
+            preallocate: false,
         }
     }
 }
@@ -465,8 +469,8 @@ fn prepare_top(layers: &[Layer], opts: &OpenOptions) -> Result<()> {
         }
         match opts.metadata_journal {
             JournalMode::Off => img.drop_leftover_journal()?,
-            JournalMode::IfPossible => img.start_journal(false)?,
-            JournalMode::Required => img.start_journal(true)?,
+            JournalMode::IfPossible => img.start_journal(false, opts.preallocate)?,
+            JournalMode::Required => img.start_journal(true, opts.preallocate)?,
         }
     }
     img.prepare_for_writes()

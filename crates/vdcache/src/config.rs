@@ -216,9 +216,13 @@ pub struct ExportConfig {
     pub share_min: Option<String>,
     pub share_max: Option<String>,
     pub share_weight: Option<f64>,
-    /// The per-disk metadata journal of the top image: on (not with a
-    /// flash cache, for now), off, or auto (the default: off for now).
+    /// The per-disk metadata journal of the top image: on (without a
+    /// cache, or with a writethrough or writearound one), off, or auto (the
+    /// default: off for now).
     pub metadata_journal: Option<String>,
+    /// With the metadata journal and no cache: write zeros ahead of
+    /// allocation (adaptive preallocation). Default false.
+    pub preallocate: Option<bool>,
 }
 
 /// Values of `metadata_journal`.

@@ -166,3 +166,72 @@ fn the_journal_serves_through_a_writethrough_cache_and_is_refused_with_writeback
     let chk = ok(s.qemu_img().arg("check").arg(&delta));
     assert!(chk.stdout.contains("No errors"), "{}", chk.report());
 }
+
+/// Adaptive preallocation is opt-in: asked for, the journaled disk's file
+/// grows ahead of its allocations while served and is cut back to its last
+/// cluster in use by a clean stop; not asked for, it never grows ahead.
+/// Where it would do nothing (no journal, or a flash cache) it is refused.
+#[test]
+fn preallocation_is_opt_in_and_trimmed_by_a_clean_stop() {
+    let s = Scratch::new();
+    let sock = s.path("nbd.sock");
+    let delta = s.path("delta.qcow2");
+    let writes: Vec<String> = (0..16u64)
+        .map(|i| format!("write -P 7 {} 65536", i * 65536))
+        .chain(["flush".to_string()])
+        .collect();
+    let grown_ahead = |prealloc: bool| {
+        qcow2(&s, &delta, 64 * M, None);
+        let image = delta.to_str().unwrap();
+        let mut args = vec!["--metadata-journal", "on", image];
+        if prealloc {
+            args.insert(0, "--preallocate");
+        }
+        let server = serve(&s, &sock, &args);
+        qemu_io(&s, "raw", &uri(&sock, ""), &writes);
+        let served_len = std::fs::metadata(&delta).unwrap().len();
+        server.stop_clean();
+        let stopped_len = std::fs::metadata(&delta).unwrap().len();
+        let chk = ok(s.qemu_img().arg("check").arg(&delta));
+        assert!(chk.stdout.contains("No errors"), "{}", chk.report());
+        (served_len, stopped_len)
+    };
+    let (served, stopped) = grown_ahead(true);
+    assert!(
+        served >= stopped + M,
+        "asked for, zeros go at least 1 MiB ahead while serving: {served} then {stopped}"
+    );
+    let (served, stopped) = grown_ahead(false);
+    assert!(
+        served < stopped + M,
+        "not asked for, nothing is written ahead: {served} then {stopped}"
+    );
+
+    let image = delta.to_str().unwrap();
+    let refused = serving::serve_refused(&s, &sock, &["--preallocate", image]);
+    assert!(
+        refused.contains("preallocate needs metadata_journal"),
+        "{refused}"
+    );
+    let cache = s.path("flash.cache");
+    let refused = serving::serve_refused(
+        &s,
+        &sock,
+        &[
+            "--preallocate",
+            "--metadata-journal",
+            "on",
+            "--cache",
+            cache.to_str().unwrap(),
+            "--cache-size",
+            "64M",
+            "--cache-mode",
+            "writethrough",
+            image,
+        ],
+    );
+    assert!(
+        refused.contains("preallocate does nothing through a flash cache"),
+        "{refused}"
+    );
+}

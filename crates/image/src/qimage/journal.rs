@@ -899,8 +899,8 @@ impl Qcow2Image {
     /// or new clusters), a new journal id, and the feature bit, all durable
     /// before the first transaction. `required`: a version 2 image (no
     /// feature bits to guard the journal) is refused rather than served
-    /// without one.
-    pub(crate) fn start_journal(&self, required: bool) -> Result<()> {
+    /// without one. `preallocate`: write zeros ahead of allocation.
+    pub(crate) fn start_journal(&self, required: bool, preallocate: bool) -> Result<()> {
         if self.read_only {
             return Ok(());
         }
@@ -968,9 +968,8 @@ impl Qcow2Image {
             return Err(l.corruption(format!("the metadata journal: {o}")));
         }
         l.m.journal = Some(Journal::new(ext));
-        if self.io.copies().holder().is_none() {
-            // Below a cache the zeros would fill flash; without one, they
-            // spare the store's file system an allocation per flush.
+        if preallocate && self.io.copies().holder().is_none() {
+            // Below a cache the zeros would only fill flash.
             l.m.prealloc = Some(super::prealloc::Prealloc::new());
         }
         Ok(())

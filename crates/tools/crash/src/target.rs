@@ -231,6 +231,8 @@ impl Qcow2Target {
             opener,
             io,
             metadata_journal: self.journal,
+            // Preallocation is part of what the journal's sweeps cover.
+            preallocate: self.journal != JournalMode::Off,
             ..OpenOptions::default()
         }
     }

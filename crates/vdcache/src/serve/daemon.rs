@@ -198,6 +198,27 @@ fn journal_mode(e: &ExportConfig, cached: Option<WriteMode>) -> Result<JournalMo
     })
 }
 
+/// Whether an export preallocates: only asked for, and only where it
+/// does something (the journal on, no cache below).
+fn preallocation(e: &ExportConfig, cached: Option<WriteMode>) -> Result<bool> {
+    if e.preallocate != Some(true) {
+        return Ok(false);
+    }
+    if e.metadata_journal()? != MetadataJournal::On {
+        anyhow::bail!(
+            "export '{}': preallocate needs metadata_journal = \"on\" (--metadata-journal on): zeros are written ahead of allocation only for a journaled disk",
+            e.name
+        );
+    }
+    if cached.is_some() {
+        anyhow::bail!(
+            "export '{}': preallocate does nothing through a flash cache (the zeros would only fill flash); serve the disk without the cache, or drop preallocate",
+            e.name
+        );
+    }
+    Ok(true)
+}
+
 impl Daemon {
     /// Opens the cache and every export's chain.
     pub fn build(cfg: &ServerConfig, format_cache: bool) -> Result<Daemon> {
@@ -301,6 +322,7 @@ impl Daemon {
                     io,
                     opener: opener.clone(),
                     metadata_journal: journal_mode(e, write_mode)?,
+                    preallocate: preallocation(e, write_mode)?,
                     ..OpenOptions::default()
                 },
             )
