@@ -105,6 +105,11 @@ struct Update {
     /// Written in place; durable there once the commit with this sequence
     /// number has synced.
     placed: Option<u64>,
+    /// Durable in place, and left out of records from now on; forgotten
+    /// once a record without it is durable. Until then the newest durable
+    /// record still holds it, so nothing may be written in place over it
+    /// (recovery would lay it over the newer bytes).
+    retired: bool,
 }
 
 /// Updates in the order made; an older update of the same range is
@@ -131,6 +136,7 @@ impl Log {
             offset,
             bytes,
             placed: None,
+            retired: false,
         }));
     }
 
@@ -138,8 +144,9 @@ impl Log {
         self.updates.iter().flatten()
     }
 
-    fn is_empty(&self) -> bool {
-        self.at.is_empty()
+    /// Whether a record would log anything (retired updates are left out).
+    fn has_entries(&self) -> bool {
+        self.iter().any(|u| !u.retired)
     }
 
     /// Lays the logged data updates (`data`) or table updates over `buf`,
@@ -174,17 +181,20 @@ impl Log {
         }
     }
 
-    /// Drops updates durable in place once commit `seq` synced.
-    fn forget_placed(&mut self, seq: u64) {
+    /// Commit `seq` synced: updates it left out (retired) are forgotten,
+    /// and those it made durable in place are retired.
+    fn retire_placed(&mut self, seq: u64) {
         for slot in &mut self.updates {
-            if slot
-                .as_ref()
-                .and_then(|u| u.placed)
-                .is_some_and(|p| p <= seq)
+            if slot.as_ref().is_some_and(|u| u.retired)
                 && let Some(u) = slot.take()
             {
                 self.at.remove(&(u.target, u.offset, u.bytes.len()));
                 self.bytes -= u.bytes.len() + 16;
+            }
+        }
+        for u in self.updates.iter_mut().flatten() {
+            if u.placed.is_some_and(|p| p <= seq) {
+                u.retired = true;
             }
         }
         if self.at.is_empty() {
@@ -193,7 +203,7 @@ impl Log {
     }
 
     fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
-        self.iter().map(|u| match u.target {
+        self.iter().filter(|u| !u.retired).map(|u| match u.target {
             Target::Table(table) => Entry::Meta {
                 offset: u.offset,
                 table: table_code(table),
@@ -367,7 +377,7 @@ impl Journal {
             sums.retain(|s, _| !freed.contains(&(s / cluster)));
         }
         let proves_something = forced && !self.unproven.is_empty();
-        if self.log.is_empty() && sums.is_empty() && !proves_something {
+        if !self.log.has_entries() && sums.is_empty() && !proves_something {
             return None;
         }
         let checks = sums
@@ -398,7 +408,7 @@ impl Journal {
             .iter()
             .map(|(&s, &(l, _))| (s, s + u64::from(l)))
             .collect();
-        self.log.forget_placed(seq);
+        self.log.retire_placed(seq);
     }
 
     /// The commit failed before its record was known durable: its
@@ -1307,6 +1317,61 @@ mod tests {
             "the newer bytes win"
         );
         assert_eq!(&merged[0].2[0x2000..], &[2; 0xe000][..]);
+    }
+
+    #[test]
+    fn a_held_write_in_the_newest_record_keeps_blocking_writes_in_place() {
+        let mut j = journal();
+        let Placement::InPlace(pieces) = j.place_data(0x40000, &data(&[1; 0x10000]), true, false)
+        else {
+            panic!("new data over nothing is written in place");
+        };
+        j.add_written(&pieces);
+        // Held (over checksummed data), unaligned at its end.
+        assert_eq!(
+            j.place_data(0x40000, &data(&[2; 0xefce]), false, false),
+            Placement::Held
+        );
+        commit(&mut j, false);
+        commit(&mut j, true);
+        let placed = j.take_checkpoint(true);
+        assert!(
+            placed.iter().any(|(t, ..)| t.is_data()),
+            "placed once proven"
+        );
+        // The commit whose sync makes it durable in place still logs it:
+        // that record is the newest, and recovery would replay it.
+        let (_, record) = j.begin_commit(&[], 65536, true).expect("a record");
+        j.end_commit();
+        let logged = |bytes: &[u8]| {
+            Record::decode(bytes, &[7; 16])
+                .expect("decodes")
+                .entries
+                .iter()
+                .any(|e| {
+                    matches!(
+                        e,
+                        Entry::Data {
+                            offset: 0x40000,
+                            ..
+                        }
+                    )
+                })
+        };
+        assert!(logged(&record));
+        // So a write over it is still held, not written in place, where
+        // that record's replay would land over it mid-sector.
+        assert_eq!(
+            j.place_data(0x41167, &data(&[3; 0xee99]), false, false),
+            Placement::Held
+        );
+        // The next record leaves the durable one out; once it is durable,
+        // the old one is forgotten and the newer held write is all that
+        // is logged there.
+        let (_, record) = j.begin_commit(&[], 65536, true).expect("a record");
+        j.end_commit();
+        assert!(!logged(&record));
+        assert!(!j.log.iter().any(|u| u.offset == 0x40000));
     }
 
     #[test]
