@@ -249,109 +249,25 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         builder = builder.tls(t);
     }
     let server = Arc::new(builder.build()?);
-    if let Some(path) = &cfg.server.socket {
-        server
-            .listen_unix(path)
-            .with_context(|| format!("cannot listen on {}", path.display()))?;
-        access.apply(path)?;
+    // The NBD sockets listen last: whoever can connect to one (a client, or
+    // a script waiting for the socket) finds every other front end up, and
+    // a server refused for a busy vhost-user socket or mount point never
+    // accepted anyone.
+    let front_ends = match FrontEnds::start(&cfg, &daemon, &server, &access) {
+        Ok(f) => f,
+        Err(e) => return Err(abandon(e, &server, &daemon)),
+    };
+    if let Err(e) = listen_nbd(&cfg, &server, &access) {
+        drop(front_ends);
+        return Err(abandon(e, &server, &daemon));
     }
-    if let Some(addr) = &cfg.server.tcp {
-        // The server's error already names the address.
-        let bound = server.listen_tcp(addr.as_str()).map_err(|e| {
-            anyhow::anyhow!("{e} (give an address of this host whose port is free)")
-        })?;
-        tracing::info!("listening on tcp {bound}");
-    }
-    let vhost = match start_vhost_user(&daemon, &access) {
-        Ok(v) => v,
-        Err(e) => {
-            server.shutdown();
-            if let Err(stop) = daemon.stop() {
-                tracing::error!("closing the disks: {stop:#}");
-            }
-            return Err(e);
-        }
-    };
-    let _metrics = match &cfg.server.metrics {
-        Some(addr) => {
-            let m = MetricsServer::start(addr, metrics::registry(daemon.clone(), server.clone()))?;
-            tracing::info!("metrics on http://{}/metrics", m.addr);
-            Some(m)
-        }
-        None => None,
-    };
-    let control_path = control_path(&cfg);
-    let _control = match &control_path {
-        Some(p) => Some(ControlServer::start(
-            p,
-            Arc::new(Control {
-                daemon: daemon.clone(),
-                server: server.clone(),
-                vhost: vhost.as_ref().map(|v| v.activity()),
-            }),
-        )?),
-        None => None,
-    };
-    for d in &daemon.disks {
-        tracing::info!(
-            "serving {}: {} ({}{}, {})",
-            if d.config.name.is_empty() {
-                "the default export".to_string()
-            } else {
-                format!("export '{}'", d.config.name)
-            },
-            d.config.image,
-            if d.disk.read_only() {
-                "read-only"
-            } else {
-                "read-write"
-            },
-            match (&daemon.cache, d.config.no_cache) {
-                (Some(_), false) => ", through the cache",
-                (Some(_), true) => ", not cached",
-                (None, _) => "",
-            },
-            crate::size::human(d.disk.size())
-        );
-    }
-    tracing::info!(
-        "serving {} export(s){}{}",
-        daemon.disks.len(),
-        cfg.server
-            .socket
-            .as_ref()
-            .map(|p| format!(" on {}", p.display()))
-            .unwrap_or_default(),
-        control_path
-            .map(|p| format!(", control {}", p.display()))
-            .unwrap_or_default()
-    );
-    let fuse = match &cfg.server.fuse {
-        Some(dir) => {
-            let exports = daemon
-                .disks
-                .iter()
-                .map(|d| vdcache_fuse_server::FuseExport {
-                    name: d.config.name.clone(),
-                    disk: d.disk.clone(),
-                })
-                .collect();
-            let mounted = match vdcache_fuse_server::FuseServer::mount(dir, exports) {
-                Ok(m) => m,
-                Err(e) => {
-                    // Close the disks cleanly: nothing was served yet.
-                    server.shutdown();
-                    if let Err(stop) = daemon.stop() {
-                        tracing::error!("closing the disks: {stop:#}");
-                    }
-                    return Err(e.into());
-                }
-            };
-            tracing::info!("disks shown as files in {}", dir.display());
-            Some(mounted)
-        }
-        None => None,
-    };
+    let FrontEnds {
+        vhost,
+        fuse,
+        control: _control,
+        metrics: _metrics,
+    } = front_ends;
+    log_serving(&cfg, &daemon);
     let idle_fill = cfg
         .cache
         .as_ref()
@@ -475,7 +391,133 @@ impl Filler {
     }
 }
 
-/// The control socket: configured, or next to the NBD socket.
+/// The front ends other than NBD, started before any NBD socket listens.
+/// Dropping it stops each.
+struct FrontEnds {
+    vhost: Option<vdcache_vhost_user_blk::VhostUserBlkServer>,
+    fuse: Option<vdcache_fuse_server::FuseServer>,
+    control: Option<ControlServer>,
+    metrics: Option<MetricsServer>,
+}
+
+impl FrontEnds {
+    fn start(
+        cfg: &ServerConfig,
+        daemon: &Arc<Daemon>,
+        server: &Arc<Server>,
+        access: &SocketAccess,
+    ) -> Result<FrontEnds> {
+        let vhost = start_vhost_user(daemon, access)?;
+        let metrics = match &cfg.server.metrics {
+            Some(addr) => {
+                let m =
+                    MetricsServer::start(addr, metrics::registry(daemon.clone(), server.clone()))?;
+                tracing::info!("metrics on http://{}/metrics", m.addr);
+                Some(m)
+            }
+            None => None,
+        };
+        let control = match &control_path(cfg) {
+            Some(p) => Some(ControlServer::start(
+                p,
+                Arc::new(Control {
+                    daemon: daemon.clone(),
+                    server: server.clone(),
+                    vhost: vhost.as_ref().map(|v| v.activity()),
+                }),
+            )?),
+            None => None,
+        };
+        let fuse = match &cfg.server.fuse {
+            Some(dir) => {
+                let exports = daemon
+                    .disks
+                    .iter()
+                    .map(|d| vdcache_fuse_server::FuseExport {
+                        name: d.config.name.clone(),
+                        disk: d.disk.clone(),
+                    })
+                    .collect();
+                let mounted = vdcache_fuse_server::FuseServer::mount(dir, exports)?;
+                tracing::info!("disks shown as files in {}", dir.display());
+                Some(mounted)
+            }
+            None => None,
+        };
+        Ok(FrontEnds {
+            vhost,
+            fuse,
+            control,
+            metrics,
+        })
+    }
+}
+
+/// Listens on the configured NBD Unix socket and TCP address.
+fn listen_nbd(cfg: &ServerConfig, server: &Server, access: &SocketAccess) -> Result<()> {
+    if let Some(path) = &cfg.server.socket {
+        server
+            .listen_unix(path)
+            .with_context(|| format!("cannot listen on {}", path.display()))?;
+        access.apply(path)?;
+    }
+    if let Some(addr) = &cfg.server.tcp {
+        // The server's error already names the address.
+        let bound = server.listen_tcp(addr.as_str()).map_err(|e| {
+            anyhow::anyhow!("{e} (give an address of this host whose port is free)")
+        })?;
+        tracing::info!("listening on tcp {bound}");
+    }
+    Ok(())
+}
+
+/// A start that failed before anything was served: closes the disks
+/// cleanly and returns the failure.
+fn abandon(e: anyhow::Error, server: &Server, daemon: &Daemon) -> anyhow::Error {
+    server.shutdown();
+    if let Err(stop) = daemon.stop() {
+        tracing::error!("closing the disks: {stop:#}");
+    }
+    e
+}
+
+fn log_serving(cfg: &ServerConfig, daemon: &Daemon) {
+    for d in &daemon.disks {
+        tracing::info!(
+            "serving {}: {} ({}{}, {})",
+            if d.config.name.is_empty() {
+                "the default export".to_string()
+            } else {
+                format!("export '{}'", d.config.name)
+            },
+            d.config.image,
+            if d.disk.read_only() {
+                "read-only"
+            } else {
+                "read-write"
+            },
+            match (&daemon.cache, d.config.no_cache) {
+                (Some(_), false) => ", through the cache",
+                (Some(_), true) => ", not cached",
+                (None, _) => "",
+            },
+            crate::size::human(d.disk.size())
+        );
+    }
+    tracing::info!(
+        "serving {} export(s){}{}",
+        daemon.disks.len(),
+        cfg.server
+            .socket
+            .as_ref()
+            .map(|p| format!(" on {}", p.display()))
+            .unwrap_or_default(),
+        control_path(cfg)
+            .map(|p| format!(", control {}", p.display()))
+            .unwrap_or_default()
+    );
+}
+
 /// Mode, owner and group of the data sockets, checked before any is bound.
 fn socket_access(cfg: &ServerConfig) -> Result<SocketAccess> {
     let l = &cfg.server;
@@ -516,6 +558,7 @@ fn start_vhost_user(
     Ok(Some(server))
 }
 
+/// The control socket: configured, or next to the NBD socket.
 pub fn control_path(cfg: &ServerConfig) -> Option<PathBuf> {
     cfg.server.control.clone().or_else(|| {
         let first_vhost = || cfg.exports.iter().find_map(|e| e.vhost_user_blk.as_ref());
