@@ -309,7 +309,8 @@ impl VirtualDisk {
     /// Reads the filler, then writes guest bytes and filler; plans whose
     /// host ranges touch are merged into one backend request. With the
     /// metadata journal on, a plan's bytes may be held for the journal
-    /// instead (see `qimage::journal`). Returns the checksummed pieces of
+    /// instead (see `qimage::journal`), and the record the next flush
+    /// needs may be written alongside. Returns the checksummed pieces of
     /// what was written in place, for the journal once it is mapped.
     fn write_planned(
         &self,
@@ -318,15 +319,57 @@ impl VirtualDisk {
         plans: &[ClusterPlan],
         data: &[u8],
     ) -> Result<Vec<Piece>> {
-        let mut pieces = Vec::new();
         let fills: Vec<(Vec<u8>, Vec<u8>)> = plans
             .iter()
             .map(|p| self.read_fill(img, g, p))
             .collect::<Result<_>>()?;
-        let mut batch: Vec<WriteSegment<'_>> = Vec::new();
-        let mut batch_start = HostOffset(0);
+        let (batches, pieces) = self.batches(img, g, plans, &fills, data)?;
+        let mappings: Vec<(u64, L2Mapping)> = plans
+            .iter()
+            .filter_map(|p| Some((p.cluster, p.new?)))
+            .collect();
+        let write_data = || {
+            batches
+                .iter()
+                .try_for_each(|(at, segments)| self.flush_batch(img, *at, segments))
+        };
+        match img.eager_record(&mappings, &pieces)? {
+            None => write_data()?,
+            Some(record) => {
+                let (written, recorded) = std::thread::scope(|scope| {
+                    let recording = scope.spawn(|| record.write(img));
+                    let written = write_data();
+                    let recorded = recording
+                        .join()
+                        .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                    (written, recorded)
+                });
+                if let Err(e) = &recorded {
+                    tracing::debug!("eager journal record not written: {e}");
+                }
+                img.eager_written(record, &recorded);
+                written?;
+            }
+        }
+        Ok(pieces)
+    }
+
+    /// The backend requests of a write (plans whose host ranges touch
+    /// merged into one), and the pieces the journal checksums; plans whose
+    /// bytes the journal holds are in neither.
+    #[allow(clippy::type_complexity)]
+    fn batches<'d>(
+        &self,
+        img: &Qcow2Image,
+        g: &Geometry,
+        plans: &[ClusterPlan],
+        fills: &'d [(Vec<u8>, Vec<u8>)],
+        data: &'d [u8],
+    ) -> Result<(Vec<(HostOffset, Vec<WriteSegment<'d>>)>, Vec<Piece>)> {
+        let mut pieces = Vec::new();
+        let mut batches: Vec<(HostOffset, Vec<WriteSegment<'d>>)> = Vec::new();
         let mut batch_end = 0u64;
-        for (p, (head, tail)) in plans.iter().zip(&fills) {
+        for (p, (head, tail)) in plans.iter().zip(fills) {
             let host = match p.target {
                 Target::InPlace(h) | Target::Reuse(h) | Target::New(Some(h)) => h,
                 Target::New(None) => {
@@ -358,20 +401,13 @@ impl VirtualDisk {
                 continue;
             };
             pieces.extend(written);
-            if !batch.is_empty() && start != batch_end {
-                self.flush_batch(img, batch_start, &batch)?;
-                batch.clear();
+            match batches.last_mut() {
+                Some((_, batch)) if start == batch_end => batch.extend(segments),
+                _ => batches.push((HostOffset(start), segments)),
             }
-            if batch.is_empty() {
-                batch_start = HostOffset(start);
-            }
-            batch.extend(segments);
             batch_end = host.0 + p.w_hi;
         }
-        if !batch.is_empty() {
-            self.flush_batch(img, batch_start, &batch)?;
-        }
-        Ok(pieces)
+        Ok((batches, pieces))
     }
 
     /// Whether a plan's bytes are written in place now (with the pieces

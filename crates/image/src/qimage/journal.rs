@@ -37,6 +37,7 @@ use crate::hostio::{FlushKind, IoClass, IoTag, MetaTable, WriteSegment};
 use std::collections::{BTreeMap, HashMap};
 use vdcache_qcow2::Header;
 use vdcache_qcow2::HostOffset;
+use vdcache_qcow2::entries::L2Mapping;
 use vdcache_qcow2::features::{FeatureKind, incompatible};
 use vdcache_qcow2::header::field_offset;
 use vdcache_qcow2::meta_journal::{CHECKSUM_BYTES, Entry, JournalExtension, Record, record_len};
@@ -59,6 +60,9 @@ const MAX_HELD_WRITE: usize = 256 << 10;
 pub struct JournalStats {
     /// Records committed since the image was opened.
     pub records: u64,
+    /// Of those, records written ahead of their flush, in parallel with
+    /// the write they anticipate (the flush then only synced).
+    pub eager_records: u64,
     /// Bytes of updates not yet known durable in place.
     pub logged_bytes: u64,
     /// Of those, guest data held in memory (full mode).
@@ -201,19 +205,61 @@ impl Log {
             self.updates.clear();
         }
     }
+}
 
-    fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
-        self.iter().filter(|u| !u.retired).map(|u| match u.target {
+impl Update {
+    fn entry(&self) -> Entry {
+        match self.target {
             Target::Table(table) => Entry::Meta {
-                offset: u.offset,
+                offset: self.offset,
                 table: table_code(table),
-                bytes: u.bytes.clone(),
+                bytes: self.bytes.clone(),
             },
             Target::Data(_) => Entry::Data {
-                offset: u.offset,
-                bytes: u.bytes.clone(),
+                offset: self.offset,
+                bytes: self.bytes.clone(),
             },
-        })
+        }
+    }
+}
+
+/// A record written ahead of the flush that needs it, with the commit lock
+/// held (see [`Qcow2Image::eager_record`]).
+pub(crate) struct EagerRecord<'a> {
+    _commit: std::sync::MutexGuard<'a, ()>,
+    at: u64,
+    bytes: Vec<u8>,
+}
+
+impl EagerRecord<'_> {
+    pub(crate) fn write(&self, img: &Qcow2Image) -> Result<()> {
+        img.write_record(self.at, &self.bytes)
+    }
+}
+
+/// A record a commit is about to make durable.
+struct PendingRecord {
+    at: u64,
+    bytes: Vec<u8>,
+    /// An eager record left exactly these bytes in the slot.
+    written: bool,
+}
+
+/// Adds a piece's checksum to `sums`, replacing those it covers.
+fn put_sum(sums: &mut BTreeMap<u64, (u32, Sum)>, (start, end, sum): Piece) {
+    let stale: Vec<u64> = sums.range(start..end).map(|(&s, _)| s).collect();
+    for s in stale {
+        sums.remove(&s);
+    }
+    sums.insert(start, ((end - start) as u32, sum));
+}
+
+/// Clusters the interval freed need no checksum: nothing maps them once
+/// the record is durable, and they may be discarded after.
+fn drop_freed(sums: &mut BTreeMap<u64, (u32, Sum)>, freed: &[u64], cluster: u64) {
+    if !freed.is_empty() {
+        let freed: std::collections::HashSet<u64> = freed.iter().copied().collect();
+        sums.retain(|s, _| !freed.contains(&(s / cluster)));
     }
 }
 
@@ -234,8 +280,17 @@ pub(crate) struct Journal {
     unproven: BTreeMap<u64, u64>,
     /// Bytes this interval added (commits early when large).
     interval_bytes: usize,
-    /// Records written, for statistics.
+    /// Guest writes mapped this interval, and in the one before: a guest
+    /// that flushes after every write gets eager records.
+    interval_writes: u32,
+    last_interval_writes: u32,
+    /// The bytes of an eager record complete in the next record's slot: a
+    /// commit whose record is exactly these bytes need not write it again.
+    eager: Option<Vec<u8>>,
+    /// Records committed, for statistics.
     pub(crate) records: u64,
+    /// Of those, records written ahead of their flush (eager).
+    pub(crate) eager_records: u64,
 }
 
 impl Journal {
@@ -248,7 +303,11 @@ impl Journal {
             committing: None,
             unproven: BTreeMap::new(),
             interval_bytes: 0,
+            interval_writes: 0,
+            last_interval_writes: 0,
+            eager: None,
             records: 0,
+            eager_records: 0,
         }
     }
 
@@ -343,58 +402,111 @@ impl Journal {
 
     /// The checksums of data written in place, now that it is.
     fn add_written(&mut self, written: &[Piece]) {
-        for &(start, end, sum) in written {
-            self.put_sum(start, end, sum);
+        self.interval_writes = self.interval_writes.saturating_add(1);
+        for &piece in written {
+            put_sum(&mut self.sums, piece);
+            self.interval_bytes += 24;
         }
     }
 
-    fn put_sum(&mut self, start: u64, end: u64, sum: Sum) {
-        let stale: Vec<u64> = self.sums.range(start..end).map(|(&s, _)| s).collect();
-        for s in stale {
-            self.sums.remove(&s);
+    /// Whether the next write's record should be written with it: the
+    /// guest flushed after the one write of the last interval, and this
+    /// interval has none yet (queue depth 1, a flush after each write).
+    fn wants_eager(&self) -> bool {
+        self.interval_writes == 0 && self.last_interval_writes <= 1
+    }
+
+    /// The record a commit would write if `slices` (whole L2 slices) were
+    /// logged and the write of `pieces` had completed: an eager record.
+    /// Forgets any earlier eager record, whose slot this one takes.
+    fn preview_record(
+        &mut self,
+        slices: &[(u64, Vec<u8>)],
+        pieces: &[Piece],
+        freed: &[u64],
+        cluster: u64,
+    ) -> (u64, Vec<u8>) {
+        self.eager = None;
+        let mut sums = self.sums.clone();
+        for &piece in pieces {
+            put_sum(&mut sums, piece);
         }
-        self.sums.insert(start, ((end - start) as u32, sum));
-        self.interval_bytes += 24;
+        drop_freed(&mut sums, freed, cluster);
+        let l2 = Target::Table(MetaTable::L2);
+        // As `Log::add` would: an update of the same range moves to the end.
+        let replaced = |u: &Update| {
+            u.target == l2
+                && slices
+                    .iter()
+                    .any(|(at, b)| u.offset == *at && u.bytes.len() == b.len())
+        };
+        let logged = self.log.iter().filter(|u| !u.retired && !replaced(u));
+        let added = slices.iter().map(|(offset, bytes)| Update {
+            target: l2,
+            offset: *offset,
+            bytes: bytes.clone(),
+            placed: None,
+            retired: false,
+        });
+        let entries: Vec<Entry> = logged
+            .map(Update::entry)
+            .chain(added.map(|u| u.entry()))
+            .collect();
+        (
+            self.ext.slot_offset(self.next_seq),
+            self.encode(entries, &sums),
+        )
+    }
+
+    /// An eager record is complete in its slot.
+    fn eager_written(&mut self, bytes: Vec<u8>) {
+        self.eager = Some(bytes);
+    }
+
+    fn encode(&self, entries: Vec<Entry>, sums: &BTreeMap<u64, (u32, Sum)>) -> Vec<u8> {
+        let checks = sums
+            .iter()
+            .map(|(&offset, &(len, sum))| Entry::Checksum { offset, len, sum });
+        Record {
+            seq: self.next_seq,
+            entries: entries.into_iter().chain(checks).collect(),
+        }
+        .encode(&self.ext.id)
     }
 
     /// Starts a commit: the record (every logged update and this
-    /// interval's checksums) and where it goes, or `None` if nothing needs
-    /// logging. Clusters the interval freed need no checksum: nothing maps
-    /// them once the record is durable, and they may be discarded after.
-    fn begin_commit(
-        &mut self,
-        freed: &[u64],
-        cluster: u64,
-        forced: bool,
-    ) -> Option<(u64, Vec<u8>)> {
+    /// interval's checksums, less those of clusters it freed) and where it
+    /// goes, or `None` if nothing needs logging.
+    fn begin_commit(&mut self, freed: &[u64], cluster: u64, forced: bool) -> Option<PendingRecord> {
         if self.committing.is_some() {
             return None;
         }
+        let eager = self.eager.take();
         let mut sums = std::mem::take(&mut self.sums);
         self.interval_bytes = 0;
-        if !freed.is_empty() {
-            let freed: std::collections::HashSet<u64> = freed.iter().copied().collect();
-            sums.retain(|s, _| !freed.contains(&(s / cluster)));
-        }
+        self.last_interval_writes = std::mem::take(&mut self.interval_writes);
+        drop_freed(&mut sums, freed, cluster);
         let proves_something = forced && !self.unproven.is_empty();
         if !self.log.has_entries() && sums.is_empty() && !proves_something {
             return None;
         }
-        let checks = sums
-            .iter()
-            .map(|(&offset, &(len, sum))| Entry::Checksum { offset, len, sum });
-        let record = Record {
-            seq: self.next_seq,
-            entries: self.log.entries().chain(checks).collect(),
-        };
+        let bytes = self.encode(
+            self.log
+                .iter()
+                .filter(|u| !u.retired)
+                .map(Update::entry)
+                .collect(),
+            &sums,
+        );
         for (&s, &(l, _)) in &sums {
             self.unproven.insert(s, s + u64::from(l));
         }
         self.committing = Some(sums);
-        Some((
-            self.ext.slot_offset(self.next_seq),
-            record.encode(&self.ext.id),
-        ))
+        Some(PendingRecord {
+            at: self.ext.slot_offset(self.next_seq),
+            written: eager.as_deref() == Some(&bytes[..]),
+            bytes,
+        })
     }
 
     /// The commit's sync returned: its record is the newest, what the one
@@ -625,17 +737,13 @@ impl Qcow2Image {
         let (report, ticket, record) = {
             let mut l = self.lock();
             let (report, ticket) = l.write_back_metadata(false)?;
-            let freed = if self.external_data {
-                Vec::new()
-            } else {
-                l.m.pending_frees.clone()
-            };
+            let freed = self.freed_this_interval(&l);
             let cluster = self.geometry.cluster_size();
             let Some(j) = l.m.journal.as_mut() else {
                 return Err(ImageError::corrupt(self.name(), "the journal vanished"));
             };
             let record = j.begin_commit(&freed, cluster, forced);
-            if let Some((_, bytes)) = &record
+            if let Some(PendingRecord { bytes, .. }) = &record
                 && !j.fits(bytes.len())
             {
                 j.abort_commit();
@@ -652,7 +760,8 @@ impl Qcow2Image {
         };
         let synced = record
             .as_ref()
-            .map_or(Ok(()), |(at, bytes)| self.write_record(*at, bytes))
+            .filter(|r| !r.written)
+            .map_or(Ok(()), |r| self.write_record(r.at, &r.bytes))
             .and_then(|()| {
                 self.io
                     .flush(&self.handle, FlushKind::Durable)
@@ -666,7 +775,8 @@ impl Qcow2Image {
             j.abort_commit();
             return Err(e);
         }
-        if record.is_some() {
+        if let Some(r) = &record {
+            j.eager_records += u64::from(r.written);
             j.end_commit();
         }
         let updates = j.take_checkpoint(checkpoint_all);
@@ -686,6 +796,77 @@ impl Qcow2Image {
             barriers: 1,
             ..report
         })
+    }
+
+    /// Clusters whose release this interval's record makes durable.
+    fn freed_this_interval(&self, l: &Locked<'_>) -> Vec<u64> {
+        if self.external_data {
+            Vec::new()
+        } else {
+            l.m.pending_frees.clone()
+        }
+    }
+
+    /// An eager record for a write about to be issued, if the guest
+    /// flushes after each single write and no commit runs: the record the
+    /// flush would write once this write has completed and mapped
+    /// `mappings` (guest cluster, new entry), with `pieces` checksummed.
+    /// Written in parallel with the data ([`EagerRecord::write`]), it
+    /// leaves the flush only its sync. Whether the flush may skip the
+    /// write is decided by comparing bytes: anything else that changes the
+    /// interval meanwhile makes the flush write its own record.
+    ///
+    /// Safe unsynced: it is written to the slot the next record takes
+    /// (never over the newest durable one), and recovery replays it only
+    /// if every piece it checksums is intact, i.e. only if this write
+    /// landed whole; otherwise it replays the record before.
+    pub(crate) fn eager_record(
+        &self,
+        mappings: &[(u64, L2Mapping)],
+        pieces: &[Piece],
+    ) -> Result<Option<EagerRecord<'_>>> {
+        // Only the journal checksums pieces.
+        if pieces.is_empty() {
+            return Ok(None);
+        }
+        // A commit running now would take this slot; its record covers
+        // the write's predecessors, and the flush after it writes its own.
+        let Ok(commit) = self.commit_lock.try_lock() else {
+            return Ok(None);
+        };
+        let mut l = self.lock();
+        if !l.m.journal.as_ref().is_some_and(Journal::wants_eager) {
+            return Ok(None);
+        }
+        // Moves the tables this write allocated into the log (no sync
+        // follows: this only logs them earlier than the flush would).
+        l.write_back_metadata(false)?;
+        let slices = l.l2_slices_with(mappings)?;
+        let freed = self.freed_this_interval(&l);
+        let cluster = self.geometry.cluster_size();
+        let Some(j) = l.m.journal.as_mut() else {
+            return Ok(None);
+        };
+        let (at, bytes) = j.preview_record(&slices, pieces, &freed, cluster);
+        if !j.fits(bytes.len()) {
+            return Ok(None);
+        }
+        Ok(Some(EagerRecord {
+            _commit: commit,
+            at,
+            bytes,
+        }))
+    }
+
+    /// The eager record's write returned: if it succeeded, its slot holds
+    /// its bytes. Releases the commit lock.
+    pub(crate) fn eager_written(&self, record: EagerRecord<'_>, written: &Result<()>) {
+        if written.is_err() {
+            return;
+        }
+        if let Some(j) = self.lock().m.journal.as_mut() {
+            j.eager_written(record.bytes);
+        }
     }
 
     /// Writes a checkpoint's updates in place, several at a time: each is
@@ -791,6 +972,7 @@ impl Qcow2Image {
         let j = l.m.journal.as_ref()?;
         Some(JournalStats {
             records: j.records,
+            eager_records: j.eager_records,
             logged_bytes: j.log.bytes as u64,
             held_bytes: j
                 .log
@@ -1341,7 +1523,7 @@ mod tests {
         );
         // The commit whose sync makes it durable in place still logs it:
         // that record is the newest, and recovery would replay it.
-        let (_, record) = j.begin_commit(&[], 65536, true).expect("a record");
+        let record = j.begin_commit(&[], 65536, true).expect("a record").bytes;
         j.end_commit();
         let logged = |bytes: &[u8]| {
             Record::decode(bytes, &[7; 16])
@@ -1368,10 +1550,75 @@ mod tests {
         // The next record leaves the durable one out; once it is durable,
         // the old one is forgotten and the newer held write is all that
         // is logged there.
-        let (_, record) = j.begin_commit(&[], 65536, true).expect("a record");
+        let record = j.begin_commit(&[], 65536, true).expect("a record").bytes;
         j.end_commit();
         assert!(!logged(&record));
         assert!(!j.log.iter().any(|u| u.offset == 0x40000));
+    }
+
+    /// A journal after one interval with a single write, and the pieces
+    /// and L2 slice of the next write (mapping a new cluster at 0x50000).
+    fn after_one_write() -> (Journal, Vec<Piece>, Vec<(u64, Vec<u8>)>) {
+        let mut j = journal();
+        j.add_meta(MetaTable::RefcountBlock, 0x20000, &[1; 512]);
+        let Placement::InPlace(first) = j.place_data(0x40000, &data(&[1; 4096]), true, false)
+        else {
+            panic!("a new cluster's data goes in place");
+        };
+        j.add_written(&first);
+        j.add_meta(MetaTable::L2, 0x30000, &[2; 512]);
+        commit(&mut j, false);
+        let Placement::InPlace(pieces) = j.place_data(0x50000, &data(&[3; 4096]), true, false)
+        else {
+            panic!("a new cluster's data goes in place");
+        };
+        (j, pieces, vec![(0x30000, vec![4; 512])])
+    }
+
+    #[test]
+    fn a_flush_finding_its_record_written_eagerly_only_syncs() {
+        let (mut j, pieces, slices) = after_one_write();
+        assert!(j.wants_eager(), "one write per flush so far");
+        let (at, bytes) = j.preview_record(&slices, &pieces, &[], 65536);
+        assert_eq!(at, j.ext.slot_offset(j.next_seq));
+        j.eager_written(bytes.clone());
+        // The write completes and is mapped; the flush logs the slice.
+        j.add_written(&pieces);
+        j.add_meta(MetaTable::L2, 0x30000, &slices[0].1);
+        let pending = j.begin_commit(&[], 65536, false).expect("a record");
+        assert_eq!(pending.bytes, bytes, "the preview is the commit's record");
+        assert!(pending.written);
+        j.end_commit();
+        assert!(j.wants_eager(), "still one write per flush");
+    }
+
+    #[test]
+    fn anything_else_in_the_interval_makes_the_flush_write_its_own_record() {
+        let (mut j, pieces, slices) = after_one_write();
+        let (_, bytes) = j.preview_record(&slices, &pieces, &[], 65536);
+        j.eager_written(bytes);
+        j.add_written(&pieces);
+        j.add_meta(MetaTable::L2, 0x30000, &slices[0].1);
+        j.add_meta(MetaTable::RefcountBlock, 0x20200, &[5; 512]);
+        let pending = j.begin_commit(&[], 65536, false).expect("a record");
+        assert!(!pending.written);
+        // A failed commit forgets the eager record: its retry (or the next
+        // eager record) rewrote the slot.
+        j.abort_commit();
+        assert!(!j.begin_commit(&[], 65536, false).expect("a record").written);
+    }
+
+    #[test]
+    fn a_guest_writing_several_times_per_flush_gets_no_eager_records() {
+        let (mut j, pieces, _) = after_one_write();
+        j.add_written(&pieces);
+        assert!(!j.wants_eager(), "a write in this interval already");
+        let Placement::InPlace(more) = j.place_data(0x60000, &data(&[6; 4096]), true, false) else {
+            panic!("a new cluster's data goes in place");
+        };
+        j.add_written(&more);
+        commit(&mut j, false);
+        assert!(!j.wants_eager(), "two writes in the last interval");
     }
 
     #[test]

@@ -271,6 +271,39 @@ impl Locked<'_> {
     /// Updates the entry of a guest cluster whose table is writable
     /// (see [`Self::ensure_l2_writable`]).
     pub(crate) fn set_l2_entry(&mut self, guest_cluster: u64, mapping: &L2Mapping) -> Result<()> {
+        let entry = self.place_entry(guest_cluster, mapping)?;
+        let s = self.loaded_slice(entry.start)?;
+        entry.put(&mut s.data);
+        s.dirty = true;
+        Ok(())
+    }
+
+    /// The whole L2 slices that setting `mappings` (guest cluster, entry)
+    /// would leave, by slice start, as a write-back would log them; the
+    /// cache is left as it was.
+    pub(crate) fn l2_slices_with(
+        &mut self,
+        mappings: &[(u64, L2Mapping)],
+    ) -> Result<Vec<(u64, Vec<u8>)>> {
+        let mut slices: Vec<(u64, Vec<u8>)> = Vec::new();
+        for (guest_cluster, mapping) in mappings {
+            let entry = self.place_entry(*guest_cluster, mapping)?;
+            let i = match slices.iter().position(|(s, _)| *s == entry.start) {
+                Some(i) => i,
+                None => {
+                    let data = self.loaded_slice(entry.start)?.data.to_vec();
+                    slices.push((entry.start, data));
+                    slices.len() - 1
+                }
+            };
+            entry.put(&mut slices[i].1);
+        }
+        slices.sort_by_key(|(start, _)| *start);
+        Ok(slices)
+    }
+
+    /// Encodes `mapping` and finds (and loads) the slice its entry goes in.
+    fn place_entry(&mut self, guest_cluster: u64, mapping: &L2Mapping) -> Result<PlacedEntry> {
         let (raw, bitmap) = mapping
             .encode(&self.img.format)
             .map_err(|e| ImageError::format(self.name(), e))?;
@@ -283,21 +316,20 @@ impl Locked<'_> {
         let (start, at) = self.entry_position(table, guest_cluster);
         let tag = self.l2_tag(guest_cluster);
         self.load_slice(Sliced::L2, start, tag)?;
-        let extended = self.img.geometry.extended_l2();
-        match self.m.l2.peek_mut(start) {
-            Some(s) => {
-                put_be64_at(&mut s.data, at / 8, raw);
-                if extended {
-                    put_be64_at(&mut s.data, at / 8 + 1, bitmap);
-                }
-                s.dirty = true;
-                Ok(())
-            }
-            None => Err(ImageError::corrupt(
-                self.name(),
-                "L2 slice vanished from the cache",
-            )),
-        }
+        Ok(PlacedEntry {
+            start,
+            at,
+            raw,
+            bitmap: self.img.geometry.extended_l2().then_some(bitmap),
+        })
+    }
+
+    fn loaded_slice(&mut self, start: u64) -> Result<&mut crate::meta_cache::Slot> {
+        let img = self.img;
+        self.m
+            .l2
+            .peek_mut(start)
+            .ok_or_else(|| ImageError::corrupt(img.name(), "L2 slice vanished from the cache"))
     }
 
     /// Makes the L2 table covering `guest_cluster` exclusively owned by the
@@ -353,5 +385,25 @@ impl Locked<'_> {
             }
         }
         Ok(content)
+    }
+}
+
+/// An encoded L2 entry and where it goes.
+struct PlacedEntry {
+    /// The slice's start in the image file.
+    start: u64,
+    /// The entry's byte offset inside the slice.
+    at: usize,
+    raw: u64,
+    /// The subcluster bitmap, in images with extended L2 entries.
+    bitmap: Option<u64>,
+}
+
+impl PlacedEntry {
+    fn put(&self, slice: &mut [u8]) {
+        put_be64_at(slice, self.at / 8, self.raw);
+        if let Some(bitmap) = self.bitmap {
+            put_be64_at(slice, self.at / 8 + 1, bitmap);
+        }
     }
 }

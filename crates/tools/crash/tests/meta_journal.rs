@@ -43,6 +43,17 @@ fn run_config(seed: u64) -> RunConfig {
 /// violation and, with the default budget, that at least `MIN_STATES`
 /// distinct states were checked.
 fn sweep(target: &Qcow2Target, first_seed: u64) {
+    sweep_workloads(target, first_seed, SEEDS, WorkloadConfig::default());
+}
+
+/// [`sweep`] over `default_seeds` workloads like `workload` (its seed
+/// aside), needing `MIN_STATES` per `SEEDS` of them.
+fn sweep_workloads(
+    target: &Qcow2Target,
+    first_seed: u64,
+    default_seeds: u64,
+    workload: WorkloadConfig,
+) {
     let budget = if cfg!(debug_assertions) {
         BUDGET / 8
     } else {
@@ -51,12 +62,16 @@ fn sweep(target: &Qcow2Target, first_seed: u64) {
     let seeds = if std::env::var(SEEDS_ENV).is_ok() {
         seed_count(1) as u64
     } else {
-        SEEDS
+        default_seeds
     };
     let mut states = 0;
     for seed in first_seed..first_seed + seeds {
         let cfg = RunConfig {
             budget: state_budget(budget),
+            workload: WorkloadConfig {
+                seed,
+                ..workload.clone()
+            },
             ..run_config(seed)
         };
         let report = run(target, &cfg).expect("harness run");
@@ -69,8 +84,9 @@ fn sweep(target: &Qcow2Target, first_seed: u64) {
         states += report.states;
     }
     if std::env::var(STATES_ENV).is_err() && !cfg!(debug_assertions) {
+        let needed = MIN_STATES * seeds as usize / SEEDS as usize;
         assert!(
-            states >= MIN_STATES,
+            states >= needed,
             "only {states} distinct states over {seeds} seeds"
         );
     }
@@ -141,6 +157,26 @@ fn journal_without_backing_file() {
     sweep(
         &journaled("journal-standalone", CreateOptions::default()),
         0x130,
+    );
+}
+
+#[test]
+fn journal_with_a_flush_after_each_write() {
+    // Every write sent with FUA: one write per interval, so writes take
+    // the eager path (their record written beside their data, the flush
+    // only syncing), mixed with zero writes, discards and reopens that
+    // make a flush write its own record over an eager one.
+    let workload = WorkloadConfig {
+        fua_percent: 100,
+        ..WorkloadConfig::default()
+    };
+    sweep_workloads(
+        &journaled("journal-eager", CreateOptions::default())
+            .with_backing(Backing::Qcow2)
+            .with_interrupted_recovery(),
+        0x150,
+        2,
+        workload,
     );
 }
 

@@ -130,6 +130,7 @@ fn stats_json(
                 "journal": daemon.cache.as_ref().and_then(|c| c.journal_counts(d.id)),
                 "metadata_journal": d.disk.journal_stats().map(|j| serde_json::json!({
                     "records": j.records,
+                    "eager_records": j.eager_records,
                     "logged_bytes": j.logged_bytes,
                     "held_bytes": j.held_bytes,
                 })),
