@@ -45,7 +45,8 @@ pub struct Args {
     /// NBD connections the writers share (flushes on one cover all).
     #[arg(long, default_value_t = 2)]
     connections: usize,
-    /// Mean requests of one writer between two of its flushes.
+    /// Mean requests of one writer per flush, the flush included (at least
+    /// 2; 2 is a flush after about every write).
     #[arg(long, default_value_t = 16)]
     flush_every: u32,
     /// Create the delta with extended L2 entries (subclusters).
@@ -101,8 +102,8 @@ impl Args {
         if self.threads == 0 || self.connections == 0 || self.connections > self.threads {
             bail!("--threads must be at least 1 and --connections between 1 and --threads");
         }
-        if self.flush_every == 0 {
-            bail!("--flush-every must be at least 1");
+        if self.flush_every < 2 {
+            bail!("--flush-every must be at least 2 (1 would send nothing but flushes)");
         }
         for (i, m) in self.modes.iter().enumerate() {
             if !MODES.contains(&m.as_str()) {

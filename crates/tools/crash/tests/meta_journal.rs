@@ -1,10 +1,10 @@
 //! The qcow2 engine with its per-disk metadata journal (paper 003) under
 //! the crash harness: table updates logged out of place, one sync per
 //! guest flush, checkpoints, full-mode writes over data the newest record
-//! checksums, adaptive preallocation, and the same through a writethrough
-//! flash cache. Every crash state must pass invariants 1-3 after recovery
-//! replays the journal (in two configurations after a first recovery was
-//! killed part way). Two deliberate mutations of the journal's ordering
+//! checksums, adaptive preallocation, eager records (a flush after every
+//! write), and the same through a writethrough flash cache. Every crash
+//! state must pass invariants 1-3 after recovery replays the journal (in
+//! three configurations after a first recovery was killed part way). Two deliberate mutations of the journal's ordering
 //! must be caught.
 //!
 //! Longer sweeps: `VDCACHE_CRASH_STATES=N`, `VDCACHE_CRASH_SEEDS=M` (the
