@@ -62,6 +62,9 @@ fn backing_supplies(old: &L2Mapping) -> bool {
     matches!(old, L2Mapping::Standard(s) if s.host.is_none() && s.alloc == 0 && s.zero == 0)
 }
 
+/// One backend request of a write: where, and its segments.
+type Batch<'d> = (HostOffset, Vec<WriteSegment<'d>>);
+
 fn old_alloc_mask(old: &L2Mapping, all: u32) -> u32 {
     match old {
         L2Mapping::Compressed(_) => all,
@@ -337,12 +340,17 @@ impl VirtualDisk {
             None => write_data()?,
             Some(record) => {
                 let (written, recorded) = std::thread::scope(|scope| {
-                    let recording = scope.spawn(|| record.write(img));
-                    let written = write_data();
-                    let recorded = recording
-                        .join()
-                        .unwrap_or_else(|p| std::panic::resume_unwind(p));
-                    (written, recorded)
+                    match std::thread::Builder::new().spawn_scoped(scope, || record.write(img)) {
+                        Ok(recording) => {
+                            let written = write_data();
+                            let recorded = recording
+                                .join()
+                                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                            (written, recorded)
+                        }
+                        // No thread to spare: one after the other.
+                        Err(_) => (write_data(), record.write(img)),
+                    }
                 });
                 if let Err(e) = &recorded {
                     tracing::debug!("eager journal record not written: {e}");
@@ -357,7 +365,6 @@ impl VirtualDisk {
     /// The backend requests of a write (plans whose host ranges touch
     /// merged into one), and the pieces the journal checksums; plans whose
     /// bytes the journal holds are in neither.
-    #[allow(clippy::type_complexity)]
     fn batches<'d>(
         &self,
         img: &Qcow2Image,
@@ -365,9 +372,9 @@ impl VirtualDisk {
         plans: &[ClusterPlan],
         fills: &'d [(Vec<u8>, Vec<u8>)],
         data: &'d [u8],
-    ) -> Result<(Vec<(HostOffset, Vec<WriteSegment<'d>>)>, Vec<Piece>)> {
+    ) -> Result<(Vec<Batch<'d>>, Vec<Piece>)> {
         let mut pieces = Vec::new();
-        let mut batches: Vec<(HostOffset, Vec<WriteSegment<'d>>)> = Vec::new();
+        let mut batches: Vec<Batch<'d>> = Vec::new();
         let mut batch_end = 0u64;
         for (p, (head, tail)) in plans.iter().zip(fills) {
             let host = match p.target {

@@ -4,16 +4,19 @@
 //! cluster the guest then frees never leaks into the cluster's next
 //! owner; concurrent flushes share commits; every flush costs the store
 //! one sync; a guest flushing after each write has its records written
-//! with its writes.
+//! with its writes, and a failed data or record write leaves nothing a
+//! recovery would misread.
 
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use vdcache_image::{
-    CreateOptions, DirectIo, HostIo, ImageFormat, JournalMode, MemFiles, OpenOptions, VirtualDisk,
-    open_chain, qcow2_image_bytes,
+    CreateOptions, DirectIo, FlushKind, HostError, HostIo, ImageFormat, ImageHandle, IoClass,
+    IoTag, JournalMode, MemFiles, MetaTable, OpenOptions, VirtualDisk, WriteSegment, open_chain,
+    qcow2_image_bytes,
 };
+use vdcache_qcow2::HostOffset;
 
 const CLUSTER: u64 = 65536;
 
@@ -192,4 +195,109 @@ fn a_guest_flushing_after_each_write_has_its_records_written_with_the_writes() {
     expect(64 * CLUSTER + 8192, 98);
     expect(66 * CLUSTER, 96);
     expect(70 * CLUSTER, 97);
+}
+
+/// Direct I/O that fails the next write of one class, once.
+#[derive(Debug, Default)]
+struct FailingIo {
+    inner: DirectIo,
+    fail_next: Mutex<Option<IoClass>>,
+}
+
+impl FailingIo {
+    fn fail_next_write_of(&self, class: IoClass) {
+        *self.fail_next.lock().unwrap() = Some(class);
+    }
+}
+
+impl HostIo for FailingIo {
+    fn read(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        buf: &mut [u8],
+        tag: IoTag,
+    ) -> Result<(), HostError> {
+        self.inner.read(image, offset, buf, tag)
+    }
+
+    fn write(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        segments: &[WriteSegment<'_>],
+    ) -> Result<(), HostError> {
+        let mut fail = self.fail_next.lock().unwrap();
+        if fail.is_some_and(|c| segments.iter().any(|s| s.tag.class == c)) {
+            *fail = None;
+            return Err(HostError::Io(std::io::Error::other(
+                "injected write failure",
+            )));
+        }
+        drop(fail);
+        self.inner.write(image, offset, segments)
+    }
+
+    fn discard(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        len: u64,
+        tag: IoTag,
+    ) -> Result<(), HostError> {
+        self.inner.discard(image, offset, len, tag)
+    }
+
+    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> Result<(), HostError> {
+        self.inner.flush(image, kind)
+    }
+}
+
+#[test]
+fn a_failed_eager_record_or_data_write_leaves_every_flushed_write_readable() {
+    let files = MemFiles::new();
+    files.insert(
+        "img.qcow2",
+        qcow2_image_bytes(Path::new("img"), &CreateOptions::default(), 256 * CLUSTER).unwrap(),
+    );
+    let io = Arc::new(FailingIo::default());
+    let disk = open_chain(
+        "img.qcow2",
+        &OpenOptions {
+            format: Some(ImageFormat::Qcow2),
+            opener: files.clone(),
+            io: Some(io.clone() as Arc<dyn HostIo>),
+            metadata_journal: JournalMode::Required,
+            ..OpenOptions::default()
+        },
+    )
+    .unwrap();
+    disk.write(0, &[1; 4096], false).unwrap();
+    disk.flush().unwrap();
+    // The eager record's write fails: the guest's write does not, and its
+    // flush writes the record itself.
+    io.fail_next_write_of(IoClass::Metadata(MetaTable::Journal));
+    disk.write(3 * CLUSTER, &[2; 4096], false).unwrap();
+    let eager = disk.journal_stats().unwrap().eager_records;
+    disk.flush().unwrap();
+    assert_eq!(disk.journal_stats().unwrap().eager_records, eager);
+    // The data write fails after its eager record was written: the guest
+    // sees the error, and later flushes write records of their own.
+    io.fail_next_write_of(IoClass::GuestData);
+    assert!(disk.write(6 * CLUSTER, &[3; 4096], false).is_err());
+    disk.flush().unwrap();
+    disk.write(9 * CLUSTER, &[4; 4096], false).unwrap();
+    disk.flush().unwrap();
+    let crashed = reopen_crashed(&files);
+    for (at, byte) in [(0, 1u8), (3 * CLUSTER, 2), (9 * CLUSTER, 4)] {
+        assert!(
+            read(&crashed, at, 4096) == vec![byte; 4096],
+            "flushed write at {at:#x} lost"
+        );
+    }
+    let failed = read(&crashed, 6 * CLUSTER, 4096);
+    assert!(
+        failed == vec![0; 4096] || failed == vec![3; 4096],
+        "the failed write's range reads neither the old nor the new bytes"
+    );
 }

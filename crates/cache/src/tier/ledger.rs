@@ -66,7 +66,8 @@ pub(crate) struct Ledger {
     /// for, sync the backend first. A crash forgets them: reads go to the
     /// backend, which holds the same bytes or older ones.
     unjournaled_clean: HashMap<At, UnjournaledClean>,
-    /// When the write-back thread last synced backends for them.
+    /// When none was held last: a sync for them (the write-back thread's)
+    /// or one that covered them all (a guest flush's).
     clean_copies_synced: Instant,
     /// Dirty blocks were recorded since the last commit: before anything
     /// bypasses the log to a backend, they must be durable (the log keeps
@@ -155,6 +156,11 @@ impl Ledger {
         });
         // In the order written, so the journal reads like the index grew.
         ready.sort_unstable_by_key(|(_, c)| c.mark);
+        // Every held copy is older than this moment: a guest that flushes
+        // often never waits for the write-back thread's sync of its own.
+        if self.unjournaled_clean.is_empty() {
+            self.clean_copies_synced = Instant::now();
+        }
         ready
     }
 
@@ -196,8 +202,8 @@ impl Ledger {
     }
 
     /// Whether the held clean copies are due for their backend sync: many,
-    /// or older than `age` since the last one. If so, the sync counts as
-    /// started now.
+    /// or held for longer than `age` (none was held `age` ago). If so, the
+    /// sync counts as started now.
     pub(crate) fn take_clean_due(&mut self, age: Duration) -> bool {
         let held = self.held_clean();
         if held == 0 || (held < UNJOURNALED_LIMIT && self.clean_copies_synced.elapsed() < age) {
@@ -306,6 +312,31 @@ mod tests {
         }
         assert!(l.clean_over_limit());
         assert!(l.take_clean_due(Duration::from_secs(3600)));
+    }
+
+    #[test]
+    fn a_sync_covering_every_held_copy_restarts_their_age() {
+        let age = Duration::from_secs(30);
+        let long_ago = |l: &mut Ledger| {
+            l.clean_copies_synced = Instant::now()
+                .checked_sub(2 * age)
+                .expect("the clock has run a minute");
+        };
+        let mut l = Ledger::default();
+        long_ago(&mut l);
+        l.wrote_through(1, 1, false);
+        l.hold_clean((0, 0), copy(1, 1, 1));
+        // A guest flush's sync covered it: a copy held after it is young.
+        assert_eq!(l.synced(1, 1).len(), 1);
+        l.wrote_through(1, 2, false);
+        l.hold_clean((0, 1), copy(1, 2, 2));
+        assert!(!l.take_clean_due(age));
+        // A sync that leaves another image's copy held restarts nothing.
+        long_ago(&mut l);
+        l.wrote_through(2, 3, false);
+        l.hold_clean((1, 0), copy(2, 3, 3));
+        assert_eq!(l.synced(1, 2).len(), 1);
+        assert!(l.take_clean_due(age));
     }
 
     #[test]

@@ -72,6 +72,9 @@ pub struct JournalStats {
 /// A checksummed piece of data: start, end, checksum.
 pub(crate) type Piece = (u64, u64, Sum);
 
+/// Whole table slices by their start in the image file.
+pub(crate) type Slices = Vec<(u64, Vec<u8>)>;
+
 /// Where a data write goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Placement {
@@ -831,8 +834,12 @@ impl Qcow2Image {
         }
         // A commit running now would take this slot; its record covers
         // the write's predecessors, and the flush after it writes its own.
-        let Ok(commit) = self.commit_lock.try_lock() else {
-            return Ok(None);
+        let commit = match self.commit_lock.try_lock() {
+            Ok(guard) => guard,
+            // As `commit` does: a panic elsewhere leaves nothing half done
+            // under this lock that a later commit would not redo.
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Ok(None),
         };
         let mut l = self.lock();
         if !l.m.journal.as_ref().is_some_and(Journal::wants_eager) {
@@ -1174,9 +1181,11 @@ impl Qcow2Image {
         if !self.lock().journaling() {
             return Ok(());
         }
-        self.commit()?;
-        self.commit_with(true, true)?;
+        // Held from the first commit to the end: an eager record built in
+        // between would move dirty tables into a log nothing writes out.
         let _commit = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.commit_locked(false, false)?;
+        self.commit_locked(true, true)?;
         let mut l = self.lock();
         l.sync(FlushKind::Durable)?;
         l.m.journal = None;
@@ -1558,7 +1567,7 @@ mod tests {
 
     /// A journal after one interval with a single write, and the pieces
     /// and L2 slice of the next write (mapping a new cluster at 0x50000).
-    fn after_one_write() -> (Journal, Vec<Piece>, Vec<(u64, Vec<u8>)>) {
+    fn after_one_write() -> (Journal, Vec<Piece>, Slices) {
         let mut j = journal();
         j.add_meta(MetaTable::RefcountBlock, 0x20000, &[1; 512]);
         let Placement::InPlace(first) = j.place_data(0x40000, &data(&[1; 4096]), true, false)

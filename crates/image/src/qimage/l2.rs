@@ -284,8 +284,8 @@ impl Locked<'_> {
     pub(crate) fn l2_slices_with(
         &mut self,
         mappings: &[(u64, L2Mapping)],
-    ) -> Result<Vec<(u64, Vec<u8>)>> {
-        let mut slices: Vec<(u64, Vec<u8>)> = Vec::new();
+    ) -> Result<super::journal::Slices> {
+        let mut slices: super::journal::Slices = Vec::new();
         for (guest_cluster, mapping) in mappings {
             let entry = self.place_entry(*guest_cluster, mapping)?;
             let i = match slices.iter().position(|(s, _)| *s == entry.start) {

@@ -201,6 +201,16 @@ fn journal_through_a_writethrough_cache() {
     let target = CacheTarget::new(images, config, 16 << 20);
     let budget = if cfg!(debug_assertions) { 60 } else { 500 };
     sweep_clean(&target, &run_config(0x140), budget);
+    // Every write with FUA: eager records through the cache.
+    let eager = RunConfig {
+        workload: WorkloadConfig {
+            seed: 0x141,
+            fua_percent: 100,
+            ..WorkloadConfig::default()
+        },
+        ..run_config(0x141)
+    };
+    sweep_clean(&target, &eager, budget * 3 / 5);
 }
 
 /// Runs workloads `seeds` through the mutation: the live disk must read
