@@ -112,6 +112,9 @@ struct Update {
     /// Written in place; durable there once the commit with this sequence
     /// number has synced.
     placed: Option<u64>,
+    /// The commit generation it was logged in: records taken in a later
+    /// generation hold it (see [`Journal::generation`]).
+    logged: u64,
     /// Durable in place, and left out of records from now on; forgotten
     /// once a record without it is durable. Until then the newest durable
     /// record still holds it, so nothing may be written in place over it
@@ -129,7 +132,7 @@ struct Log {
 }
 
 impl Log {
-    fn add(&mut self, target: Target, offset: u64, bytes: Vec<u8>) {
+    fn add(&mut self, target: Target, offset: u64, bytes: Vec<u8>, logged: u64) {
         let key = (target, offset, bytes.len());
         if let Some(i) = self.at.remove(&key)
             && let Some(old) = self.updates[i].take()
@@ -143,6 +146,7 @@ impl Log {
             offset,
             bytes,
             placed: None,
+            logged,
             retired: false,
         }));
     }
@@ -290,6 +294,15 @@ pub(crate) struct Journal {
     /// The bytes of an eager record complete in the next record's slot: a
     /// commit whose record is exactly these bytes need not write it again.
     eager: Option<Vec<u8>>,
+    /// Updates logged now belong to this commit generation; a commit takes
+    /// its record of everything logged so far and starts the next one, so
+    /// what is logged during its unlocked sync is not in its record.
+    generation: u64,
+    /// The newest generation whose updates a durable record holds: only
+    /// they may be written in place.
+    durable_generation: Option<u64>,
+    /// The generation of the commit in flight.
+    committing_generation: u64,
     /// Records committed, for statistics.
     pub(crate) records: u64,
     /// Of those, records written ahead of their flush (eager).
@@ -309,6 +322,9 @@ impl Journal {
             interval_writes: 0,
             last_interval_writes: 0,
             eager: None,
+            generation: 0,
+            durable_generation: None,
+            committing_generation: 0,
             records: 0,
             eager_records: 0,
         }
@@ -317,7 +333,12 @@ impl Journal {
     /// A table write.
     pub(crate) fn add_meta(&mut self, table: MetaTable, offset: u64, bytes: &[u8]) {
         self.interval_bytes += bytes.len();
-        self.log.add(Target::Table(table), offset, bytes.to_vec());
+        self.log.add(
+            Target::Table(table),
+            offset,
+            bytes.to_vec(),
+            self.generation,
+        );
     }
 
     /// Whether this interval has grown enough to commit on its own.
@@ -394,7 +415,8 @@ impl Journal {
             // The guest cluster goes with the bytes: a cache below files
             // them under it when a checkpoint writes them.
             let guest = segments.first().and_then(|s| s.tag.guest_cluster);
-            self.log.add(Target::Data(guest), at, bytes);
+            self.log
+                .add(Target::Data(guest), at, bytes, self.generation);
             return Placement::Held;
         }
         if maps_new {
@@ -449,6 +471,7 @@ impl Journal {
             offset: *offset,
             bytes: bytes.clone(),
             placed: None,
+            logged: self.generation,
             retired: false,
         });
         let entries: Vec<Entry> = logged
@@ -505,6 +528,8 @@ impl Journal {
             self.unproven.insert(s, s + u64::from(l));
         }
         self.committing = Some(sums);
+        self.committing_generation = self.generation;
+        self.generation += 1;
         Some(PendingRecord {
             at: self.ext.slot_offset(self.next_seq),
             written: eager.as_deref() == Some(&bytes[..]),
@@ -519,6 +544,7 @@ impl Journal {
         self.next_seq += 1;
         self.records += 1;
         let sums = self.committing.take().unwrap_or_default();
+        self.durable_generation = Some(self.committing_generation);
         self.unproven = sums
             .iter()
             .map(|(&s, &(l, _))| (s, s + u64::from(l)))
@@ -546,6 +572,9 @@ impl Journal {
             return Vec::new();
         }
         let seq = self.next_seq;
+        // Only what a durable record holds: an update logged during the
+        // last commit's unlocked sync is in no record yet.
+        let durable = |u: &Update| self.durable_generation.is_some_and(|d| u.logged <= d);
         // In log order: a held write that waits keeps every newer one over
         // the same bytes waiting too, or the older would land last.
         let mut waiting: Vec<(u64, u64)> = Vec::new();
@@ -561,7 +590,8 @@ impl Journal {
                     return false;
                 };
                 let (at, end) = (u.offset, u.offset + u.bytes.len() as u64);
-                let blocked = self.old_bytes_needed(at, end)
+                let blocked = !durable(u)
+                    || self.old_bytes_needed(at, end)
                     || waiting.iter().any(|&(a, e)| a < end && at < e);
                 if blocked {
                     waiting.push((at, end));
@@ -574,6 +604,7 @@ impl Journal {
             if let Some(u) = slot
                 && u.placed.is_none()
                 && !blocked
+                && durable(u)
             {
                 u.placed = Some(seq);
                 out.push((u.target, u.offset, u.bytes.clone()));
@@ -1563,6 +1594,47 @@ mod tests {
         j.end_commit();
         assert!(!logged(&record));
         assert!(!j.log.iter().any(|u| u.offset == 0x40000));
+    }
+
+    #[test]
+    fn a_table_logged_during_a_commits_sync_waits_for_a_record_that_holds_it() {
+        let mut j = journal();
+        j.add_meta(MetaTable::L2, 0x30000, &[1; 512]);
+        let pending = j.begin_commit(&[], 65536, false).expect("a record");
+        // Logged while the record is on its way (an evicted slice).
+        j.add_meta(MetaTable::RefcountBlock, 0x20000, &[2; 512]);
+        j.end_commit();
+        let placed = j.take_checkpoint(true);
+        assert!(placed.iter().any(|(_, at, _)| *at == 0x30000));
+        assert!(
+            !placed.iter().any(|(_, at, _)| *at == 0x20000),
+            "written in place before any durable record held it"
+        );
+        let logged = |bytes: &[u8]| {
+            Record::decode(bytes, &[7; 16])
+                .expect("decodes")
+                .entries
+                .iter()
+                .any(|e| {
+                    matches!(
+                        e,
+                        Entry::Meta {
+                            offset: 0x20000,
+                            ..
+                        }
+                    )
+                })
+        };
+        assert!(!logged(&pending.bytes));
+        // The next record holds it; after its sync it goes in place.
+        let next = j.begin_commit(&[], 65536, false).expect("a record");
+        assert!(logged(&next.bytes));
+        j.end_commit();
+        assert!(
+            j.take_checkpoint(true)
+                .iter()
+                .any(|(_, at, _)| *at == 0x20000)
+        );
     }
 
     /// A journal after one interval with a single write, and the pieces
