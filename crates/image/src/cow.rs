@@ -352,10 +352,7 @@ impl VirtualDisk {
                         Err(_) => (write_data(), record.write(img)),
                     }
                 });
-                if let Err(e) = &recorded {
-                    tracing::debug!("eager journal record not written: {e}");
-                }
-                img.eager_written(record, &recorded);
+                img.eager_written(record, recorded);
                 written?;
             }
         }

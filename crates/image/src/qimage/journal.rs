@@ -51,6 +51,9 @@ const COMMIT_AT_BYTES: usize = 4 << 20;
 const CHECKPOINT_AT_BYTES: usize = 64 << 10;
 /// Checkpoint writes in flight at once.
 const CHECKPOINT_WRITERS: usize = 8;
+/// Logged updates a guest writing once per flush may leave to its next
+/// eager record's checkpoint; beyond, the flush writes them itself.
+const EAGER_CHECKPOINT_LIMIT: usize = 4 * CHECKPOINT_AT_BYTES;
 /// A full-mode write this big is not held in memory: the records that
 /// need the old data are proven first.
 const MAX_HELD_WRITE: usize = 256 << 10;
@@ -236,11 +239,45 @@ pub(crate) struct EagerRecord<'a> {
     _commit: std::sync::MutexGuard<'a, ()>,
     at: u64,
     bytes: Vec<u8>,
+    /// A checkpoint the last commit left to this write: updates a durable
+    /// record holds, written in place beside the record.
+    checkpoint: Vec<(Target, u64, Vec<u8>)>,
+}
+
+/// How an eager record's writes went.
+pub(crate) struct EagerWrites {
+    recorded: Result<()>,
+    checkpointed: Result<()>,
 }
 
 impl EagerRecord<'_> {
-    pub(crate) fn write(&self, img: &Qcow2Image) -> Result<()> {
-        img.write_record(self.at, &self.bytes)
+    /// Writes the record and the checkpoint's updates, all at once.
+    pub(crate) fn write(&self, img: &Qcow2Image) -> EagerWrites {
+        if self.checkpoint.is_empty() {
+            return EagerWrites {
+                recorded: img.write_record(self.at, &self.bytes),
+                checkpointed: Ok(()),
+            };
+        }
+        std::thread::scope(|scope| {
+            let updates = self.checkpoint.clone();
+            match std::thread::Builder::new().spawn_scoped(scope, || img.write_updates(updates)) {
+                Ok(checkpointing) => {
+                    let recorded = img.write_record(self.at, &self.bytes);
+                    let checkpointed = checkpointing
+                        .join()
+                        .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                    EagerWrites {
+                        recorded,
+                        checkpointed,
+                    }
+                }
+                Err(_) => EagerWrites {
+                    recorded: img.write_record(self.at, &self.bytes),
+                    checkpointed: img.write_updates(self.checkpoint.clone()),
+                },
+            }
+        })
     }
 }
 
@@ -613,6 +650,18 @@ impl Journal {
         out
     }
 
+    /// The last checkpoint's writes failed: its updates are placed again
+    /// by a later one (left placed, the next commit would retire them as
+    /// if they were durable in place).
+    fn unplace(&mut self) {
+        let seq = self.next_seq;
+        for u in self.log.updates.iter_mut().flatten() {
+            if u.placed == Some(seq) {
+                u.placed = None;
+            }
+        }
+    }
+
     /// Whether a record of `bytes` fits a slot.
     fn fits(&self, bytes: usize) -> bool {
         bytes as u64 <= self.ext.slot_bytes()
@@ -813,15 +862,30 @@ impl Qcow2Image {
             j.eager_records += u64::from(r.written);
             j.end_commit();
         }
-        let updates = j.take_checkpoint(checkpoint_all);
+        // A guest writing once per flush gets its checkpoints written
+        // beside its next eager record instead of before this flush's
+        // reply (unless the log has grown far past its threshold).
+        let leave_to_eager =
+            !checkpoint_all && j.wants_eager() && j.log.bytes < EAGER_CHECKPOINT_LIMIT;
+        let updates = if leave_to_eager {
+            Vec::new()
+        } else {
+            j.take_checkpoint(checkpoint_all)
+        };
         if !updates.is_empty() {
             // Without the metadata lock: the updates stay logged (reads
             // see them), a newer update of a range is logged over them,
             // and the commit lock keeps the next commit (whose sync makes
             // them durable) waiting until they are all written.
             drop(l);
-            self.write_updates(updates)?;
+            let written = self.write_updates(updates);
             l = self.lock();
+            if let Err(e) = written {
+                if let Some(j) = l.m.journal.as_mut() {
+                    j.unplace();
+                }
+                return Err(e);
+            }
         }
         let held = l.m.journal.as_ref().is_some_and(Journal::holds_data);
         self.held.store(held, std::sync::atomic::Ordering::SeqCst);
@@ -893,17 +957,28 @@ impl Qcow2Image {
             _commit: commit,
             at,
             bytes,
+            checkpoint: j.take_checkpoint(false),
         }))
     }
 
-    /// The eager record's write returned: if it succeeded, its slot holds
-    /// its bytes. Releases the commit lock.
-    pub(crate) fn eager_written(&self, record: EagerRecord<'_>, written: &Result<()>) {
-        if written.is_err() {
+    /// The eager record's writes returned: if the record's succeeded, its
+    /// slot holds its bytes; a checkpoint that failed is taken again later.
+    /// Releases the commit lock.
+    pub(crate) fn eager_written(&self, record: EagerRecord<'_>, writes: EagerWrites) {
+        let mut l = self.lock();
+        let Some(j) = l.m.journal.as_mut() else {
             return;
+        };
+        if let Err(e) = writes.checkpointed {
+            tracing::warn!(
+                image = self.name(),
+                "metadata journal checkpoint: {e} (retried later)"
+            );
+            j.unplace();
         }
-        if let Some(j) = self.lock().m.journal.as_mut() {
-            j.eager_written(record.bytes);
+        match writes.recorded {
+            Ok(()) => j.eager_written(record.bytes),
+            Err(e) => tracing::debug!(image = self.name(), "eager journal record not written: {e}"),
         }
     }
 
@@ -1635,6 +1710,19 @@ mod tests {
                 .iter()
                 .any(|(_, at, _)| *at == 0x20000)
         );
+    }
+
+    #[test]
+    fn a_failed_checkpoint_is_taken_again_not_retired() {
+        let mut j = journal();
+        j.add_meta(MetaTable::L2, 0x30000, &[1; 512]);
+        commit(&mut j, false);
+        assert_eq!(j.take_checkpoint(true).len(), 1);
+        // Its write failed: the next commit must not count it in place.
+        j.unplace();
+        commit(&mut j, true);
+        assert!(j.log.iter().any(|u| u.offset == 0x30000 && !u.retired));
+        assert_eq!(j.take_checkpoint(true).len(), 1, "taken again");
     }
 
     /// A journal after one interval with a single write, and the pieces
