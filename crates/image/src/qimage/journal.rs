@@ -22,7 +22,14 @@
 //! written in place once the data it replaces is proven.
 //!
 //! Records go to the area's two slots in turn, so a record never
-//! overwrites the one before it.
+//! overwrites the one before it. A checkpoint writes in place only updates
+//! a durable record holds (each carries the commit generation it was
+//! logged in).
+//!
+//! Eager records: a guest that flushes after every single write has the
+//! record its flush needs written beside the write's data (and the
+//! pending checkpoint with it); the flush, finding those exact bytes in
+//! the slot, only syncs.
 //!
 //! Lock order: the image's commit lock, then `Meta`. Commits are strictly
 //! one after another.
