@@ -21,24 +21,30 @@ use vdcache_qcow2::HostOffset;
 const CLUSTER: u64 = 65536;
 
 fn journaled(size: u64) -> (Arc<MemFiles>, Arc<DirectIo>, VirtualDisk) {
+    let io = DirectIo::new();
+    let (files, disk) = journaled_on(size, io.clone());
+    (files, io, disk)
+}
+
+/// A new journaled image of `size` bytes whose I/O goes through `io`.
+fn journaled_on(size: u64, io: Arc<dyn HostIo>) -> (Arc<MemFiles>, VirtualDisk) {
     let files = MemFiles::new();
     files.insert(
         "img.qcow2",
         qcow2_image_bytes(Path::new("img"), &CreateOptions::default(), size).unwrap(),
     );
-    let io = DirectIo::new();
     let disk = open_chain(
         "img.qcow2",
         &OpenOptions {
             format: Some(ImageFormat::Qcow2),
             opener: files.clone(),
-            io: Some(io.clone() as Arc<dyn HostIo>),
+            io: Some(io),
             metadata_journal: JournalMode::Required,
             ..OpenOptions::default()
         },
     )
     .unwrap();
-    (files, io, disk)
+    (files, disk)
 }
 
 fn read(disk: &VirtualDisk, at: u64, len: usize) -> Vec<u8> {
@@ -259,23 +265,8 @@ impl HostIo for FailingIo {
 
 #[test]
 fn a_failed_eager_record_or_data_write_leaves_every_flushed_write_readable() {
-    let files = MemFiles::new();
-    files.insert(
-        "img.qcow2",
-        qcow2_image_bytes(Path::new("img"), &CreateOptions::default(), 256 * CLUSTER).unwrap(),
-    );
     let io = Arc::new(FailingIo::default());
-    let disk = open_chain(
-        "img.qcow2",
-        &OpenOptions {
-            format: Some(ImageFormat::Qcow2),
-            opener: files.clone(),
-            io: Some(io.clone() as Arc<dyn HostIo>),
-            metadata_journal: JournalMode::Required,
-            ..OpenOptions::default()
-        },
-    )
-    .unwrap();
+    let (files, disk) = journaled_on(256 * CLUSTER, io.clone());
     disk.write(0, &[1; 4096], false).unwrap();
     disk.flush().unwrap();
     // The eager record's write fails: the guest's write does not, and its

@@ -1648,19 +1648,15 @@ mod tests {
         let record = j.begin_commit(&[], 65536, true).expect("a record").bytes;
         j.end_commit();
         let logged = |bytes: &[u8]| {
-            Record::decode(bytes, &[7; 16])
-                .expect("decodes")
-                .entries
-                .iter()
-                .any(|e| {
-                    matches!(
-                        e,
-                        Entry::Data {
-                            offset: 0x40000,
-                            ..
-                        }
-                    )
-                })
+            record_has(bytes, |e| {
+                matches!(
+                    e,
+                    Entry::Data {
+                        offset: 0x40000,
+                        ..
+                    }
+                )
+            })
         };
         assert!(logged(&record));
         // So a write over it is still held, not written in place, where
@@ -1693,19 +1689,15 @@ mod tests {
             "written in place before any durable record held it"
         );
         let logged = |bytes: &[u8]| {
-            Record::decode(bytes, &[7; 16])
-                .expect("decodes")
-                .entries
-                .iter()
-                .any(|e| {
-                    matches!(
-                        e,
-                        Entry::Meta {
-                            offset: 0x20000,
-                            ..
-                        }
-                    )
-                })
+            record_has(bytes, |e| {
+                matches!(
+                    e,
+                    Entry::Meta {
+                        offset: 0x20000,
+                        ..
+                    }
+                )
+            })
         };
         assert!(!logged(&pending.bytes));
         // The next record holds it; after its sync it goes in place.
@@ -1732,22 +1724,33 @@ mod tests {
         assert_eq!(j.take_checkpoint(true).len(), 1, "taken again");
     }
 
+    /// Places a write expected to go in place; its pieces.
+    fn in_place(j: &mut Journal, at: u64, bytes: &[u8]) -> Vec<Piece> {
+        match j.place_data(at, &data(bytes), true, false) {
+            Placement::InPlace(pieces) => pieces,
+            p => panic!("a new cluster's data goes in place, not {p:?}"),
+        }
+    }
+
+    /// Whether `record` holds an entry that `wanted` picks.
+    fn record_has(record: &[u8], wanted: impl Fn(&Entry) -> bool) -> bool {
+        Record::decode(record, &[7; 16])
+            .expect("decodes")
+            .entries
+            .iter()
+            .any(wanted)
+    }
+
     /// A journal after one interval with a single write, and the pieces
     /// and L2 slice of the next write (mapping a new cluster at 0x50000).
     fn after_one_write() -> (Journal, Vec<Piece>, Slices) {
         let mut j = journal();
         j.add_meta(MetaTable::RefcountBlock, 0x20000, &[1; 512]);
-        let Placement::InPlace(first) = j.place_data(0x40000, &data(&[1; 4096]), true, false)
-        else {
-            panic!("a new cluster's data goes in place");
-        };
+        let first = in_place(&mut j, 0x40000, &[1; 4096]);
         j.add_written(&first);
         j.add_meta(MetaTable::L2, 0x30000, &[2; 512]);
         commit(&mut j, false);
-        let Placement::InPlace(pieces) = j.place_data(0x50000, &data(&[3; 4096]), true, false)
-        else {
-            panic!("a new cluster's data goes in place");
-        };
+        let pieces = in_place(&mut j, 0x50000, &[3; 4096]);
         (j, pieces, vec![(0x30000, vec![4; 512])])
     }
 
@@ -1789,9 +1792,7 @@ mod tests {
         let (mut j, pieces, _) = after_one_write();
         j.add_written(&pieces);
         assert!(!j.wants_eager(), "a write in this interval already");
-        let Placement::InPlace(more) = j.place_data(0x60000, &data(&[6; 4096]), true, false) else {
-            panic!("a new cluster's data goes in place");
-        };
+        let more = in_place(&mut j, 0x60000, &[6; 4096]);
         j.add_written(&more);
         commit(&mut j, false);
         assert!(!j.wants_eager(), "two writes in the last interval");
