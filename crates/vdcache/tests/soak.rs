@@ -202,6 +202,10 @@ fn bad_arguments_are_refused_before_anything_is_made() {
         (&["--size", "100000"][..], "--size 100000 must be"),
         (&["--cycles", "0"][..], "--cycles must be at least 1"),
         (
+            &["--flush-every", "1"][..],
+            "--flush-every must be at least 2",
+        ),
+        (
             &["--seconds-per-cycle", "0"][..],
             "--seconds-per-cycle 0 must be",
         ),
