@@ -65,6 +65,23 @@ fn backing_supplies(old: &L2Mapping) -> bool {
 /// One backend request of a write: where, and its segments.
 type Batch<'d> = (HostOffset, Vec<WriteSegment<'d>>);
 
+/// A write's parts placed over data the open journal interval checksums
+/// ([`Placement::Over`]): the next commit waits until they are mapped
+/// ([`Qcow2Image::data_written`]) or, should the write fail, reported
+/// failed, which dropping this does.
+struct Overwrites<'i> {
+    img: &'i Qcow2Image,
+    spans: Vec<(u64, u64)>,
+}
+
+impl Drop for Overwrites<'_> {
+    fn drop(&mut self) {
+        if !self.spans.is_empty() {
+            self.img.overwrites_failed(&self.spans);
+        }
+    }
+}
+
 fn old_alloc_mask(old: &L2Mapping, all: u32) -> u32 {
     match old {
         L2Mapping::Compressed(_) => all,
@@ -85,9 +102,13 @@ impl VirtualDisk {
         } else {
             None
         };
+        let mut overwrites = Overwrites {
+            img,
+            spans: Vec::new(),
+        };
         let written = self
             .mark_decoupled(img, &g, &plans)
-            .and_then(|()| self.write_planned(img, &g, &plans, data));
+            .and_then(|()| self.write_planned(img, &g, &plans, data, &mut overwrites));
         let pieces = match written {
             Ok(pieces) => pieces,
             Err(e) => {
@@ -97,7 +118,7 @@ impl VirtualDisk {
                 return Err(e);
             }
         };
-        self.commit(img, &plans, &pieces)?;
+        self.commit(img, &plans, &pieces, &mut overwrites)?;
         self.forget_masked_blocks(&g, &plans);
         Ok(())
     }
@@ -321,12 +342,13 @@ impl VirtualDisk {
         g: &Geometry,
         plans: &[ClusterPlan],
         data: &[u8],
+        overwrites: &mut Overwrites<'_>,
     ) -> Result<Vec<Piece>> {
         let fills: Vec<(Vec<u8>, Vec<u8>)> = plans
             .iter()
             .map(|p| self.read_fill(img, g, p))
             .collect::<Result<_>>()?;
-        let (batches, pieces) = self.batches(img, g, plans, &fills, data)?;
+        let (batches, pieces) = self.batches(img, g, plans, &fills, data, overwrites)?;
         let mappings: Vec<(u64, L2Mapping)> = plans
             .iter()
             .filter_map(|p| Some((p.cluster, p.new?)))
@@ -369,6 +391,7 @@ impl VirtualDisk {
         plans: &[ClusterPlan],
         fills: &'d [(Vec<u8>, Vec<u8>)],
         data: &'d [u8],
+        overwrites: &mut Overwrites<'_>,
     ) -> Result<(Vec<Batch<'d>>, Vec<Piece>)> {
         let mut pieces = Vec::new();
         let mut batches: Vec<Batch<'d>> = Vec::new();
@@ -401,7 +424,8 @@ impl VirtualDisk {
                 });
             }
             let maps_new = !matches!(p.target, Target::InPlace(_));
-            let Some(written) = self.goes_in_place(img, start, &segments, maps_new)? else {
+            let Some(written) = self.goes_in_place(img, start, &segments, maps_new, overwrites)?
+            else {
                 continue;
             };
             pieces.extend(written);
@@ -417,24 +441,32 @@ impl VirtualDisk {
     /// Whether a plan's bytes are written in place now (with the pieces
     /// the journal checksums once they are), or held by the journal
     /// (`None`). A write too big to hold waits for the records that need
-    /// the old bytes to be proven by two commits.
+    /// the old bytes to be proven by two commits, unless parts of this
+    /// write wait to be mapped first (those commits would wait for them).
     fn goes_in_place(
         &self,
         img: &Qcow2Image,
         at: u64,
         segments: &[WriteSegment<'_>],
         maps_new: bool,
+        overwrites: &mut Overwrites<'_>,
     ) -> Result<Option<Vec<Piece>>> {
         let placement = match img.place_data(at, segments, maps_new, false) {
-            Placement::ProveFirst => {
+            Placement::ProveFirst if overwrites.spans.is_empty() => {
                 img.commit()?;
                 img.commit()?;
                 img.place_data(at, segments, maps_new, true)
             }
+            Placement::ProveFirst => img.place_data(at, segments, maps_new, true),
             p => p,
         };
         Ok(match placement {
             Placement::InPlace(pieces) => Some(pieces),
+            Placement::Over(pieces) => {
+                let len: usize = segments.iter().map(|s| s.data.len()).sum();
+                overwrites.spans.push((at, at + len as u64));
+                Some(pieces)
+            }
             Placement::Held | Placement::ProveFirst => None,
         })
     }
@@ -527,13 +559,19 @@ impl VirtualDisk {
 
     /// Points L2 entries at the written clusters and queues the release of
     /// the clusters they replaced.
-    fn commit(&self, img: &Qcow2Image, plans: &[ClusterPlan], pieces: &[Piece]) -> Result<()> {
+    fn commit(
+        &self,
+        img: &Qcow2Image,
+        plans: &[ClusterPlan],
+        pieces: &[Piece],
+        overwrites: &mut Overwrites<'_>,
+    ) -> Result<()> {
         if plans.iter().all(|p| p.new.is_none()) && pieces.is_empty() {
             return Ok(());
         }
         let g = *img.geometry();
         let mut l: Locked<'_> = img.lock();
-        Qcow2Image::data_written(&mut l, pieces);
+        Qcow2Image::data_written(&mut l, pieces, std::mem::take(&mut overwrites.spans).len());
         // The data just written must be durable before these entries are.
         l.mark_unsynced();
         for p in plans {

@@ -5,7 +5,8 @@
 //! owner; concurrent flushes share commits; every flush costs the store
 //! one sync; a guest flushing after each write has its records written
 //! with its writes, and a failed data or record write leaves nothing a
-//! recovery would misread.
+//! recovery would misread. A write over data its own interval checksums
+//! goes in place, and the commit waits for it and vouches for its bytes.
 
 #![allow(clippy::unwrap_used)]
 
@@ -207,16 +208,23 @@ fn a_guest_flushing_after_each_write_has_its_records_written_with_the_writes() {
     expect(70 * CLUSTER, 97);
 }
 
-/// Direct I/O that fails the next write of one class, once.
+/// Direct I/O that fails the next write of one class, once; torn, it
+/// writes that write's first sector before it fails.
 #[derive(Debug, Default)]
 struct FailingIo {
     inner: DirectIo,
     fail_next: Mutex<Option<IoClass>>,
+    torn: std::sync::atomic::AtomicBool,
 }
 
 impl FailingIo {
     fn fail_next_write_of(&self, class: IoClass) {
         *self.fail_next.lock().unwrap() = Some(class);
+    }
+
+    fn tear_next_write_of(&self, class: IoClass) {
+        self.torn.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.fail_next_write_of(class);
     }
 }
 
@@ -240,6 +248,17 @@ impl HostIo for FailingIo {
         let mut fail = self.fail_next.lock().unwrap();
         if fail.is_some_and(|c| segments.iter().any(|s| s.tag.class == c)) {
             *fail = None;
+            if self.torn.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                let bytes: Vec<u8> = segments
+                    .iter()
+                    .flat_map(|s| s.data.iter().copied())
+                    .collect();
+                let first = WriteSegment {
+                    data: &bytes[..512],
+                    tag: segments[0].tag,
+                };
+                self.inner.write(image, offset, &[first])?;
+            }
             return Err(HostError::Io(std::io::Error::other(
                 "injected write failure",
             )));
@@ -295,4 +314,179 @@ fn a_failed_eager_record_or_data_write_leaves_every_flushed_write_readable() {
         failed == vec![0; 4096] || failed == vec![3; 4096],
         "the failed write's range reads neither the old nor the new bytes"
     );
+}
+
+#[test]
+fn a_write_over_data_its_interval_checksums_goes_in_place_and_is_vouched_for() {
+    let (files, io, disk) = journaled(64 * CLUSTER);
+    disk.write(0, &[1; 4096], false).unwrap();
+    disk.flush().unwrap();
+    // A new cluster, then writes over it in the same interval: none held.
+    disk.write(4 * CLUSTER, &[2; 4096], false).unwrap();
+    disk.write(4 * CLUSTER + 0x1200, &[3; 4096], false).unwrap();
+    disk.write(4 * CLUSTER + 0x1400, &[4; 512], false).unwrap();
+    let stats = disk.journal_stats().unwrap();
+    assert_eq!(stats.held_bytes, 0, "{stats:?}");
+    let writes = io.counters.snapshot();
+    disk.flush().unwrap();
+    assert_eq!(io.counters.snapshot().flushes - writes.flushes, 1);
+    // The record vouches for the bytes in place: recovery replays it
+    // rather than the one before (which maps nothing at 4 clusters).
+    let crashed = reopen_crashed(&files);
+    let mut expect = vec![0u8; CLUSTER as usize];
+    expect[..4096].fill(2);
+    expect[0x1200..0x2200].fill(3);
+    expect[0x1400..0x1600].fill(4);
+    assert!(read(&crashed, 4 * CLUSTER, CLUSTER as usize) == expect);
+    assert_eq!(read(&crashed, 0, 4096), vec![1; 4096]);
+}
+
+#[test]
+fn a_torn_write_over_data_its_interval_checksums_is_checksummed_anew() {
+    let io = Arc::new(FailingIo::default());
+    let (files, disk) = journaled_on(64 * CLUSTER, io.clone());
+    // The first allocations put the tables in place (a checkpoint).
+    disk.write(0, &[9; 4096], false).unwrap();
+    disk.flush().unwrap();
+    disk.flush().unwrap();
+    disk.write(2 * CLUSTER, &[1; 4096], false).unwrap();
+    disk.write(3 * CLUSTER, &[5; 4096], false).unwrap();
+    // Its first sector lands, then it fails: the checksums the interval
+    // held for those bytes are wrong now.
+    io.tear_next_write_of(IoClass::GuestData);
+    assert!(disk.write(2 * CLUSTER + 0x200, &[2; 4096], false).is_err());
+    disk.flush().unwrap();
+    // The record vouches for what is in place, so it is replayed: both
+    // new clusters stay mapped.
+    let crashed = reopen_crashed(&files);
+    let mut expect = vec![1u8; 4096];
+    expect[0x200..0x400].fill(2);
+    assert!(
+        read(&crashed, 2 * CLUSTER, 4096) == expect,
+        "the record was not replayed"
+    );
+    assert_eq!(read(&crashed, 3 * CLUSTER, 4096), vec![5; 4096]);
+}
+
+/// Direct I/O that stops the next guest data write until released, and
+/// notes any record write or sync that arrives meanwhile.
+#[derive(Debug, Default)]
+struct GatedIo {
+    inner: DirectIo,
+    gate: Mutex<Gate>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Gate {
+    armed: bool,
+    stopped: bool,
+    released: bool,
+    /// A commit's record or sync went out while the write was stopped.
+    overtaken: bool,
+}
+
+impl GatedIo {
+    fn gate(&self) -> std::sync::MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap()
+    }
+
+    fn wait_until(&self, what: impl Fn(&Gate) -> bool) {
+        let mut g = self.gate();
+        while !what(&g) {
+            g = self.changed.wait(g).unwrap();
+        }
+    }
+
+    fn set(&self, change: impl FnOnce(&mut Gate)) {
+        change(&mut self.gate());
+        self.changed.notify_all();
+    }
+
+    /// A commit's I/O: it must not overtake the stopped write.
+    fn commit_io(&self) {
+        self.set(|g| {
+            if g.stopped && !g.released {
+                g.overtaken = true;
+                g.released = true;
+            }
+        });
+    }
+}
+
+impl HostIo for GatedIo {
+    fn read(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        buf: &mut [u8],
+        tag: IoTag,
+    ) -> Result<(), HostError> {
+        self.inner.read(image, offset, buf, tag)
+    }
+
+    fn write(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        segments: &[WriteSegment<'_>],
+    ) -> Result<(), HostError> {
+        let class = segments[0].tag.class;
+        if class == IoClass::Metadata(MetaTable::Journal) {
+            self.commit_io();
+        } else if class == IoClass::GuestData && std::mem::take(&mut self.gate().armed) {
+            self.set(|g| g.stopped = true);
+            self.wait_until(|g| g.released);
+        }
+        self.inner.write(image, offset, segments)
+    }
+
+    fn discard(
+        &self,
+        image: &ImageHandle,
+        offset: HostOffset,
+        len: u64,
+        tag: IoTag,
+    ) -> Result<(), HostError> {
+        self.inner.discard(image, offset, len, tag)
+    }
+
+    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> Result<(), HostError> {
+        self.commit_io();
+        self.inner.flush(image, kind)
+    }
+}
+
+#[test]
+fn a_commit_waits_for_a_write_over_data_its_interval_checksums() {
+    let io = Arc::new(GatedIo::default());
+    let (files, disk) = journaled_on(64 * CLUSTER, io.clone());
+    disk.write(0, &[1; 4096], false).unwrap();
+    disk.flush().unwrap();
+    disk.write(CLUSTER, &[2; 4096], false).unwrap();
+    io.set(|g| g.armed = true);
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| disk.write(CLUSTER + 0x1000, &[3; 4096], false));
+        io.wait_until(|g| g.stopped);
+        let flusher = s.spawn(|| disk.flush());
+        // Released once the commit waits for the write (or, if it does
+        // not, once its record or sync overtakes it).
+        let mut waits = 0;
+        while waits == 0 && !io.gate().overtaken {
+            waits = disk.journal_stats().unwrap().overwrite_waits;
+            std::thread::yield_now();
+        }
+        io.set(|g| g.released = true);
+        writer.join().unwrap().unwrap();
+        flusher.join().unwrap().unwrap();
+    });
+    assert!(
+        !io.gate().overtaken,
+        "the commit wrote its record or synced while a write it vouches for was in flight"
+    );
+    assert_eq!(disk.journal_stats().unwrap().overwrite_waits, 1);
+    let crashed = reopen_crashed(&files);
+    let mut expect = vec![2u8; 8192];
+    expect[4096..].fill(3);
+    assert!(read(&crashed, CLUSTER, 8192) == expect);
 }

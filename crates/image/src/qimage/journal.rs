@@ -38,6 +38,7 @@
 //! here), or order writes by barriers (a transaction needs none).
 
 use super::overlap::MetaKind;
+use super::sums::{Sum, Sums, pieces};
 use super::{Locked, Qcow2Image};
 use crate::error::{ImageError, Result};
 use crate::hostio::{FlushKind, IoClass, IoTag, MetaTable, WriteSegment};
@@ -49,8 +50,8 @@ use vdcache_qcow2::features::{FeatureKind, incompatible};
 use vdcache_qcow2::header::field_offset;
 use vdcache_qcow2::meta_journal::{CHECKSUM_BYTES, Entry, JournalExtension, Record, record_len};
 
-/// Checksums cover data in pieces that never cross one of these.
-const PIECE: u64 = 4096;
+pub(crate) use super::sums::Piece;
+
 /// An interval this big is committed without waiting for a guest flush.
 const COMMIT_AT_BYTES: usize = 4 << 20;
 /// Logged updates beyond this many bytes are written in place after the
@@ -77,10 +78,12 @@ pub struct JournalStats {
     pub logged_bytes: u64,
     /// Of those, guest data held in memory (full mode).
     pub held_bytes: u64,
+    /// Guest writes held in memory since the image was opened.
+    pub held_writes: u64,
+    /// Commits that waited for writes over data their interval had
+    /// checksummed to finish (their new checksums go in the record).
+    pub overwrite_waits: u64,
 }
-
-/// A checksummed piece of data: start, end, checksum.
-pub(crate) type Piece = (u64, u64, Sum);
 
 /// Whole table slices by their start in the image file.
 pub(crate) type Slices = Vec<(u64, Vec<u8>)>;
@@ -92,13 +95,16 @@ pub(crate) enum Placement {
     /// interval ([`Qcow2Image::data_written`]), not before: a commit in
     /// between must not vouch for bytes not yet issued.
     InPlace(Vec<Piece>),
+    /// In place now, over data the open interval checksums: these pieces
+    /// replace those checksums once written. Until then the write is in
+    /// flight and the next commit waits for it
+    /// ([`Qcow2Image::data_written`], [`Qcow2Image::overwrites_failed`]).
+    Over(Vec<Piece>),
     /// Held in memory and logged (full mode).
     Held,
     /// Too big to hold: commit twice, then write in place.
     ProveFirst,
 }
-
-type Sum = [u8; CHECKSUM_BYTES];
 
 /// Where an update goes: a table of the image file, or guest data of the
 /// data file (with the guest cluster it belongs to).
@@ -296,24 +302,6 @@ struct PendingRecord {
     written: bool,
 }
 
-/// Adds a piece's checksum to `sums`, replacing those it covers.
-fn put_sum(sums: &mut BTreeMap<u64, (u32, Sum)>, (start, end, sum): Piece) {
-    let stale: Vec<u64> = sums.range(start..end).map(|(&s, _)| s).collect();
-    for s in stale {
-        sums.remove(&s);
-    }
-    sums.insert(start, ((end - start) as u32, sum));
-}
-
-/// Clusters the interval freed need no checksum: nothing maps them once
-/// the record is durable, and they may be discarded after.
-fn drop_freed(sums: &mut BTreeMap<u64, (u32, Sum)>, freed: &[u64], cluster: u64) {
-    if !freed.is_empty() {
-        let freed: std::collections::HashSet<u64> = freed.iter().copied().collect();
-        sums.retain(|s, _| !freed.contains(&(s / cluster)));
-    }
-}
-
 /// The journal of an image open for writing.
 pub(crate) struct Journal {
     pub(crate) ext: JournalExtension,
@@ -322,10 +310,18 @@ pub(crate) struct Journal {
     /// Every update not yet known durable in place, this interval's
     /// included.
     log: Log,
-    /// Checksums of data this interval newly maps, by piece start.
-    sums: BTreeMap<u64, (u32, Sum)>,
+    /// Checksums of data this interval newly maps.
+    sums: Sums,
     /// The checksums of the commit in flight (back to `sums` if it fails).
-    committing: Option<BTreeMap<u64, (u32, Sum)>>,
+    committing: Option<Sums>,
+    /// Writes placed [`Placement::Over`] and not yet finished.
+    overwrites: usize,
+    /// A commit waits for those: no new one is placed meanwhile.
+    draining: bool,
+    /// Spans whose bytes no checksum vouches for any more (a write over
+    /// them failed, or covered part of a piece that could not be cut):
+    /// the next commit reads and checksums them.
+    unknown: Vec<(u64, u64)>,
     /// Pieces whose checksums the newest record (or the one in flight)
     /// holds: start -> end. Nothing is written over them in place.
     unproven: BTreeMap<u64, u64>,
@@ -351,6 +347,10 @@ pub(crate) struct Journal {
     pub(crate) records: u64,
     /// Of those, records written ahead of their flush (eager).
     pub(crate) eager_records: u64,
+    /// Writes placed [`Placement::Held`], and commits that waited for
+    /// [`Placement::Over`] writes.
+    pub(crate) held_writes: u64,
+    pub(crate) overwrite_waits: u64,
 }
 
 impl Journal {
@@ -359,8 +359,11 @@ impl Journal {
             ext,
             next_seq: 1,
             log: Log::default(),
-            sums: BTreeMap::new(),
+            sums: Sums::default(),
             committing: None,
+            overwrites: 0,
+            draining: false,
+            unknown: Vec::new(),
             unproven: BTreeMap::new(),
             interval_bytes: 0,
             interval_writes: 0,
@@ -371,6 +374,8 @@ impl Journal {
             committing_generation: 0,
             records: 0,
             eager_records: 0,
+            held_writes: 0,
+            overwrite_waits: 0,
         }
     }
 
@@ -417,19 +422,10 @@ impl Journal {
             .is_some_and(|(_, &e)| e > at)
     }
 
-    /// Whether `[at, end)` holds data whose checksum the open interval
-    /// has taken: its next record vouches for the bytes there now.
-    fn touches_sums(&self, at: u64, end: u64) -> bool {
-        self.sums
-            .range(..end)
-            .next_back()
-            .is_some_and(|(&s, &(l, _))| s + u64::from(l) > at)
-    }
-
     /// Whether a record still needs the bytes now in `[at, end)`: the
     /// newest, the one being committed, or the open interval's next.
     fn old_bytes_needed(&self, at: u64, end: u64) -> bool {
-        self.is_unproven(at, end) || self.touches_sums(at, end)
+        self.is_unproven(at, end) || self.sums.touches(at, end)
     }
 
     /// Decides where a data write of `segments` at `at` goes, recording
@@ -444,9 +440,19 @@ impl Journal {
     ) -> Placement {
         let len: usize = segments.iter().map(|s| s.data.len()).sum();
         let end = at + len as u64;
-        // Over pieces of the open interval too: a commit may take their
-        // checksums while this write is still on its way to the store, and
-        // would then vouch for bytes this write replaces.
+        // Over the open interval's pieces, the new bytes' checksums replace
+        // theirs, and the next commit waits for the write before it takes
+        // them; unless one cannot be cut at the write's edges, or a commit
+        // is already waiting.
+        let replaces_sums = !self.is_unproven(at, end)
+            && !self.log.overlaps_data(at, end)
+            && self.sums.touches(at, end)
+            && !self.draining
+            && self.sums.can_replace(at, end);
+        if replaces_sums {
+            self.overwrites += 1;
+            return Placement::Over(pieces(at, segments));
+        }
         if self.old_bytes_needed(at, end) || self.log.overlaps_data(at, end) {
             if len > MAX_HELD_WRITE && !may_hold_big {
                 return Placement::ProveFirst;
@@ -461,6 +467,7 @@ impl Journal {
             let guest = segments.first().and_then(|s| s.tag.guest_cluster);
             self.log
                 .add(Target::Data(guest), at, bytes, self.generation);
+            self.held_writes += 1;
             return Placement::Held;
         }
         if maps_new {
@@ -469,13 +476,21 @@ impl Journal {
         Placement::InPlace(Vec::new())
     }
 
-    /// The checksums of data written in place, now that it is.
-    fn add_written(&mut self, written: &[Piece]) {
+    /// The checksums of data written in place, now that it is, and how
+    /// many of the writes were [`Placement::Over`].
+    fn add_written(&mut self, written: &[Piece], overwrites: usize) {
         self.interval_writes = self.interval_writes.saturating_add(1);
-        for &piece in written {
-            put_sum(&mut self.sums, piece);
+        for piece in written {
+            if let Some(span) = self.sums.put(piece.clone()) {
+                self.unknown.push(span);
+            }
             self.interval_bytes += 24;
         }
+        self.overwrites_finished(overwrites);
+    }
+
+    fn overwrites_finished(&mut self, count: usize) {
+        self.overwrites = self.overwrites.saturating_sub(count);
     }
 
     /// Whether the next write's record should be written with it: the
@@ -497,10 +512,10 @@ impl Journal {
     ) -> (u64, Vec<u8>) {
         self.eager = None;
         let mut sums = self.sums.clone();
-        for &piece in pieces {
-            put_sum(&mut sums, piece);
+        for piece in pieces {
+            sums.put(piece.clone());
         }
-        drop_freed(&mut sums, freed, cluster);
+        sums.drop_freed(freed, cluster);
         let l2 = Target::Table(MetaTable::L2);
         // As `Log::add` would: an update of the same range moves to the end.
         let replaced = |u: &Update| {
@@ -533,13 +548,10 @@ impl Journal {
         self.eager = Some(bytes);
     }
 
-    fn encode(&self, entries: Vec<Entry>, sums: &BTreeMap<u64, (u32, Sum)>) -> Vec<u8> {
-        let checks = sums
-            .iter()
-            .map(|(&offset, &(len, sum))| Entry::Checksum { offset, len, sum });
+    fn encode(&self, entries: Vec<Entry>, sums: &Sums) -> Vec<u8> {
         Record {
             seq: self.next_seq,
-            entries: entries.into_iter().chain(checks).collect(),
+            entries: entries.into_iter().chain(sums.entries()).collect(),
         }
         .encode(&self.ext.id)
     }
@@ -555,7 +567,7 @@ impl Journal {
         let mut sums = std::mem::take(&mut self.sums);
         self.interval_bytes = 0;
         self.last_interval_writes = std::mem::take(&mut self.interval_writes);
-        drop_freed(&mut sums, freed, cluster);
+        sums.drop_freed(freed, cluster);
         let proves_something = forced && !self.unproven.is_empty();
         if !self.log.has_entries() && sums.is_empty() && !proves_something {
             return None;
@@ -568,9 +580,7 @@ impl Journal {
                 .collect(),
             &sums,
         );
-        for (&s, &(l, _)) in &sums {
-            self.unproven.insert(s, s + u64::from(l));
-        }
+        self.unproven.extend(sums.spans());
         self.committing = Some(sums);
         self.committing_generation = self.generation;
         self.generation += 1;
@@ -589,10 +599,7 @@ impl Journal {
         self.records += 1;
         let sums = self.committing.take().unwrap_or_default();
         self.durable_generation = Some(self.committing_generation);
-        self.unproven = sums
-            .iter()
-            .map(|(&s, &(l, _))| (s, s + u64::from(l)))
-            .collect();
+        self.unproven = sums.spans().collect();
         self.log.retire_placed(seq);
     }
 
@@ -600,9 +607,8 @@ impl Journal {
     /// checksums are needed again, and the next attempt reuses the same
     /// slot (the other one holds the last good record).
     fn abort_commit(&mut self) {
-        if let Some(mut sums) = self.committing.take() {
-            sums.append(&mut self.sums);
-            self.sums = sums;
+        if let Some(older) = self.committing.take() {
+            self.sums.absorb_older(older);
         }
     }
 
@@ -742,34 +748,6 @@ fn table_of(code: u8) -> MetaTable {
     }
 }
 
-/// The checksummed pieces of a write of `segments` at `at`: no piece
-/// crosses a [`PIECE`] boundary.
-fn pieces(at: u64, segments: &[WriteSegment<'_>]) -> Vec<Piece> {
-    let mut out = Vec::new();
-    let mut pos = at;
-    let mut crc = 0u32;
-    let mut piece_start = at;
-    for seg in segments {
-        let mut data = seg.data;
-        while !data.is_empty() {
-            let piece_end = (pos / PIECE + 1) * PIECE;
-            let take = data.len().min((piece_end - pos) as usize);
-            crc = crc32c::crc32c_append(crc, &data[..take]);
-            data = &data[take..];
-            pos += take as u64;
-            if pos == piece_end {
-                out.push((piece_start, pos, crc.to_be_bytes()));
-                crc = 0;
-                piece_start = pos;
-            }
-        }
-    }
-    if pos > piece_start {
-        out.push((piece_start, pos, crc.to_be_bytes()));
-    }
-    out
-}
-
 /// Copies the part of `src` (at `src_at`) that overlaps `buf` (at `at`).
 fn overlay(at: u64, buf: &mut [u8], src_at: u64, src: &[u8]) {
     let start = at.max(src_at);
@@ -825,7 +803,7 @@ impl Qcow2Image {
     /// [`Self::commit_with`] with the commit lock held.
     fn commit_locked(&self, forced: bool, checkpoint_all: bool) -> Result<super::FlushReport> {
         let (report, ticket, record) = {
-            let mut l = self.lock();
+            let mut l = self.settle_sums(self.lock())?;
             let (report, ticket) = l.write_back_metadata(false)?;
             let freed = self.freed_this_interval(&l);
             let cluster = self.geometry.cluster_size();
@@ -1072,11 +1050,105 @@ impl Qcow2Image {
 
     /// Data placed in place was written: its pieces join the interval
     /// (with the metadata lock held by the caller, who maps the data in
-    /// the same hold).
-    pub(crate) fn data_written(l: &mut Locked<'_>, written: &[Piece]) {
+    /// the same hold); `overwrites` of the writes were [`Placement::Over`].
+    pub(crate) fn data_written(l: &mut Locked<'_>, written: &[Piece], overwrites: usize) {
         if let Some(j) = l.m.journal.as_mut() {
-            j.add_written(written);
+            j.add_written(written, overwrites);
+            if overwrites > 0 {
+                l.img.overwrites_done.notify_all();
+            }
         }
+    }
+
+    /// [`Placement::Over`] writes of these spans failed: nobody knows what
+    /// is in place there now, so the next commit checksums it anew.
+    pub(crate) fn overwrites_failed(&self, spans: &[(u64, u64)]) {
+        let mut l = self.lock();
+        if let Some(j) = l.m.journal.as_mut() {
+            j.unknown.extend_from_slice(spans);
+            j.overwrites_finished(spans.len());
+        }
+        self.overwrites_done.notify_all();
+    }
+
+    /// Waits until no [`Placement::Over`] write is in flight (none is
+    /// placed meanwhile), then checksums anew what no checksum vouches
+    /// for: the record taken next in this hold vouches for exactly the
+    /// bytes in place.
+    fn settle_sums<'a>(&'a self, mut l: Locked<'a>) -> Result<Locked<'a>> {
+        loop {
+            let Some(j) = l.m.journal.as_mut() else {
+                return Ok(l);
+            };
+            if j.overwrites > 0 {
+                j.draining = true;
+                j.overwrite_waits += 1;
+                let Locked { img, mut m } = l;
+                while m.journal.as_ref().is_some_and(|j| j.overwrites > 0) {
+                    m = self
+                        .overwrites_done
+                        .wait(m)
+                        .unwrap_or_else(|p| p.into_inner());
+                }
+                l = Locked { img, m };
+            }
+            let Some(j) = l.m.journal.as_mut() else {
+                return Ok(l);
+            };
+            let unknown = std::mem::take(&mut j.unknown);
+            if unknown.is_empty() {
+                j.draining = false;
+                return Ok(l);
+            }
+            // Whole pieces: what is read replaces them without a cut.
+            let spans: Vec<(u64, u64)> =
+                unknown.iter().map(|&(a, e)| j.sums.extent(a, e)).collect();
+            j.draining = true;
+            drop(l);
+            let read = self.checksum_in_place(&spans);
+            l = self.lock();
+            let Some(j) = l.m.journal.as_mut() else {
+                return Ok(l);
+            };
+            match read {
+                Ok(pieces) => {
+                    for piece in pieces {
+                        if let Some(span) = j.sums.put(piece) {
+                            j.unknown.push(span);
+                        }
+                    }
+                }
+                Err(e) => {
+                    j.unknown.extend(unknown);
+                    j.draining = false;
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// The pieces of the data now in place in `spans`.
+    fn checksum_in_place(&self, spans: &[(u64, u64)]) -> Result<Vec<Piece>> {
+        let mut out = Vec::new();
+        for &(at, end) in spans {
+            let mut buf = vec![0u8; (end - at) as usize];
+            self.io
+                .read(
+                    &self.data,
+                    HostOffset(at),
+                    &mut buf,
+                    IoTag::meta(MetaTable::Journal, self.disk),
+                )
+                .map_err(|e| ImageError::io(self.name(), "read data to checksum it", e))?;
+            out.extend(pieces(
+                at,
+                &[WriteSegment {
+                    data: &buf,
+                    tag: IoTag::meta(MetaTable::Journal, self.disk),
+                }],
+            ));
+        }
+        Ok(out)
     }
 
     /// Whether the open interval should be committed now.
@@ -1093,6 +1165,8 @@ impl Qcow2Image {
         Some(JournalStats {
             records: j.records,
             eager_records: j.eager_records,
+            held_writes: j.held_writes,
+            overwrite_waits: j.overwrite_waits,
             logged_bytes: j.log.bytes as u64,
             held_bytes: j
                 .log
@@ -1559,13 +1633,14 @@ mod tests {
         assert!(j.begin_commit(&[], 65536, false).is_some());
         // While that record is written and synced, a new cluster's data
         // lands (its checksum goes to the next record), and a write over
-        // it is held.
+        // it that cannot be checksummed on its own (it ends inside a
+        // sector) is held.
         let Placement::InPlace(pieces) = j.place_data(0x40000, &data(&[5; 4096]), true, false)
         else {
             panic!("new data over nothing is written in place");
         };
-        j.add_written(&pieces);
-        let over = j.place_data(0x40200, &data(&[6; 512]), false, false);
+        j.add_written(&pieces, 0);
+        let over = j.place_data(0x40200, &data(&[6; 500]), false, false);
         assert_eq!(over, Placement::Held);
         j.end_commit();
         let placed = j.take_checkpoint(true);
@@ -1580,7 +1655,7 @@ mod tests {
         assert!(
             placed
                 .iter()
-                .any(|(t, at, b)| t.is_data() && *at == 0x40200 && b == &vec![6u8; 512]),
+                .any(|(t, at, b)| t.is_data() && *at == 0x40200 && b == &vec![6u8; 500]),
             "the held write reaches its place once nothing needs the old bytes"
         );
     }
@@ -1594,10 +1669,11 @@ mod tests {
         else {
             panic!("new data over nothing is written in place");
         };
-        j.add_written(&pieces);
-        // A write of the whole cluster is held (it covers that data), then
-        // a newer one of its first half (over nothing a record needs).
-        let older = j.place_data(0x40000, &data(&[2; 0x10000]), false, false);
+        j.add_written(&pieces, 0);
+        // A write of the cluster but for its last bytes is held (it covers
+        // that data, and ends inside a sector), then a newer one of its
+        // first eighth (over nothing a record needs).
+        let older = j.place_data(0x40000, &data(&[2; 0xfff8]), false, false);
         let newer = j.place_data(0x40000, &data(&[3; 0x2000]), false, false);
         assert_eq!((older, newer), (Placement::Held, Placement::Held));
         commit(&mut j, false);
@@ -1620,7 +1696,7 @@ mod tests {
             &[3; 0x2000][..],
             "the newer bytes win"
         );
-        assert_eq!(&merged[0].2[0x2000..], &[2; 0xe000][..]);
+        assert_eq!(&merged[0].2[0x2000..], &[2; 0xdff8][..]);
     }
 
     #[test]
@@ -1630,7 +1706,7 @@ mod tests {
         else {
             panic!("new data over nothing is written in place");
         };
-        j.add_written(&pieces);
+        j.add_written(&pieces, 0);
         // Held (over checksummed data), unaligned at its end.
         assert_eq!(
             j.place_data(0x40000, &data(&[2; 0xefce]), false, false),
@@ -1712,6 +1788,46 @@ mod tests {
     }
 
     #[test]
+    fn a_write_over_the_open_intervals_data_goes_in_place_with_its_checksums() {
+        let mut j = journal();
+        let mut model = vec![1u8; 0x10000];
+        let first = in_place(&mut j, 0x40000, &model);
+        j.add_written(&first, 0);
+        let Placement::Over(pieces) = j.place_data(0x41200, &data(&[2; 4096]), false, false) else {
+            panic!("a sector-aligned write over the interval's data goes in place");
+        };
+        assert_eq!(j.overwrites, 1, "in flight until written");
+        // A commit waiting for it lets no other write go in place there.
+        j.draining = true;
+        let waiting = j.place_data(0x43000, &data(&[3; 512]), false, false);
+        assert_eq!(waiting, Placement::Held);
+        j.draining = false;
+        j.add_written(&pieces, 1);
+        assert_eq!(j.overwrites, 0);
+        model[0x1200..0x2200].fill(2);
+        model[0x3000..0x3200].fill(3);
+        let record = j.begin_commit(&[], 65536, false).expect("a record").bytes;
+        // Every checksum matches the bytes in place (the held write is
+        // not in place yet), and together they cover the cluster once.
+        let in_place = |at: u64| {
+            if (0x43000..0x43200).contains(&at) {
+                1
+            } else {
+                model[(at - 0x40000) as usize]
+            }
+        };
+        let mut covered = 0;
+        for e in Record::decode(&record, &[7; 16]).expect("decodes").entries {
+            if let Entry::Checksum { offset, len, sum } = e {
+                let bytes: Vec<u8> = (offset..offset + u64::from(len)).map(in_place).collect();
+                assert_eq!(sum, checksum(&bytes), "checksum at {offset:#x}");
+                covered += len;
+            }
+        }
+        assert_eq!(covered, 0x10000);
+    }
+
+    #[test]
     fn a_failed_checkpoint_is_taken_again_not_retired() {
         let mut j = journal();
         j.add_meta(MetaTable::L2, 0x30000, &[1; 512]);
@@ -1747,7 +1863,7 @@ mod tests {
         let mut j = journal();
         j.add_meta(MetaTable::RefcountBlock, 0x20000, &[1; 512]);
         let first = in_place(&mut j, 0x40000, &[1; 4096]);
-        j.add_written(&first);
+        j.add_written(&first, 0);
         j.add_meta(MetaTable::L2, 0x30000, &[2; 512]);
         commit(&mut j, false);
         let pieces = in_place(&mut j, 0x50000, &[3; 4096]);
@@ -1762,7 +1878,7 @@ mod tests {
         assert_eq!(at, j.ext.slot_offset(j.next_seq));
         j.eager_written(bytes.clone());
         // The write completes and is mapped; the flush logs the slice.
-        j.add_written(&pieces);
+        j.add_written(&pieces, 0);
         j.add_meta(MetaTable::L2, 0x30000, &slices[0].1);
         let pending = j.begin_commit(&[], 65536, false).expect("a record");
         assert_eq!(pending.bytes, bytes, "the preview is the commit's record");
@@ -1776,7 +1892,7 @@ mod tests {
         let (mut j, pieces, slices) = after_one_write();
         let (_, bytes) = j.preview_record(&slices, &pieces, &[], 65536);
         j.eager_written(bytes);
-        j.add_written(&pieces);
+        j.add_written(&pieces, 0);
         j.add_meta(MetaTable::L2, 0x30000, &slices[0].1);
         j.add_meta(MetaTable::RefcountBlock, 0x20200, &[5; 512]);
         let pending = j.begin_commit(&[], 65536, false).expect("a record");
@@ -1790,10 +1906,10 @@ mod tests {
     #[test]
     fn a_guest_writing_several_times_per_flush_gets_no_eager_records() {
         let (mut j, pieces, _) = after_one_write();
-        j.add_written(&pieces);
+        j.add_written(&pieces, 0);
         assert!(!j.wants_eager(), "a write in this interval already");
         let more = in_place(&mut j, 0x60000, &[6; 4096]);
-        j.add_written(&more);
+        j.add_written(&more, 0);
         commit(&mut j, false);
         assert!(!j.wants_eager(), "two writes in the last interval");
     }

@@ -20,6 +20,7 @@ mod overlap;
 mod persist;
 mod prealloc;
 mod refcount;
+mod sums;
 
 use crate::error::{ImageError, Result};
 use crate::hostio::{DiskId, FlushKind, HostIo, ImageHandle, IoTag, MetaTable};
@@ -167,6 +168,8 @@ pub struct Qcow2Image {
     pub(crate) cache_config: MetaCacheConfig,
     /// The journal holds data writes in memory that reads must see.
     pub(crate) held: AtomicBool,
+    /// Signalled (with `meta`) when writes a commit waits for finish.
+    pub(crate) overwrites_done: std::sync::Condvar,
     /// Journal records a crash left that this open applied.
     pub(crate) journal_replayed: std::sync::atomic::AtomicUsize,
 }
@@ -363,6 +366,7 @@ impl Qcow2Image {
             commits_cover: std::sync::atomic::AtomicU64::new(0),
             cache_config: opts.cache,
             held: AtomicBool::new(false),
+            overwrites_done: std::sync::Condvar::new(),
             journal_replayed: std::sync::atomic::AtomicUsize::new(0),
         })
     }

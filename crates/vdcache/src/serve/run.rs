@@ -133,6 +133,8 @@ fn stats_json(
                     "eager_records": j.eager_records,
                     "logged_bytes": j.logged_bytes,
                     "held_bytes": j.held_bytes,
+                    "held_writes": j.held_writes,
+                    "overwrite_waits": j.overwrite_waits,
                 })),
                 "vhost_user": vhost.and_then(|v| v.export(&d.config.name)).map(|t| serde_json::json!({
                     "requests": t.reads + t.writes + t.flushes + t.discards + t.errors,
