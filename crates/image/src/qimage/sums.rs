@@ -70,14 +70,54 @@ pub(crate) struct Piece {
     pub(crate) end: u64,
     pub(crate) sum: Sum,
     /// Each sector's CRC-32C, when the piece is whole sectors.
-    sectors: Option<Box<[u32]>>,
+    sectors: Option<SectorSums>,
+}
+
+/// The CRC-32C of each sector of a piece (a piece holds at most
+/// `PIECE / SECTOR` of them); kept inline, as pieces are many.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SectorSums {
+    count: u8,
+    crcs: [u32; (PIECE / SECTOR) as usize],
+}
+
+impl SectorSums {
+    fn of(data: &[u8]) -> SectorSums {
+        let mut sums = SectorSums {
+            count: 0,
+            crcs: [0; (PIECE / SECTOR) as usize],
+        };
+        for (slot, sector) in sums.crcs.iter_mut().zip(data.chunks(SECTOR as usize)) {
+            *slot = crc32c::crc32c(sector);
+            sums.count += 1;
+        }
+        sums
+    }
+
+    fn of_one(crc: u32) -> SectorSums {
+        let mut crcs = [0; (PIECE / SECTOR) as usize];
+        crcs[0] = crc;
+        SectorSums { count: 1, crcs }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.crcs[..usize::from(self.count)].iter().copied()
+    }
+
+    /// The CRC-32C of all the sectors together.
+    fn combined(&self) -> u32 {
+        let mut all = self.iter();
+        let first = all.next().unwrap_or(0);
+        all.fold(first, append_sector)
+    }
 }
 
 impl Piece {
     /// The piece of `data` at `start`.
     fn of(start: u64, data: &[u8]) -> Piece {
         let end = start + data.len() as u64;
-        if !(start.is_multiple_of(SECTOR) && end.is_multiple_of(SECTOR)) {
+        let whole_sectors = start.is_multiple_of(SECTOR) && end.is_multiple_of(SECTOR);
+        if !whole_sectors || data.is_empty() || data.len() as u64 > PIECE {
             return Piece {
                 start,
                 end,
@@ -85,15 +125,11 @@ impl Piece {
                 sectors: None,
             };
         }
-        let sectors: Box<[u32]> = data.chunks(SECTOR as usize).map(crc32c::crc32c).collect();
-        let sum = sectors
-            .iter()
-            .skip(1)
-            .fold(sectors[0], |crc, &s| append_sector(crc, s));
+        let sectors = SectorSums::of(data);
         Piece {
             start,
             end,
-            sum: sum.to_be_bytes(),
+            sum: sectors.combined().to_be_bytes(),
             sectors: Some(sectors),
         }
     }
@@ -114,7 +150,7 @@ impl Piece {
         if at <= self.start && end >= self.end {
             return Some(Vec::new());
         }
-        let sectors = self.sectors.as_ref()?;
+        let sectors = self.sectors?;
         if !cuts_cleanly(at) || !cuts_cleanly(end) {
             return None;
         }
@@ -122,13 +158,13 @@ impl Piece {
             sectors
                 .iter()
                 .enumerate()
-                .map(|(i, &crc)| (self.start + i as u64 * SECTOR, crc))
+                .map(|(i, crc)| (self.start + i as u64 * SECTOR, crc))
                 .filter(|&(s, _)| keep(s))
                 .map(|(s, crc)| Piece {
                     start: s,
                     end: s + SECTOR,
                     sum: crc.to_be_bytes(),
-                    sectors: Some(Box::new([crc])),
+                    sectors: Some(SectorSums::of_one(crc)),
                 })
                 .collect(),
         )
