@@ -23,9 +23,15 @@ impl MemBackend {
 
     /// A fixed-size store, like an NBD export.
     pub fn fixed(name: impl Into<String>, len: usize) -> Self {
+        Self::fixed_from(name, vec![0; len])
+    }
+
+    /// A fixed-size store holding `data` (its length is the store's): no
+    /// zeroed store to copy into first.
+    pub fn fixed_from(name: impl Into<String>, data: Vec<u8>) -> Self {
         MemBackend {
             name: name.into(),
-            data: RwLock::new(vec![0; len]),
+            data: RwLock::new(data),
             growable: false,
         }
     }
@@ -33,6 +39,12 @@ impl MemBackend {
     /// A copy of the current contents.
     pub fn snapshot(&self) -> Vec<u8> {
         self.data.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The contents, without a copy: for callers that reuse the buffer
+    /// of a store they are done with.
+    pub fn into_data(self) -> Vec<u8> {
+        self.data.into_inner().unwrap_or_else(|p| p.into_inner())
     }
 }
 

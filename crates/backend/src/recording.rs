@@ -312,6 +312,12 @@ pub struct DeviceState {
     /// Of those, how many landed whole and how many in part.
     pub landed: usize,
     pub torn: usize,
+    /// How many of the device's operations its durable image holds.
+    base: usize,
+    /// The byte ranges the pending operations can have changed, sorted
+    /// and disjoint: outside them (and past the durable image's length)
+    /// every state built on that durable image holds its bytes.
+    touched: Vec<(u64, u64)>,
 }
 
 impl DeviceState {
@@ -321,10 +327,7 @@ impl DeviceState {
         if self.growable {
             MemBackend::new(self.name.clone(), self.data.clone())
         } else {
-            let b = MemBackend::fixed(self.name.clone(), self.data.len());
-            // Cannot fail: same length.
-            let _ = b.write_at(&self.data, 0);
-            b
+            MemBackend::fixed_from(self.name.clone(), self.data.clone())
         }
     }
 }
@@ -359,24 +362,66 @@ impl CrashState {
     /// A 128-bit fingerprint of the contents of the devices that had
     /// operations in flight: it tells states of one crash point apart
     /// (the other devices are the same in all of them).
+    ///
+    /// Only the bytes the pending operations touched are hashed, with each
+    /// device's length: every state of a point starts from the same durable
+    /// image, so a byte outside those ranges is the durable one (or the
+    /// zero a growth added) in all of them. Hashing whole device images
+    /// cost as much as checking a state.
     pub fn fingerprint(&self) -> u128 {
-        let mut a = 0x243f_6a88_85a3_08d3u64;
-        let mut b = 0x1319_8a2e_0370_7344u64;
+        let mut h = Fingerprint::new();
         for d in self.devices.iter().filter(|d| d.pending > 0) {
-            a = mix(a ^ d.data.len() as u64);
-            b = mix(b.wrapping_add(u64::from(d.id.0)));
-            let mut words = d.data.chunks_exact(16);
-            for w in &mut words {
-                let (x, y) = w.split_at(8);
-                let x = u64::from_le_bytes(x.try_into().unwrap_or([0; 8]));
-                let y = u64::from_le_bytes(y.try_into().unwrap_or([0; 8]));
-                a = (a ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
-                b = (b ^ y).wrapping_mul(0xc2b2_ae3d_27d4_eb4f).rotate_left(31);
-            }
-            for (i, &x) in words.remainder().iter().enumerate() {
-                a = mix(a ^ (u64::from(x) << (i % 8 * 8)));
+            let len = d.data.len() as u64;
+            h.device(len, d.id);
+            for &(a, b) in &d.touched {
+                h.bytes(&d.data[a.min(len) as usize..b.min(len) as usize]);
             }
         }
+        h.finish()
+    }
+}
+
+/// The two-lane hash behind [`CrashState::fingerprint`].
+struct Fingerprint {
+    a: u64,
+    b: u64,
+}
+
+impl Fingerprint {
+    fn new() -> Fingerprint {
+        Fingerprint {
+            a: 0x243f_6a88_85a3_08d3,
+            b: 0x1319_8a2e_0370_7344,
+        }
+    }
+
+    fn device(&mut self, len: u64, id: DeviceId) {
+        self.a = mix(self.a ^ len);
+        self.b = mix(self.b.wrapping_add(u64::from(id.0)));
+    }
+
+    fn bytes(&mut self, data: &[u8]) {
+        let mut words = data.chunks_exact(16);
+        for w in &mut words {
+            let (x, y) = w.split_at(8);
+            let x = u64::from_le_bytes(x.try_into().unwrap_or([0; 8]));
+            let y = u64::from_le_bytes(y.try_into().unwrap_or([0; 8]));
+            self.a = (self.a ^ x)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .rotate_left(29);
+            self.b = (self.b ^ y)
+                .wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+                .rotate_left(31);
+        }
+        for (i, &x) in words.remainder().iter().enumerate() {
+            self.a = mix(self.a ^ (u64::from(x) << (i % 8 * 8)));
+        }
+        // Where one range ends and the next begins is part of the input.
+        self.b = mix(self.b ^ data.len() as u64);
+    }
+
+    fn finish(&self) -> u128 {
+        let (a, b) = (self.a, self.b);
         (u128::from(mix(a ^ b.rotate_left(17))) << 64) | u128::from(mix(b ^ a))
     }
 }
@@ -505,7 +550,32 @@ impl History {
             history: self,
             durable: self.devices.iter().map(|d| d.initial.to_vec()).collect(),
             applied: vec![0; self.devices.len()],
+            spare: (0..self.devices.len()).map(|_| Spare::default()).collect(),
         }
+    }
+
+    /// The byte ranges device `dev`'s operations `start..end` (its own
+    /// positions) can change, sorted and merged: a write or discard its
+    /// own bytes, a length change everything from the new length on.
+    fn touched(&self, dev: usize, start: usize, end: usize) -> Vec<(u64, u64)> {
+        let mut ranges: Vec<(u64, u64)> = self.per_device[dev][start..end]
+            .iter()
+            .filter_map(|&i| match &self.entries[i].op {
+                LogOp::Write { offset, data } => Some((*offset, offset + data.len() as u64)),
+                LogOp::Discard { offset, len } => Some((*offset, offset.saturating_add(*len))),
+                LogOp::SetLen { len } => Some((*len, u64::MAX)),
+                LogOp::Flush => None,
+            })
+            .collect();
+        ranges.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+        for (a, b) in ranges {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        merged
     }
 }
 
@@ -534,6 +604,19 @@ pub struct Replayer<'a> {
     durable: Vec<Vec<u8>>,
     /// Per device, how many of its operations `durable` includes.
     applied: Vec<usize>,
+    /// Per device, a buffer given back by [`Replayer::recycle`] to build
+    /// the next state in: a device image is megabytes, and faulting in a
+    /// fresh allocation of it, or even copying it, costs more than the
+    /// rest of materialising a state.
+    spare: Vec<Spare>,
+}
+
+/// A device image given back to a [`Replayer`].
+#[derive(Debug, Default)]
+struct Spare {
+    data: Vec<u8>,
+    /// The `base` and `touched` of the state `data` holds.
+    made_from: Option<(usize, Vec<(u64, u64)>)>,
 }
 
 impl Replayer<'_> {
@@ -554,7 +637,7 @@ impl Replayer<'_> {
         for (d, info) in h.devices.iter().enumerate() {
             let (start, end) = h.window(d, point);
             self.advance(d, start);
-            let mut data = self.durable[d].clone();
+            let mut data = self.durable_copy(d);
             let pending = end - start;
             let prefix = rng.random_range(0..=pending);
             let (mut landed, mut torn) = (0, 0);
@@ -590,6 +673,8 @@ impl Replayer<'_> {
                 pending,
                 landed,
                 torn,
+                base: start,
+                touched: h.touched(d, start, end),
             });
         }
         CrashState {
@@ -597,6 +682,51 @@ impl Replayer<'_> {
             kind,
             devices,
         }
+    }
+
+    /// Takes back a state this replayer made, once the caller is done
+    /// with it, to build later states in its buffers. Its device images
+    /// must be as made (or emptied): a later state is its image with the
+    /// bytes that differ from the durable image put back.
+    pub fn recycle(&mut self, state: CrashState) {
+        for d in state.devices {
+            if let Some(spare) = self.spare.get_mut(d.id.0 as usize) {
+                *spare = Spare {
+                    data: d.data,
+                    made_from: Some((d.base, d.touched)),
+                };
+            }
+        }
+    }
+
+    /// Device `d`'s durable image, in its spare buffer. When that holds a
+    /// state built on this same durable image (another state of the same
+    /// crash point, or of a later one with no flush between), only that
+    /// state's touched ranges and its length are put back: everything else
+    /// is the durable image already (see [`CrashState::fingerprint`]).
+    fn durable_copy(&mut self, d: usize) -> Vec<u8> {
+        let Spare {
+            mut data,
+            made_from,
+        } = std::mem::take(&mut self.spare[d]);
+        let durable = &self.durable[d];
+        match made_from {
+            Some((base, touched)) if base == self.applied[d] => {
+                data.truncate(durable.len());
+                let len = data.len() as u64;
+                for (a, b) in touched {
+                    let (a, b) = (a.min(len) as usize, b.min(len) as usize);
+                    data[a..b].copy_from_slice(&durable[a..b]);
+                }
+                let kept = data.len();
+                data.extend_from_slice(&durable[kept..]);
+            }
+            _ => {
+                data.clear();
+                data.extend_from_slice(durable);
+            }
+        }
+        data
     }
 
     /// Brings device `d`'s durable image to include exactly its first
@@ -805,5 +935,71 @@ mod tests {
         let all = h.state(h.len(), StateKind::All);
         assert_eq!(all.devices[0].data.len(), 600);
         assert_eq!(all.devices[0].data, a.contents());
+    }
+
+    /// A seeded mix of writes (partial, past the end), discards, length
+    /// changes and flushes over a growable and a fixed device.
+    fn random_history(seed: u64) -> History {
+        let log = Log::new();
+        let mut rng = Rng::seed_from_u64(seed);
+        let mut initial = vec![0u8; 8192];
+        rng.fill_bytes(&mut initial);
+        let grows = RecordingBackend::new(&log, "grows", initial);
+        let fixed = RecordingBackend::fixed(&log, "fixed", 8192);
+        for _ in 0..150 {
+            let dev = if rng.random_bool(0.6) { &grows } else { &fixed };
+            let room = if dev.can_grow() { 16384 } else { 8192 };
+            let offset = rng.random_range(0..room - 1);
+            let len = rng.random_range(1..=(room - offset).min(3000));
+            match rng.random_range(0..10) {
+                0..=5 => {
+                    let mut bytes = vec![0u8; len as usize];
+                    rng.fill_bytes(&mut bytes);
+                    dev.write_at(&bytes, offset).unwrap();
+                }
+                6 => dev.discard(offset, len).unwrap(),
+                7 if dev.can_grow() => dev.set_len(offset).unwrap(),
+                _ => dev.flush().unwrap(),
+            }
+        }
+        log.snapshot()
+    }
+
+    #[test]
+    fn recycled_states_equal_fresh_ones_and_fingerprints_tell_exactly_them_apart() {
+        let (mut duplicates, mut distinct) = (0, 0);
+        for seed in 0..4 {
+            let h = random_history(seed);
+            let mut replayer = h.replayer();
+            // Forward through every point, then a few points again out of
+            // order (durable images rebuilt, spares from other points).
+            let points = (0..=h.len()).chain([3, h.len() / 2, 1, h.len()]);
+            for point in points {
+                let mut seen: Vec<CrashState> = Vec::new();
+                for kind in h.kinds_at(point, 12, seed) {
+                    let state = replayer.state(point, kind);
+                    let fresh = h.state(point, kind);
+                    for (a, b) in state.devices.iter().zip(&fresh.devices) {
+                        assert!(a.data == b.data, "point {point} {kind}: {}", a.name);
+                    }
+                    for other in &seen {
+                        let same = other
+                            .devices
+                            .iter()
+                            .zip(&state.devices)
+                            .all(|(a, b)| a.data == b.data);
+                        assert_eq!(same, other.fingerprint() == state.fingerprint());
+                        if same {
+                            duplicates += 1;
+                        } else {
+                            distinct += 1;
+                        }
+                    }
+                    seen.push(fresh);
+                    replayer.recycle(state);
+                }
+            }
+        }
+        assert!(duplicates > 0 && distinct > 0, "{duplicates} {distinct}");
     }
 }

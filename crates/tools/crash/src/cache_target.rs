@@ -12,6 +12,7 @@
 //! and checks what they leave; it must not recover anything itself, nor
 //! relax any check.
 
+use crate::check::first_difference;
 use crate::error::BoxError;
 use crate::target::{CrashTarget, Qcow2Target, RecordingFiles, mem_files};
 use std::sync::{Arc, Mutex};
@@ -20,7 +21,7 @@ use vdcache_backend::recording::CrashState;
 use vdcache_cache::{CacheConfig, FlashCache};
 use vdcache_host::FullRecovery;
 use vdcache_image::chain::StoreOpener;
-use vdcache_image::{DiskId, HostIo, ImageFormat, OpenOptions, VirtualDisk, open_chain};
+use vdcache_image::{DiskId, HostIo, ImageFormat, MemFiles, OpenOptions, VirtualDisk, open_chain};
 
 /// Opens raw image `name` as disk 1 through `cache`: for tests that drive
 /// a cache over recorded devices step by step, without a workload.
@@ -154,7 +155,14 @@ impl CrashTarget for CacheTarget {
     }
 
     fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
-        let files = mem_files(state);
+        self.recover_from(state, mem_files(state))
+    }
+
+    fn recover_from(
+        &self,
+        _state: &CrashState,
+        files: Arc<MemFiles>,
+    ) -> Result<VirtualDisk, BoxError> {
         let dev: BackendRef = files
             .get(CACHE_DEVICE)
             .ok_or("crash state has no cache device")?;
@@ -188,7 +196,7 @@ impl CrashTarget for CacheTarget {
         let standalone = open_chain(Qcow2Target::TOP, &self.options(files, None))?;
         let mut alone = vec![0u8; standalone.size() as usize];
         standalone.read(0, &mut alone)?;
-        if let Some(at) = seen.iter().zip(&alone).position(|(a, b)| a != b) {
+        if let Some(at) = first_difference(&seen, &alone) {
             return Err(format!(
                 "fast recovery read {:#04x} at guest offset {at}, the images after full recovery {:#04x}",
                 seen[at], alone[at]

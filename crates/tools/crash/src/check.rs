@@ -3,16 +3,19 @@
 //! close cleanly, check the top image's structure (invariant 3: no
 //! corruption; leaks counted), reopen the closed images without the target
 //! and read them again (what recovery made durable must persist), and
-//! optionally run the real `qemu-img check` on them.
+//! optionally run the real `qemu-img check` on them. The stores, image
+//! copies and reads live in buffers the worker reuses (`buffers`).
 //!
 //! This module owns those steps. It must not modify the crash state it is
 //! given, nor excuse any finding.
 
+use crate::buffers::Buffers;
 use crate::harness::ViolationKind;
 use crate::model::{GuestHistory, PointView};
 use crate::target::CrashTarget;
 use std::path::{Component, Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use vdcache_backend::recording::CrashState;
 use vdcache_image::{ImageFormat, Layer, MemFiles, OpenOptions, VirtualDisk, open_chain};
 
@@ -29,41 +32,93 @@ pub(crate) struct Outcome {
     pub(crate) qemu_checked: bool,
 }
 
-fn read_all(disk: &VirtualDisk) -> Result<Vec<u8>, String> {
-    let mut buf = vec![0u8; disk.size() as usize];
-    disk.read(0, &mut buf).map_err(|e| e.to_string())?;
-    Ok(buf)
-}
-
 /// Every layer's file contents, top first.
-fn layer_bytes(disk: &VirtualDisk) -> Result<Vec<(String, Vec<u8>)>, String> {
-    disk.layers()
-        .iter()
-        .map(|l| {
-            let b = &l.handle().backend;
-            let len = b.len().map_err(|e| format!("{}: {e}", l.name()))?;
-            let mut buf = vec![0u8; len as usize];
-            b.read_at(&mut buf, 0)
-                .map_err(|e| format!("{}: {e}", l.name()))?;
-            Ok((l.name().to_string(), buf))
-        })
-        .collect()
+type LayerBytes = Vec<(String, Vec<u8>)>;
+
+fn read_all(disk: &VirtualDisk, bufs: &mut Buffers) -> Result<Vec<u8>, String> {
+    let mut buf = bufs.zeroed(disk.size() as usize);
+    match disk.read(0, &mut buf) {
+        Ok(()) => Ok(buf),
+        Err(e) => {
+            bufs.give(buf);
+            Err(e.to_string())
+        }
+    }
 }
 
+/// Copies every layer's file contents, top first, into reused buffers.
+fn layer_bytes(disk: &VirtualDisk, bufs: &mut Buffers) -> Result<LayerBytes, String> {
+    let mut layers = Vec::new();
+    for l in disk.layers() {
+        let b = &l.handle().backend;
+        let len = b.len().map_err(|e| format!("{}: {e}", l.name()))?;
+        // `read_at` fills every byte (zeros past the end).
+        let mut buf = bufs.for_overwrite(len as usize);
+        b.read_at(&mut buf, 0)
+            .map_err(|e| format!("{}: {e}", l.name()))?;
+        layers.push((l.name().to_string(), buf));
+    }
+    Ok(layers)
+}
+
+/// Checks one crash state. `bufs` lends the worker's reused buffers.
 pub(crate) fn check_state(
     target: &dyn CrashTarget,
     guest: &GuestHistory,
     state: &CrashState,
     view: &PointView,
     opts: CheckOptions,
+    bufs: &mut Buffers,
 ) -> Outcome {
     let mut out = Outcome::default();
-    let disk = match target.recover(state) {
+    let files = bufs.mem_files(state);
+    let checked = recover_and_check(target, guest, state, view, &files, bufs, &mut out);
+    // The recovered disk is gone: its stores' buffers come back.
+    bufs.reclaim(files, state.devices.iter().map(|d| d.name.as_str()));
+    let Some((recovered, layers)) = checked else {
+        return out;
+    };
+    if opts.qemu_img {
+        out.qemu_checked = true;
+        match qemu_img_check(&layers) {
+            Ok((Some(0 | 3), _)) => {}
+            Ok((code, output)) => out.violations.push(ViolationKind::QemuImg { code, output }),
+            Err(e) => out.violations.push(ViolationKind::QemuImg {
+                code: None,
+                output: format!("could not run qemu-img: {e}"),
+            }),
+        }
+    }
+    if opts.reopen {
+        if let Some(v) = reopen_and_compare(layers, &recovered, bufs) {
+            out.violations.push(v);
+        }
+    } else {
+        layers.into_iter().for_each(|(_, b)| bufs.give(b));
+    }
+    bufs.give(recovered);
+    out
+}
+
+/// Recovers through the target from `files`, reads the whole disk and
+/// judges it, closes it and checks the top image. Returns what recovery
+/// read and the closed layers' bytes, or `None` when a violation ends the
+/// check. The recovered disk is dropped on return.
+fn recover_and_check(
+    target: &dyn CrashTarget,
+    guest: &GuestHistory,
+    state: &CrashState,
+    view: &PointView,
+    files: &Arc<MemFiles>,
+    bufs: &mut Buffers,
+    out: &mut Outcome,
+) -> Option<(Vec<u8>, LayerBytes)> {
+    let disk = match target.recover_from(state, files.clone()) {
         Ok(d) => d,
         Err(e) => {
             out.violations
                 .push(ViolationKind::RecoveryFailed(e.to_string()));
-            return out;
+            return None;
         }
     };
     if disk.size() != guest.model.size() {
@@ -71,13 +126,13 @@ pub(crate) fn check_state(
             expected: guest.model.size(),
             found: disk.size(),
         });
-        return out;
+        return None;
     }
-    let recovered = match read_all(&disk) {
+    let recovered = match read_all(&disk, bufs) {
         Ok(b) => b,
         Err(e) => {
             out.violations.push(ViolationKind::ReadFailed(e));
-            return out;
+            return None;
         }
     };
     if let Some(m) = guest.check(&recovered, view) {
@@ -86,7 +141,7 @@ pub(crate) fn check_state(
     if let Err(e) = disk.close() {
         out.violations
             .push(ViolationKind::CloseFailed(e.to_string()));
-        return out;
+        return None;
     }
     if let Some(Layer::Qcow2(img)) = disk.layers().first() {
         match img.check() {
@@ -102,43 +157,44 @@ pub(crate) fn check_state(
                 .push(ViolationKind::CheckFailed(e.to_string())),
         }
     }
-    let layers = match layer_bytes(&disk) {
-        Ok(l) => l,
+    match layer_bytes(&disk, bufs) {
+        Ok(layers) => Some((recovered, layers)),
         Err(e) => {
             out.violations.push(ViolationKind::ReopenFailed(e));
-            return out;
-        }
-    };
-    drop(disk);
-    if opts.qemu_img {
-        out.qemu_checked = true;
-        match qemu_img_check(&layers) {
-            Ok((Some(0 | 3), _)) => {}
-            Ok((code, output)) => out.violations.push(ViolationKind::QemuImg { code, output }),
-            Err(e) => out.violations.push(ViolationKind::QemuImg {
-                code: None,
-                output: format!("could not run qemu-img: {e}"),
-            }),
+            None
         }
     }
-    if opts.reopen
-        && let Some(v) = reopen_and_compare(layers, &recovered)
-    {
-        out.violations.push(v);
-    }
-    out
 }
 
 /// Opens the closed images on their own (no target, read-only) and
-/// compares the guest content with what recovery read.
-fn reopen_and_compare(layers: Vec<(String, Vec<u8>)>, recovered: &[u8]) -> Option<ViolationKind> {
+/// compares the guest content with what recovery read. The layers'
+/// buffers go back to `bufs`.
+fn reopen_and_compare(
+    layers: LayerBytes,
+    recovered: &[u8],
+    bufs: &mut Buffers,
+) -> Option<ViolationKind> {
     let files = MemFiles::new();
     let top = layers.first()?.0.clone();
+    let names: Vec<String> = layers.iter().map(|(name, _)| name.clone()).collect();
     for (name, bytes) in layers {
         files.insert(&name, bytes);
     }
+    let found = read_reopened(&top, files.clone(), recovered, bufs);
+    bufs.reclaim(files, names.iter().map(String::as_str));
+    found
+}
+
+/// Opens the chain `top` from `files` read-only and compares its guest
+/// content with `recovered`.
+fn read_reopened(
+    top: &str,
+    files: Arc<MemFiles>,
+    recovered: &[u8],
+    bufs: &mut Buffers,
+) -> Option<ViolationKind> {
     let disk = match open_chain(
-        &top,
+        top,
         &OpenOptions {
             read_only: true,
             format: Some(ImageFormat::Qcow2),
@@ -149,15 +205,31 @@ fn reopen_and_compare(layers: Vec<(String, Vec<u8>)>, recovered: &[u8]) -> Optio
         Ok(d) => d,
         Err(e) => return Some(ViolationKind::ReopenFailed(e.to_string())),
     };
-    match read_all(&disk) {
-        Err(e) => Some(ViolationKind::ReopenFailed(e)),
-        Ok(again) if again == recovered => None,
-        Ok(again) => again
-            .iter()
-            .zip(recovered)
-            .position(|(a, b)| a != b)
-            .map(|d| ViolationKind::ReopenDiffers { offset: d as u64 }),
-    }
+    let again = match read_all(&disk, bufs) {
+        Ok(again) => again,
+        Err(e) => return Some(ViolationKind::ReopenFailed(e)),
+    };
+    let found = first_difference(&again, recovered)
+        .map(|d| ViolationKind::ReopenDiffers { offset: d as u64 });
+    bufs.give(again);
+    found
+}
+
+/// The first offset where `a` and `b` differ, over their common length.
+/// Compares blocks at memory speed first: a byte-by-byte scan of a whole
+/// disk cost a sizeable share of a state.
+pub(crate) fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    const BLOCK: usize = 4096;
+    a.chunks(BLOCK)
+        .zip(b.chunks(BLOCK))
+        .position(|(x, y)| x != y)
+        .and_then(|block| {
+            let (a, b) = (&a[block * BLOCK..], &b[block * BLOCK..]);
+            a.iter()
+                .zip(b)
+                .position(|(x, y)| x != y)
+                .map(|at| block * BLOCK + at)
+        })
 }
 
 /// A relative path that stays inside the temporary directory.
@@ -199,4 +271,22 @@ pub(crate) fn qemu_img_check(
         String::from_utf8_lossy(&out.stderr)
     );
     Ok((out.status.code(), text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_difference;
+
+    #[test]
+    fn first_difference_is_the_first_differing_byte_of_the_common_length() {
+        let a = vec![5u8; 10_000];
+        let mut b = a.clone();
+        assert_eq!(first_difference(&a, &b), None);
+        b[9_000] = 6;
+        b[7_000] = 6;
+        assert_eq!(first_difference(&a, &b), Some(7_000));
+        // Only the common length counts.
+        assert_eq!(first_difference(&a[..5_000], &b), None);
+        assert_eq!(first_difference(&a, &b[..7_001]), Some(7_000));
+    }
 }

@@ -7,6 +7,7 @@
 //! lives in `vdcache_backend::recording`, the guest rule in `model`, the
 //! per-state steps in `check`; this module must not add or relax rules.
 
+use crate::buffers::Buffers;
 use crate::check::{self, CheckOptions};
 use crate::error::HarnessError;
 use crate::model::{DataMismatch, GuestHistory};
@@ -313,6 +314,7 @@ fn worker(
     jobs: &[(usize, (u64, StateKind))],
 ) -> (Vec<Checked>, usize) {
     let mut replayer = prep.history.replayer();
+    let mut bufs = Buffers::default();
     let mut seen: HashSet<u128> = HashSet::new();
     let mut seen_point = u64::MAX;
     let mut out = Vec::new();
@@ -325,6 +327,7 @@ fn worker(
         }
         if !seen.insert(state.fingerprint()) {
             duplicates += 1;
+            replayer.recycle(state);
             continue;
         }
         let view = prep.guest.view(point);
@@ -332,9 +335,10 @@ fn worker(
             reopen: cfg.reopen_check,
             qemu_img: cfg.qemu_img_check && index % cfg.qemu_img_every.max(1) == 0,
         };
-        let outcome = check::check_state(target, &prep.guest, &state, &view, opts);
+        let outcome = check::check_state(target, &prep.guest, &state, &view, opts, &mut bufs);
         let context = prep.guest.describe_point(&view);
         let state_desc = state.describe();
+        replayer.recycle(state);
         out.push(Checked {
             point,
             violations: outcome

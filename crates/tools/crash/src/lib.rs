@@ -14,7 +14,9 @@
 //! `create` ([`RecordingFiles::insert_fixed`]), opens the chain through the
 //! cache in `open`, and in `recover` rebuilds the cache from
 //! `state.device(name)` before opening the chain through it (or wrap an
-//! existing target's recovery with [`WithRecovery`]).
+//! existing target's recovery with [`WithRecovery`]). A target that
+//! recovers from [`mem_files`] also implements `recover_from`, which the
+//! harness calls with those stores already built in reused buffers.
 //!
 //! Sweeps are deterministic from the workload seed and the state seed; a
 //! [`Violation`] prints what [`reproduce`] needs. Longer sweeps: set
@@ -26,6 +28,7 @@
 //! must never relax a check to make a target pass.
 
 pub mod broken;
+mod buffers;
 pub mod cache_target;
 mod check;
 pub mod error;

@@ -37,6 +37,20 @@ pub trait CrashTarget: Send + Sync {
     /// Recovers a disk from the devices a crash left (fresh stores built
     /// from `state`; see [`mem_files`]).
     fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError>;
+    /// [`Self::recover`] from `files`, stores holding what
+    /// [`mem_files`]`(state)` would: what the harness calls, with stores it
+    /// builds in buffers reused from state to state (a fresh copy of every
+    /// device image per state was most of a state's cost). A target that
+    /// recovers from [`mem_files`] recovers from `files` here; the default
+    /// ignores them.
+    fn recover_from(
+        &self,
+        state: &CrashState,
+        files: Arc<MemFiles>,
+    ) -> Result<VirtualDisk, BoxError> {
+        drop(files);
+        self.recover(state)
+    }
 }
 
 /// Recording devices by name, usable as a chain's [`StoreOpener`].
@@ -333,11 +347,18 @@ impl CrashTarget for Qcow2Target {
         Ok(open_chain(Self::TOP, &self.options(opener, io))?)
     }
 
+    fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
+        self.recover_from(state, mem_files(state))
+    }
+
     /// A writable open replays what a crash left in a metadata journal
     /// whatever its mode; recovery opens as `vdcache recover` does (the
     /// journal applied, then dropped), so checks see a plain image.
-    fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
-        let files = mem_files(state);
+    fn recover_from(
+        &self,
+        state: &CrashState,
+        files: Arc<MemFiles>,
+    ) -> Result<VirtualDisk, BoxError> {
         let recovery = |io: Option<Arc<dyn HostIo>>| {
             open_chain(
                 Self::TOP,
