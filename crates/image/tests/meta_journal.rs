@@ -208,27 +208,36 @@ fn a_guest_flushing_after_each_write_has_its_records_written_with_the_writes() {
     expect(70 * CLUSTER, 97);
 }
 
-/// Direct I/O that fails the next write of one class, once; torn, it
-/// writes that write's first sector before it fails.
+/// What a test store does to writes (and notes of flushes) before direct
+/// I/O carries them out.
+trait Hook: std::fmt::Debug + Send + Sync {
+    fn write(
+        &self,
+        inner: &DirectIo,
+        image: &ImageHandle,
+        offset: HostOffset,
+        segments: &[WriteSegment<'_>],
+    ) -> Result<(), HostError>;
+
+    fn flushing(&self) {}
+}
+
+/// Direct I/O with a [`Hook`] on its writes and flushes.
 #[derive(Debug, Default)]
-struct FailingIo {
+struct Hooked<H> {
     inner: DirectIo,
-    fail_next: Mutex<Option<IoClass>>,
-    torn: std::sync::atomic::AtomicBool,
+    hook: H,
 }
 
-impl FailingIo {
-    fn fail_next_write_of(&self, class: IoClass) {
-        *self.fail_next.lock().unwrap() = Some(class);
-    }
+impl<H> std::ops::Deref for Hooked<H> {
+    type Target = H;
 
-    fn tear_next_write_of(&self, class: IoClass) {
-        self.torn.store(true, std::sync::atomic::Ordering::SeqCst);
-        self.fail_next_write_of(class);
+    fn deref(&self) -> &H {
+        &self.hook
     }
 }
 
-impl HostIo for FailingIo {
+impl<H: Hook> HostIo for Hooked<H> {
     fn read(
         &self,
         image: &ImageHandle,
@@ -245,26 +254,7 @@ impl HostIo for FailingIo {
         offset: HostOffset,
         segments: &[WriteSegment<'_>],
     ) -> Result<(), HostError> {
-        let mut fail = self.fail_next.lock().unwrap();
-        if fail.is_some_and(|c| segments.iter().any(|s| s.tag.class == c)) {
-            *fail = None;
-            if self.torn.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                let bytes: Vec<u8> = segments
-                    .iter()
-                    .flat_map(|s| s.data.iter().copied())
-                    .collect();
-                let first = WriteSegment {
-                    data: &bytes[..512],
-                    tag: segments[0].tag,
-                };
-                self.inner.write(image, offset, &[first])?;
-            }
-            return Err(HostError::Io(std::io::Error::other(
-                "injected write failure",
-            )));
-        }
-        drop(fail);
-        self.inner.write(image, offset, segments)
+        self.hook.write(&self.inner, image, offset, segments)
     }
 
     fn discard(
@@ -278,13 +268,64 @@ impl HostIo for FailingIo {
     }
 
     fn flush(&self, image: &ImageHandle, kind: FlushKind) -> Result<(), HostError> {
+        self.hook.flushing();
         self.inner.flush(image, kind)
+    }
+}
+
+/// Fails the next write of one class, once; torn, it
+/// writes that write's first sector before it fails.
+#[derive(Debug, Default)]
+struct FailingIo {
+    fail_next: Mutex<Option<IoClass>>,
+    torn: std::sync::atomic::AtomicBool,
+}
+
+impl FailingIo {
+    fn fail_next_write_of(&self, class: IoClass) {
+        *self.fail_next.lock().unwrap() = Some(class);
+    }
+
+    fn tear_next_write_of(&self, class: IoClass) {
+        self.torn.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.fail_next_write_of(class);
+    }
+}
+
+impl Hook for FailingIo {
+    fn write(
+        &self,
+        inner: &DirectIo,
+        image: &ImageHandle,
+        offset: HostOffset,
+        segments: &[WriteSegment<'_>],
+    ) -> Result<(), HostError> {
+        let mut fail = self.fail_next.lock().unwrap();
+        if fail.is_some_and(|c| segments.iter().any(|s| s.tag.class == c)) {
+            *fail = None;
+            if self.torn.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                let bytes: Vec<u8> = segments
+                    .iter()
+                    .flat_map(|s| s.data.iter().copied())
+                    .collect();
+                let first = WriteSegment {
+                    data: &bytes[..512],
+                    tag: segments[0].tag,
+                };
+                inner.write(image, offset, &[first])?;
+            }
+            return Err(HostError::Io(std::io::Error::other(
+                "injected write failure",
+            )));
+        }
+        drop(fail);
+        inner.write(image, offset, segments)
     }
 }
 
 #[test]
 fn a_failed_eager_record_or_data_write_leaves_every_flushed_write_readable() {
-    let io = Arc::new(FailingIo::default());
+    let io = Arc::new(Hooked::<FailingIo>::default());
     let (files, disk) = journaled_on(256 * CLUSTER, io.clone());
     disk.write(0, &[1; 4096], false).unwrap();
     disk.flush().unwrap();
@@ -343,7 +384,7 @@ fn a_write_over_data_its_interval_checksums_goes_in_place_and_is_vouched_for() {
 
 #[test]
 fn a_torn_write_over_data_its_interval_checksums_is_checksummed_anew() {
-    let io = Arc::new(FailingIo::default());
+    let io = Arc::new(Hooked::<FailingIo>::default());
     let (files, disk) = journaled_on(64 * CLUSTER, io.clone());
     // The first allocations put the tables in place (a checkpoint).
     disk.write(0, &[9; 4096], false).unwrap();
@@ -368,11 +409,10 @@ fn a_torn_write_over_data_its_interval_checksums_is_checksummed_anew() {
     assert_eq!(read(&crashed, 3 * CLUSTER, 4096), vec![5; 4096]);
 }
 
-/// Direct I/O that stops the next guest data write until released, and
+/// Stops the next guest data write until released, and
 /// notes any record write or sync that arrives meanwhile.
 #[derive(Debug, Default)]
 struct GatedIo {
-    inner: DirectIo,
     gate: Mutex<Gate>,
     changed: std::sync::Condvar,
 }
@@ -414,19 +454,10 @@ impl GatedIo {
     }
 }
 
-impl HostIo for GatedIo {
-    fn read(
-        &self,
-        image: &ImageHandle,
-        offset: HostOffset,
-        buf: &mut [u8],
-        tag: IoTag,
-    ) -> Result<(), HostError> {
-        self.inner.read(image, offset, buf, tag)
-    }
-
+impl Hook for GatedIo {
     fn write(
         &self,
+        inner: &DirectIo,
         image: &ImageHandle,
         offset: HostOffset,
         segments: &[WriteSegment<'_>],
@@ -438,28 +469,17 @@ impl HostIo for GatedIo {
             self.set(|g| g.stopped = true);
             self.wait_until(|g| g.released);
         }
-        self.inner.write(image, offset, segments)
+        inner.write(image, offset, segments)
     }
 
-    fn discard(
-        &self,
-        image: &ImageHandle,
-        offset: HostOffset,
-        len: u64,
-        tag: IoTag,
-    ) -> Result<(), HostError> {
-        self.inner.discard(image, offset, len, tag)
-    }
-
-    fn flush(&self, image: &ImageHandle, kind: FlushKind) -> Result<(), HostError> {
+    fn flushing(&self) {
         self.commit_io();
-        self.inner.flush(image, kind)
     }
 }
 
 #[test]
 fn a_commit_waits_for_a_write_over_data_its_interval_checksums() {
-    let io = Arc::new(GatedIo::default());
+    let io = Arc::new(Hooked::<GatedIo>::default());
     let (files, disk) = journaled_on(64 * CLUSTER, io.clone());
     disk.write(0, &[1; 4096], false).unwrap();
     disk.flush().unwrap();
