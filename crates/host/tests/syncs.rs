@@ -619,6 +619,32 @@ fn write_through_clean_copies_wait_for_a_backend_sync_at_most_4096_blocks() {
     check(&disk, &model, "after the sync");
 }
 
+/// Write-through without guest flushes, with the write-back thread
+/// running: clean copies below the limit wait for the guest's flush, however
+/// long, and cost the backend no sync of their own (one a second used to).
+#[test]
+fn write_through_clean_copies_cost_no_backend_sync_the_guest_did_not_ask_for() {
+    const BLOCKS: u64 = 64;
+    let files = MemFiles::new();
+    files.insert(IMAGE_NAME, vec![0u8; (BLOCKS * BLOCK) as usize]);
+    let mut config = config(false, None);
+    config.default_policy.mode = WriteMode::WriteThrough;
+    let device: BackendRef = Arc::new(MemBackend::fixed("cache", 64 << 20));
+    let cache = FlashCache::format(device, config).expect("format");
+    let disk = disk_on(&files, &cache);
+    for b in (0..BLOCKS).rev() {
+        disk.write(b * BLOCK, &content(b, 0), false).expect("write");
+    }
+    // Long past the second after which held copies used to be synced.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(cache.report().total.backend_syncs, 0);
+    disk.flush().expect("flush");
+    assert_eq!(cache.report().total.backend_syncs, 1);
+    assert_eq!(cache.report().cached_bytes, BLOCKS * BLOCK);
+    let model: HashMap<u64, u64> = (0..BLOCKS).map(|b| (b, 0)).collect();
+    check(&disk, &model, "after the flush");
+}
+
 /// A failed sync of the cache device fails every later guest flush too:
 /// the pages it could not write may be gone, and a later sync that
 /// succeeds would vouch for them.

@@ -12,11 +12,23 @@
 
 use crate::index::Cbn;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// Clean copies held out of the journal beyond which their backends are
-/// synced at once, not within a second: 16 MiB of 4 KiB blocks.
-pub(crate) const UNJOURNALED_LIMIT: usize = 4096;
+/// The fewest clean copies held out of the journal before their backends
+/// are synced for them (16 MiB of 4 KiB blocks).
+pub(crate) const MIN_UNJOURNALED_LIMIT: usize = 4096;
+
+/// Clean copies a cache of `cacheable_blocks` holds out of the journal
+/// before it syncs their backends itself: a sixteenth of its blocks (about
+/// 56 bytes of memory each, so 0.09% of the cache's size), at least
+/// [`MIN_UNJOURNALED_LIMIT`]. Until then only a guest flush's sync covers
+/// them: a backend sync costs the storage as much as a guest's, and a
+/// crash loses nothing but these copies (reads go to the backend).
+pub(crate) fn unjournaled_limit(cacheable_blocks: u64) -> usize {
+    usize::try_from(cacheable_blocks / 16)
+        .unwrap_or(usize::MAX)
+        .max(MIN_UNJOURNALED_LIMIT)
+}
 
 /// A clean copy of write-through data waiting for its backend sync before
 /// it is journaled.
@@ -66,9 +78,8 @@ pub(crate) struct Ledger {
     /// for, sync the backend first. A crash forgets them: reads go to the
     /// backend, which holds the same bytes or older ones.
     unjournaled_clean: HashMap<At, UnjournaledClean>,
-    /// When none was held last: a sync for them (the write-back thread's)
-    /// or one that covered them all (a guest flush's).
-    clean_copies_synced: Instant,
+    /// Held clean copies beyond which their backends are synced for them.
+    unjournaled_limit: usize,
     /// Dirty blocks were recorded since the last commit: before anything
     /// bypasses the log to a backend, they must be durable (the log keeps
     /// the COW layer's write order only for what goes through it).
@@ -78,20 +89,20 @@ pub(crate) struct Ledger {
     pub journal_written: Instant,
 }
 
-impl Default for Ledger {
-    fn default() -> Self {
+impl Ledger {
+    /// An empty ledger holding up to `unjournaled_limit` clean copies out
+    /// of the journal (see [`unjournaled_limit`]).
+    pub(crate) fn new(unjournaled_limit: usize) -> Self {
         Ledger {
             unsynced: BTreeMap::new(),
             journal_deps: BTreeMap::new(),
             unjournaled_clean: HashMap::new(),
-            clean_copies_synced: Instant::now(),
+            unjournaled_limit,
             uncommitted_dirty: false,
             journal_written: Instant::now(),
         }
     }
-}
 
-impl Ledger {
     /// A write through to image `id`'s backend, numbered `mark`, is not
     /// synced there yet; `described`: journal entries describe its data.
     pub(crate) fn wrote_through(&mut self, id: u16, mark: u64, described: bool) {
@@ -156,11 +167,6 @@ impl Ledger {
         });
         // In the order written, so the journal reads like the index grew.
         ready.sort_unstable_by_key(|(_, c)| c.mark);
-        // Every held copy is older than this moment: a guest that flushes
-        // often never waits for the write-back thread's sync of its own.
-        if self.unjournaled_clean.is_empty() {
-            self.clean_copies_synced = Instant::now();
-        }
         ready
     }
 
@@ -196,21 +202,9 @@ impl Ledger {
     }
 
     /// Whether so many clean copies are held that their backends must be
-    /// synced at once.
+    /// synced for them, without waiting for a guest flush.
     pub(crate) fn clean_over_limit(&self) -> bool {
-        self.held_clean() >= UNJOURNALED_LIMIT
-    }
-
-    /// Whether the held clean copies are due for their backend sync: many,
-    /// or held for longer than `age` (none was held `age` ago). If so, the
-    /// sync counts as started now.
-    pub(crate) fn take_clean_due(&mut self, age: Duration) -> bool {
-        let held = self.held_clean();
-        if held == 0 || (held < UNJOURNALED_LIMIT && self.clean_copies_synced.elapsed() < age) {
-            return false;
-        }
-        self.clean_copies_synced = Instant::now();
-        true
+        self.held_clean() >= self.unjournaled_limit
     }
 }
 
@@ -230,7 +224,7 @@ mod tests {
 
     #[test]
     fn a_sync_clears_only_the_mark_it_covered() {
-        let mut l = Ledger::default();
+        let mut l = Ledger::new(MIN_UNJOURNALED_LIMIT);
         l.wrote_through(1, 5, false);
         l.wrote_through(1, 7, false);
         // A sync that started at mark 5 does not cover the write at 7.
@@ -244,7 +238,7 @@ mod tests {
 
     #[test]
     fn only_described_writes_make_journal_deps() {
-        let mut l = Ledger::default();
+        let mut l = Ledger::new(MIN_UNJOURNALED_LIMIT);
         l.wrote_through(1, 1, false);
         l.wrote_through(2, 2, true);
         assert!(l.has_journal_deps());
@@ -257,7 +251,7 @@ mod tests {
 
     #[test]
     fn a_clean_copy_depends_on_its_images_last_unsynced_write() {
-        let mut l = Ledger::default();
+        let mut l = Ledger::new(MIN_UNJOURNALED_LIMIT);
         // Nothing unsynced: a copy read from the backend needs no sync.
         l.clean_copy_needs_sync(3);
         assert!(!l.has_journal_deps());
@@ -273,7 +267,7 @@ mod tests {
 
     #[test]
     fn held_copies_come_back_in_write_order_once_covered() {
-        let mut l = Ledger::default();
+        let mut l = Ledger::new(MIN_UNJOURNALED_LIMIT);
         l.wrote_through(1, 4, false);
         l.hold_clean((10, 0), copy(1, 4, 40));
         l.hold_clean((10, 1), copy(1, 2, 20));
@@ -290,7 +284,7 @@ mod tests {
 
     #[test]
     fn a_held_copy_is_forgotten_only_while_the_index_maps_it() {
-        let mut l = Ledger::default();
+        let mut l = Ledger::new(MIN_UNJOURNALED_LIMIT);
         l.hold_clean((1, 2), copy(0, 1, 7));
         assert!(!l.forget_clean((1, 2), Some(8)));
         assert!(!l.forget_clean((1, 2), None));
@@ -301,47 +295,28 @@ mod tests {
     }
 
     #[test]
-    fn held_copies_are_due_when_many_or_old() {
-        let mut l = Ledger::default();
-        assert!(!l.take_clean_due(Duration::ZERO), "nothing held");
-        l.hold_clean((0, 0), copy(0, 1, 1));
-        assert!(!l.take_clean_due(Duration::from_secs(3600)));
-        assert!(l.take_clean_due(Duration::ZERO));
-        for i in 0..UNJOURNALED_LIMIT as u64 {
-            l.hold_clean((i + 1, 0), copy(0, 1, i as Cbn));
+    fn held_copies_are_due_only_when_the_limit_is_reached() {
+        let mut l = Ledger::new(3);
+        for i in 0..2 {
+            l.hold_clean((i, 0), copy(0, 1, i as Cbn));
+            assert!(!l.clean_over_limit(), "{} held", i + 1);
         }
+        l.hold_clean((2, 0), copy(0, 1, 2));
         assert!(l.clean_over_limit());
-        assert!(l.take_clean_due(Duration::from_secs(3600)));
+        assert!(l.forget_clean((2, 0), Some(2)));
+        assert!(!l.clean_over_limit());
     }
 
     #[test]
-    fn a_sync_covering_every_held_copy_restarts_their_age() {
-        let age = Duration::from_secs(30);
-        let long_ago = |l: &mut Ledger| {
-            l.clean_copies_synced = Instant::now()
-                .checked_sub(2 * age)
-                .expect("the clock has run a minute");
-        };
-        let mut l = Ledger::default();
-        long_ago(&mut l);
-        l.wrote_through(1, 1, false);
-        l.hold_clean((0, 0), copy(1, 1, 1));
-        // A guest flush's sync covered it: a copy held after it is young.
-        assert_eq!(l.synced(1, 1).len(), 1);
-        l.wrote_through(1, 2, false);
-        l.hold_clean((0, 1), copy(1, 2, 2));
-        assert!(!l.take_clean_due(age));
-        // A sync that leaves another image's copy held restarts nothing.
-        long_ago(&mut l);
-        l.wrote_through(2, 3, false);
-        l.hold_clean((1, 0), copy(2, 3, 3));
-        assert_eq!(l.synced(1, 2).len(), 1);
-        assert!(l.take_clean_due(age));
+    fn the_limit_is_a_sixteenth_of_the_cache_and_never_small() {
+        assert_eq!(unjournaled_limit(0), MIN_UNJOURNALED_LIMIT);
+        assert_eq!(unjournaled_limit(16 * 4096), MIN_UNJOURNALED_LIMIT);
+        assert_eq!(unjournaled_limit(1 << 20), 65536);
     }
 
     #[test]
     fn forget_all_empties_every_record() {
-        let mut l = Ledger::default();
+        let mut l = Ledger::new(MIN_UNJOURNALED_LIMIT);
         l.wrote_through(1, 1, true);
         l.hold_clean((0, 0), copy(1, 1, 1));
         l.forget_all();

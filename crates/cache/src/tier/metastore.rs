@@ -590,11 +590,11 @@ impl FlashCache {
     }
 
     /// Journals the clean copies of write-through data held out of the
-    /// journal once they are a second old or many, syncing their backends
-    /// first (without the lock: a sync may cross the network).
+    /// journal once they are too many, syncing their backends first
+    /// (without the lock: a sync may cross the network).
     pub(crate) fn clean_copies_check(&self) -> Result<()> {
-        let mut st = self.lock();
-        if !st.ledger.take_clean_due(JOURNAL_AGE) {
+        let st = self.lock();
+        if !st.ledger.clean_over_limit() {
             return Ok(());
         }
         let mut st = self.sync_backends_unlocked(st, Unsynced::Indexed)?;

@@ -316,7 +316,7 @@ impl FlashCache {
             catalog: catalog::Catalog::default(),
             admission: Admissions::new(HOT_FILTER_ENTRIES),
             write_streams: WriteStreams::default(),
-            ledger: ledger::Ledger::default(),
+            ledger: ledger::Ledger::new(ledger::unjournaled_limit(layout.cacheable_blocks())),
             dirty: dirty::DirtySet::default(),
             history: history::WriteHistory::default(),
             meta: metastore::MetaStore::default(),
