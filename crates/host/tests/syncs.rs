@@ -638,8 +638,10 @@ fn write_through_clean_copies_cost_no_backend_sync_the_guest_did_not_ask_for() {
     // Long past the second after which held copies used to be synced.
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(cache.report().total.backend_syncs, 0);
+    assert_eq!(cache.report().unflushed_clean_bytes, BLOCKS * BLOCK);
     disk.flush().expect("flush");
     assert_eq!(cache.report().total.backend_syncs, 1);
+    assert_eq!(cache.report().unflushed_clean_bytes, 0);
     assert_eq!(cache.report().cached_bytes, BLOCKS * BLOCK);
     let model: HashMap<u64, u64> = (0..BLOCKS).map(|b| (b, 0)).collect();
     check(&disk, &model, "after the flush");

@@ -24,6 +24,10 @@ pub struct CacheReport {
     /// it lives in flash only (cache-only logging), and no write-back
     /// watermark counts it.
     pub held_bytes: u64,
+    /// Clean copies of write-through data waiting out of the journal for
+    /// a backend sync (a guest flush's, or the cache's own once a
+    /// sixteenth of its blocks wait): a crash forgets them.
+    pub unflushed_clean_bytes: u64,
     pub index_memory_bytes: u64,
     /// The part of the index memory sized by the device (held even when
     /// nothing is cached).
@@ -178,6 +182,7 @@ impl FlashCache {
             .collect();
         let dirty = st.index.dirty_blocks() * BLOCK;
         let held = st.index.held_dirty_blocks() * BLOCK;
+        let unflushed_clean_bytes = st.ledger.held_clean() as u64 * BLOCK;
         let meta_sectors = st.meta.dirty_len() as u64;
         let checksum_memory_bytes = st.integrity.crcs.memory_bytes();
         let unreadable_blocks = st.integrity.unreadable.len() as u64;
@@ -201,6 +206,7 @@ impl FlashCache {
             cached_bytes: cached,
             dirty_bytes: dirty,
             held_bytes: held,
+            unflushed_clean_bytes,
             index_memory_bytes: memory,
             index_memory_fixed_bytes: fixed,
             index_memory_ratio: if cached == 0 {
