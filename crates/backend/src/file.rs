@@ -7,6 +7,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::io::IoSlice;
 use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
 /// How to open a file backend.
@@ -129,6 +130,24 @@ impl Backend for FileBackend {
 
     fn flush(&self) -> io::Result<()> {
         rustix::fs::fdatasync(&self.file).map_err(io::Error::from)
+    }
+
+    fn start_writeback(&self, offset: u64, len: u64) {
+        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return;
+        };
+        // SAFETY: sync_file_range takes a descriptor and three integers
+        // and touches no memory of ours; the descriptor is `self.file`'s,
+        // open for as long as `self` is borrowed. Its result is only a
+        // hint's (a failed write-out shows at the next fdatasync).
+        let _ = unsafe {
+            libc::sync_file_range(
+                self.file.as_raw_fd(),
+                offset,
+                len,
+                libc::SYNC_FILE_RANGE_WRITE,
+            )
+        };
     }
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {

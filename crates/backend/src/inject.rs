@@ -73,13 +73,14 @@ type Hook = Box<dyn Fn() -> io::Result<()> + Send + Sync>;
 /// hook is told its length); an error from the hook fails the request
 /// without reaching the inner backend. Flushes also
 /// run a hook after the inner one (a sync that takes its time after the
-/// point it covers).
+/// point it covers). Write-out hints are shown to a hook, then passed on.
 pub struct HookedBackend {
     inner: BackendRef,
     before_read: Box<dyn Fn(usize) -> io::Result<()> + Send + Sync>,
     before_write: Hook,
     before_flush: Hook,
     after_flush: Hook,
+    on_start_writeback: Box<dyn Fn(u64, u64) + Send + Sync>,
 }
 
 impl HookedBackend {
@@ -90,6 +91,7 @@ impl HookedBackend {
             before_write: Box::new(|| Ok(())),
             before_flush: Box::new(|| Ok(())),
             after_flush: Box::new(|| Ok(())),
+            on_start_writeback: Box::new(|_, _| {}),
         }
     }
 
@@ -117,6 +119,13 @@ impl HookedBackend {
     pub fn after_flush(self, hook: impl Fn() -> io::Result<()> + Send + Sync + 'static) -> Self {
         HookedBackend {
             after_flush: Box::new(hook),
+            ..self
+        }
+    }
+
+    pub fn on_start_writeback(self, hook: impl Fn(u64, u64) + Send + Sync + 'static) -> Self {
+        HookedBackend {
+            on_start_writeback: Box::new(hook),
             ..self
         }
     }
@@ -149,6 +158,11 @@ impl Backend for HookedBackend {
         (self.before_flush)()?;
         self.inner.flush()?;
         (self.after_flush)()
+    }
+
+    fn start_writeback(&self, offset: u64, len: u64) {
+        (self.on_start_writeback)(offset, len);
+        self.inner.start_writeback(offset, len);
     }
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -71,6 +71,12 @@ pub trait Backend: Send + Sync + Debug {
     /// even if another caller's flush took the first report).
     fn flush(&self) -> io::Result<()>;
 
+    /// Starts writing `[offset, offset + len)` out to stable storage
+    /// without waiting for it, so that the next [`Backend::flush`] finds
+    /// little left to write. A hint, never a promise: stores without a
+    /// page cache ignore it, and a failure shows at the flush.
+    fn start_writeback(&self, _offset: u64, _len: u64) {}
+
     /// Tells the store that a range is no longer needed (it may read back
     /// as anything afterwards, usually zeros). Advisory: errors are ignored
     /// by callers that only reclaim space.

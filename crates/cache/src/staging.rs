@@ -288,7 +288,10 @@ impl Shared {
         Ok(())
     }
 
-    /// Writes the `mask` blocks of chunk `n` from `buf` to the device.
+    /// Writes the `mask` blocks of chunk `n` from `buf` to the device, and
+    /// starts writing them out of its page cache: a device file's page
+    /// cache would otherwise hold every chunk until the next sync, which
+    /// then writes them all while a guest request waits for it.
     fn write_runs(&self, n: u64, mask: u64, buf: &[u8]) -> io::Result<()> {
         for (first, count) in runs(mask) {
             let at = (first * BLOCK) as usize;
@@ -297,6 +300,8 @@ impl Shared {
                 self.chunk_offset(n) + first * BLOCK,
             )?;
         }
+        self.inner
+            .start_writeback(self.chunk_offset(n), self.chunk_bytes);
         Ok(())
     }
 
@@ -619,6 +624,27 @@ mod tests {
         assert_eq!(read(&dev, DATA, all.len()), all);
         drop(dev);
         assert_eq!(read(&*mem, DATA, all.len()), all);
+    }
+
+    #[test]
+    fn each_chunk_written_out_is_handed_to_the_page_cache_writeback() {
+        let started = Arc::new(Mutex::new(Vec::new()));
+        let log = started.clone();
+        let mem = Arc::new(MemBackend::fixed("dev", (DATA + (1 << 20)) as usize));
+        let hooked = HookedBackend::new(mem).on_start_writeback(move |offset, len| {
+            log.lock().expect("log").push((offset, len));
+        });
+        let dev = StagedDevice::new(Arc::new(hooked), DATA, 64 << 10, false);
+        let all: Vec<u8> = (0..32u64).flat_map(|i| block(i as u8 + 1)).collect();
+        // Two whole chunks of 16 blocks, written out as they complete.
+        dev.write_at(&all, DATA).expect("write");
+        let chunks = vec![(DATA, 64 << 10), (DATA + (64 << 10), 64 << 10)];
+        assert_eq!(*started.lock().expect("log"), chunks);
+        // A part of a chunk waits for the sync, which writes it out too.
+        dev.write_at(&block(9), DATA + (128 << 10)).expect("write");
+        assert_eq!(started.lock().expect("log").len(), 2);
+        dev.flush().expect("flush");
+        assert_eq!(started.lock().expect("log").len(), 3);
     }
 
     #[test]

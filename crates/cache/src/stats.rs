@@ -330,6 +330,10 @@ impl vdcache_backend::Backend for CountedDevice {
         result
     }
 
+    fn start_writeback(&self, offset: u64, len: u64) {
+        self.inner.start_writeback(offset, len);
+    }
+
     fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
         bump(&self.discarded, len);
         self.inner.discard(offset, len)
