@@ -24,6 +24,10 @@ use vdcache_backend::recording::{History, Log, StateKind};
 pub const STATES_ENV: &str = "VDCACHE_CRASH_STATES";
 /// Environment variable: number of workload seeds per configuration.
 pub const SEEDS_ENV: &str = "VDCACHE_CRASH_SEEDS";
+/// Environment variable: the first workload seed (an offset from each
+/// configuration's own), so that a long sweep can run in shards: seeds
+/// `[first, first + VDCACHE_CRASH_SEEDS)`.
+pub const SEED_FIRST_ENV: &str = "VDCACHE_CRASH_SEED_FIRST";
 
 /// The crash-state budget: `VDCACHE_CRASH_STATES` when set, else `default`.
 pub fn state_budget(default: usize) -> usize {
@@ -33,6 +37,13 @@ pub fn state_budget(default: usize) -> usize {
 /// Workload seeds to sweep: `VDCACHE_CRASH_SEEDS` when set, else `default`.
 pub fn seed_count(default: usize) -> usize {
     env_usize(SEEDS_ENV).unwrap_or(default)
+}
+
+/// Offsets of the workload seeds to sweep: `VDCACHE_CRASH_SEED_FIRST`
+/// (default 0) and the `count` after it.
+pub fn seed_offsets(count: usize) -> std::ops::Range<u64> {
+    let first = env_usize(SEED_FIRST_ENV).unwrap_or(0) as u64;
+    first..first + count as u64
 }
 
 fn env_usize(name: &str) -> Option<usize> {
@@ -465,7 +476,7 @@ pub fn sweep(
 ) -> Result<Vec<Report>, HarnessError> {
     let budget = state_budget(budget);
     let mut reports = Vec::new();
-    for s in 0..seed_count(1) as u64 {
+    for s in seed_offsets(seed_count(1)) {
         let mut cfg = base.clone();
         cfg.budget = budget;
         cfg.workload.seed = base.workload.seed + s;

@@ -21,7 +21,8 @@
 //! Sweeps are deterministic from the workload seed and the state seed; a
 //! [`Violation`] prints what [`reproduce`] needs. Longer sweeps: set
 //! `VDCACHE_CRASH_STATES` (states per sweep) and `VDCACHE_CRASH_SEEDS`
-//! (workload seeds), read by [`state_budget`] and [`seed_count`].
+//! (workload seeds), read by [`state_budget`] and [`seed_count`]; a long
+//! sweep runs in shards with `VDCACHE_CRASH_SEED_FIRST` ([`seed_offsets`]).
 //!
 //! This crate owns workloads, the guest-level model and the checks. It must
 //! not reach into the engine or the cache beyond their public APIs, and it
@@ -44,7 +45,7 @@ pub use cache_target::{CACHE_DEVICE, CacheTarget, open_raw_disk, open_raw_throug
 pub use error::{BoxError, HarnessError};
 pub use harness::{
     Report, RunConfig, SEEDS_ENV, STATES_ENV, Violation, ViolationKind, qemu_img_available,
-    reproduce, run, seed_count, state_budget,
+    reproduce, run, seed_count, seed_offsets, state_budget,
 };
 pub use model::{GuestHistory, GuestModel, GuestOp, GuestOpKind};
 pub use target::{

@@ -8,13 +8,13 @@
 //! must be caught.
 //!
 //! Longer sweeps: `VDCACHE_CRASH_STATES=N`, `VDCACHE_CRASH_SEEDS=M` (the
-//! README's journal soak).
+//! README's journal soak), in shards with `VDCACHE_CRASH_SEED_FIRST=F`.
 
 use vdcache_cache::{Admission, CacheConfig, CowMode, DiskPolicy, Replacement, WriteMode};
 use vdcache_crash::harness::sweep_clean;
 use vdcache_crash::{
     Backing, Breakage, BrokenIo, CacheTarget, Qcow2Target, RunConfig, SEEDS_ENV, STATES_ENV,
-    WorkloadConfig, qemu_img_available, run, seed_count, state_budget,
+    WorkloadConfig, qemu_img_available, run, seed_count, seed_offsets, state_budget,
 };
 use vdcache_image::{CreateOptions, JournalMode, MetaCacheConfig};
 
@@ -59,13 +59,16 @@ fn sweep_workloads(
     } else {
         BUDGET
     };
-    let seeds = if std::env::var(SEEDS_ENV).is_ok() {
-        seed_count(1) as u64
+    // A long sweep may run in shards (`VDCACHE_CRASH_SEED_FIRST`).
+    let seeds: Vec<u64> = if std::env::var(SEEDS_ENV).is_ok() {
+        seed_offsets(seed_count(1))
+            .map(|s| first_seed + s)
+            .collect()
     } else {
-        default_seeds
+        (first_seed..first_seed + default_seeds).collect()
     };
     let mut states = 0;
-    for seed in first_seed..first_seed + seeds {
+    for &seed in &seeds {
         let cfg = RunConfig {
             budget: state_budget(budget),
             workload: WorkloadConfig {
@@ -84,10 +87,11 @@ fn sweep_workloads(
         states += report.states;
     }
     if std::env::var(STATES_ENV).is_err() && !cfg!(debug_assertions) {
-        let needed = MIN_STATES * seeds as usize / SEEDS as usize;
+        let needed = MIN_STATES * seeds.len() / SEEDS as usize;
         assert!(
             states >= needed,
-            "only {states} distinct states over {seeds} seeds"
+            "only {states} distinct states over {} seeds",
+            seeds.len()
         );
     }
 }
