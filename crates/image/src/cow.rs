@@ -6,8 +6,11 @@
 //!
 //! Writes into clusters the top image owns go in place. The guest's bytes
 //! and the filler are separate segments of one backend write, each tagged
-//! with its class. Nothing here takes a range lock; callers hold it.
+//! with its class. On a disk taking a stream of writes, a small write into
+//! one new cluster is acknowledged once allocated and left to a worker
+//! (`deferred`). Nothing here takes a range lock; callers hold it.
 
+use crate::deferred::FillJob;
 use crate::disk::{VirtualDisk, released, sub_mask};
 use crate::error::{ImageError, Result};
 use crate::hostio::{DCOW_BLOCK, DCOW_SECTOR, IoClass, WriteSegment};
@@ -62,6 +65,22 @@ fn backing_supplies(old: &L2Mapping) -> bool {
     matches!(old, L2Mapping::Standard(s) if s.host.is_none() && s.alloc == 0 && s.zero == 0)
 }
 
+/// Largest write left to a worker (its bytes wait in memory meanwhile).
+const MAX_DEFERRED_WRITE: u64 = 64 * 1024;
+
+/// An allocating write a worker completes (see `deferred`): the plan of
+/// its one cluster, allocated, and the guest's bytes.
+pub(crate) struct DeferredCow {
+    plan: ClusterPlan,
+    data: Vec<u8>,
+}
+
+impl FillJob for DeferredCow {
+    fn cluster(&self) -> u64 {
+        self.plan.cluster
+    }
+}
+
 /// One backend request of a write: where, and its segments.
 type Batch<'d> = (HostOffset, Vec<WriteSegment<'d>>);
 
@@ -90,7 +109,13 @@ fn old_alloc_mask(old: &L2Mapping, all: u32) -> u32 {
 }
 
 impl VirtualDisk {
-    pub(crate) fn cow_write(&self, img: &Qcow2Image, offset: u64, data: &[u8]) -> Result<()> {
+    pub(crate) fn cow_write(
+        &self,
+        img: &Qcow2Image,
+        offset: u64,
+        data: &[u8],
+        may_defer: bool,
+    ) -> Result<()> {
         let g = *img.geometry();
         let mut plans = self.plan(img, &g, offset, data)?;
         let new_count = plans
@@ -102,6 +127,13 @@ impl VirtualDisk {
         } else {
             None
         };
+        if let [p] = plans.as_slice()
+            && may_defer
+            && self.deferrable(img, p)
+            && let Some(plan) = plans.pop()
+        {
+            return self.defer(img, plan, data);
+        }
         let mut overwrites = Overwrites {
             img,
             spans: Vec::new(),
@@ -120,6 +152,64 @@ impl VirtualDisk {
         };
         self.commit(img, &plans, &pieces, &mut overwrites)?;
         self.forget_masked_blocks(&g, &plans);
+        Ok(())
+    }
+
+    /// Whether the one-cluster write `p` is left to a worker (see
+    /// `deferred`): a small write into a new cluster the backing chain
+    /// supplied, needing filler, on a disk taking a stream of writes.
+    fn deferrable(&self, img: &Qcow2Image, p: &ClusterPlan) -> bool {
+        matches!(p.target, Target::New(Some(_)))
+            && !self.decoupled
+            && !img.external_data
+            && backing_supplies(&p.old)
+            && (p.w_lo < p.lo || p.hi < p.w_hi)
+            && p.hi - p.lo <= MAX_DEFERRED_WRITE
+            && self.fills.wants_deferral()
+    }
+
+    /// Leaves the allocated write `plan` to a worker, with a copy of the
+    /// guest's bytes; the cluster stays pending until it is done.
+    fn defer(&self, img: &Qcow2Image, plan: ClusterPlan, data: &[u8]) -> Result<()> {
+        let cluster = plan.cluster;
+        let host = match plan.target {
+            Target::New(Some(h)) => h,
+            _ => return Err(ImageError::corrupt(img.name(), "unallocated write target")),
+        };
+        let seq = self.fills.reserve(cluster);
+        let job = DeferredCow {
+            plan,
+            data: data.to_vec(),
+        };
+        if let Err(e) = self.fills.submit(seq, job) {
+            self.fills.cancel(cluster);
+            img.lock()
+                .release_clusters(host.0 / img.geometry().cluster_size(), 1)?;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// A worker's part of a deferred write: what [`Self::cow_write`] does
+    /// after allocating.
+    pub(crate) fn complete_fill(&self, img: &Qcow2Image, job: DeferredCow) -> Result<()> {
+        let g = *img.geometry();
+        let DeferredCow { plan, data } = job;
+        let plans = std::slice::from_ref(&plan);
+        let mut overwrites = Overwrites {
+            img,
+            spans: Vec::new(),
+        };
+        let done = self
+            .write_planned(img, &g, plans, &data, &mut overwrites)
+            .and_then(|pieces| self.commit(img, plans, &pieces, &mut overwrites));
+        if let Err(e) = done {
+            if let Target::New(Some(host)) = plan.target {
+                img.lock().release_clusters(host.0 / g.cluster_size(), 1)?;
+            }
+            return Err(e);
+        }
+        self.forget_masked_blocks(&g, plans);
         Ok(())
     }
 

@@ -6,13 +6,15 @@
 //! Every public operation takes the guest range lock of the clusters it
 //! touches before any metadata lock.
 
+use crate::cow::DeferredCow;
+use crate::deferred::{DeferredFills, FillRunner};
 use crate::error::{ImageError, Result};
 use crate::hostio::{
     BackingFill, DCOW_BLOCK, DiskId, FlushKind, HostIo, ImageHandle, IoClass, IoTag, PartialRange,
     WriteSegment,
 };
 use crate::qimage::{ExtentKind, FlushReport, MetaStats, Qcow2Image, TableReads};
-use crate::range_lock::{Mode, RangeLocks};
+use crate::range_lock::{Mode, RangeGuard, RangeLocks};
 use std::sync::Arc;
 use vdcache_contract::{GuestCluster, GuestOffset, HostError};
 use vdcache_qcow2::HostOffset;
@@ -95,6 +97,8 @@ pub struct VirtualDisk {
     /// The layer below wants to hear which backing blocks writes mask.
     hints_masked: bool,
     locks: RangeLocks,
+    /// Copy-on-write fills left to workers (see `deferred`).
+    pub(crate) fills: Arc<DeferredFills<DeferredCow, VirtualDisk>>,
 }
 
 /// What filling partially valid clusters did.
@@ -144,6 +148,7 @@ impl VirtualDisk {
             decoupled,
             hints_masked,
             locks: RangeLocks::default(),
+            fills: Arc::default(),
         })
     }
 
@@ -245,7 +250,7 @@ impl VirtualDisk {
             self.fill_partial(usize::MAX)?;
         }
         let clusters = self.size.div_ceil(self.cluster_size()).max(1);
-        let _all = self.locks.lock(0, clusters, Mode::Exclusive);
+        let _all = self.lock_clusters(0, clusters, Mode::Exclusive);
         self.flush()?;
         match &self.layers[0] {
             Layer::Qcow2(img) if !self.read_only => img.release_holder(),
@@ -256,6 +261,35 @@ impl VirtualDisk {
                 .write_back_image(&r.handle)
                 .map_err(|e| ImageError::io(&r.handle.name, "write back the cache", e)),
         }
+    }
+
+    /// Takes the range lock of guest clusters `first..end`, then waits
+    /// for their deferred fills.
+    fn lock_clusters(&self, first: u64, end: u64, mode: Mode) -> RangeGuard<'_> {
+        let guard = self.locks.lock(first, end, mode);
+        self.fills.wait_clusters(first, end);
+        guard
+    }
+
+    /// Lets workers complete small allocating writes once a flush
+    /// interval holds `stream_writes` writes (see `deferred`;
+    /// [`crate::STREAM_WRITES`] in serving): for a writable qcow2 image
+    /// over a backing chain that fills copy-on-write clusters itself (no
+    /// decoupled copy-on-write).
+    pub fn defer_cow_fills(self: &Arc<Self>, stream_writes: u64) {
+        if let Layer::Qcow2(img) = &self.layers[0]
+            && !self.read_only
+            && !self.decoupled
+            && !img.external_data
+            && self.layers.len() > 1
+        {
+            self.fills.enable(Arc::downgrade(self), stream_writes);
+        }
+    }
+
+    /// Allocating writes left to workers since the disk was opened.
+    pub fn deferred_fills(&self) -> u64 {
+        self.fills.deferred()
     }
 
     fn cluster_range(&self, offset: u64, len: u64) -> (u64, u64) {
@@ -272,7 +306,7 @@ impl VirtualDisk {
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
         let (first, end) = self.cluster_range(offset, buf.len() as u64);
-        let _guard = self.locks.lock(first, end, Mode::Shared);
+        let _guard = self.lock_clusters(first, end, Mode::Shared);
         self.read_layer(0, offset, buf, IoClass::GuestData)
     }
 
@@ -508,7 +542,7 @@ impl VirtualDisk {
                 continue;
             }
             let (first, end) = self.cluster_range(guest, r.len);
-            let _guard = self.locks.lock(first, end, Mode::Exclusive);
+            let _guard = self.lock_clusters(first, end, Mode::Exclusive);
             self.before_change()?;
             let still_mapped = img
                 .map(guest, r.len)?
@@ -549,9 +583,10 @@ impl VirtualDisk {
             return Ok(());
         }
         let (first, end) = self.cluster_range(offset, data.len() as u64);
-        let guard = self.locks.lock(first, end, Mode::Exclusive);
+        let guard = self.lock_clusters(first, end, Mode::Exclusive);
         self.before_change()?;
-        self.write_locked(offset, data)?;
+        self.fills.note_write();
+        self.write_locked(offset, data, true)?;
         drop(guard);
         self.after_change(fua)
     }
@@ -570,8 +605,11 @@ impl VirtualDisk {
         Ok(())
     }
 
-    /// Writes with the range lock held.
-    fn write_locked(&self, offset: u64, data: &[u8]) -> Result<()> {
+    /// Writes with the range lock held; a guest's write (`may_defer`)
+    /// may leave copying on write to a worker (see `deferred`), a write
+    /// that is part of another change may not (the change goes on after
+    /// it, from what it wrote).
+    fn write_locked(&self, offset: u64, data: &[u8], may_defer: bool) -> Result<()> {
         match &self.layers[0] {
             Layer::Raw(r) => self
                 .io
@@ -584,7 +622,7 @@ impl VirtualDisk {
                     }],
                 )
                 .map_err(|e| ImageError::io(&r.handle.name, "write", e)),
-            Layer::Qcow2(img) => self.cow_write(img, offset, data),
+            Layer::Qcow2(img) => self.cow_write(img, offset, data, may_defer),
         }
     }
 
@@ -596,7 +634,7 @@ impl VirtualDisk {
             return Ok(());
         }
         let (first, end) = self.cluster_range(offset, len);
-        let guard = self.locks.lock(first, end, Mode::Exclusive);
+        let guard = self.lock_clusters(first, end, Mode::Exclusive);
         self.before_change()?;
         match &self.layers[0] {
             Layer::Raw(_) => self.write_zero_buffers(offset, len)?,
@@ -611,7 +649,7 @@ impl VirtualDisk {
         let mut pos = offset;
         while pos < offset + len {
             let n = (offset + len - pos).min(ZERO_CHUNK);
-            self.write_locked(pos, &zeros[..n as usize])?;
+            self.write_locked(pos, &zeros[..n as usize], false)?;
             pos += n;
         }
         Ok(())
@@ -720,7 +758,7 @@ impl VirtualDisk {
             return Ok(());
         }
         let (first, end) = self.cluster_range(offset, len);
-        let guard = self.locks.lock(first, end, Mode::Exclusive);
+        let guard = self.lock_clusters(first, end, Mode::Exclusive);
         self.before_change()?;
         match &self.layers[0] {
             Layer::Raw(r) => {
@@ -790,6 +828,7 @@ impl VirtualDisk {
         if self.read_only {
             return Ok(FlushReport::default());
         }
+        self.fills.wait_acknowledged()?;
         match &self.layers[0] {
             Layer::Raw(r) => {
                 self.io
@@ -812,6 +851,7 @@ impl VirtualDisk {
         if self.read_only {
             return Ok(());
         }
+        self.fills.wait_acknowledged()?;
         match &self.layers[0] {
             Layer::Qcow2(img) => {
                 self.fill_after_write_back()?;
@@ -834,6 +874,7 @@ impl VirtualDisk {
         if self.read_only {
             return Ok(());
         }
+        self.fills.wait_acknowledged()?;
         match &self.layers[0] {
             Layer::Qcow2(img) => img.close(true),
             Layer::Raw(_) => self.flush(),
@@ -843,6 +884,8 @@ impl VirtualDisk {
     /// How `[offset, offset+len)` reads, as extents with hole/zero flags.
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<(u64, BlockState)>> {
         self.check_range(offset, len)?;
+        let (first, end) = self.cluster_range(offset, len);
+        self.fills.wait_clusters(first, end);
         let mut out: Vec<(u64, BlockState)> = Vec::new();
         self.status_layer(0, offset, len, &mut out)?;
         Ok(out)
@@ -972,6 +1015,24 @@ fn zero_plain(all: u32) -> L2Mapping {
 /// How often a write-back fill tries the top image's metadata lock (100 µs
 /// apart) before leaving the line to the ordinary fill.
 const FILL_LOCK_TRIES: usize = 50;
+
+impl FillRunner<DeferredCow> for VirtualDisk {
+    fn run_fill(&self, job: DeferredCow) -> Result<()> {
+        match &self.layers[0] {
+            Layer::Qcow2(img) => self.complete_fill(img, job),
+            Layer::Raw(r) => Err(ImageError::corrupt(
+                &r.handle.name,
+                "a deferred fill of a raw image",
+            )),
+        }
+    }
+}
+
+impl Drop for VirtualDisk {
+    fn drop(&mut self) {
+        self.fills.close();
+    }
+}
 
 impl BackingFill for VirtualDisk {
     fn backing_bytes(

@@ -12,6 +12,7 @@ pub mod chain;
 pub mod check;
 mod cow;
 pub mod create;
+mod deferred;
 pub mod disk;
 pub mod error;
 pub mod fuzzing;
@@ -26,6 +27,7 @@ pub use chain::{
 };
 pub use check::CheckReport;
 pub use create::{CreateOptions, create_qcow2, create_raw, qcow2_image_bytes};
+pub use deferred::STREAM_WRITES;
 pub use disk::{BlockState, FillReport, Layer, VirtualDisk, ZeroFlags};
 pub use error::{ImageError, Result};
 pub use hostio::{

@@ -1,7 +1,8 @@
 //! Property test: random operations on a chain in memory, compared after
 //! every read with a plain byte-array model of the guest disk; at the end
 //! the image is closed, reopened, compared whole and checked for leaks and
-//! corruption.
+//! corruption. Some chains leave every allocating write they can to the
+//! disk's workers (deferred copy-on-write), from the first write on.
 
 use proptest::prelude::*;
 use std::path::Path;
@@ -23,6 +24,7 @@ struct Config {
     slice: Option<u64>,
     tiny_cache: bool,
     lazy: bool,
+    deferred: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -45,8 +47,9 @@ fn config() -> impl Strategy<Value = Config> {
         prop::option::of(prop::sample::select(vec![512u64, 4096])),
         prop::bool::ANY,
         prop::bool::ANY,
+        prop::bool::ANY,
     )
-        .prop_map(|(cs, v3, rb, ext, backing, slice, tiny, lazy)| {
+        .prop_map(|(cs, v3, rb, ext, backing, slice, tiny, lazy, deferred)| {
             let version = if v3 { 3 } else { 2 };
             Config {
                 cluster_size: cs,
@@ -57,6 +60,7 @@ fn config() -> impl Strategy<Value = Config> {
                 slice,
                 tiny_cache: tiny,
                 lazy: v3 && lazy,
+                deferred: backing && deferred,
             }
         })
 }
@@ -85,7 +89,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn open(files: &Arc<MemFiles>, c: &Config) -> VirtualDisk {
+fn open(files: &Arc<MemFiles>, c: &Config) -> Arc<VirtualDisk> {
     let cache = if c.tiny_cache {
         MetaCacheConfig {
             l2_bytes: 1024,
@@ -98,16 +102,22 @@ fn open(files: &Arc<MemFiles>, c: &Config) -> VirtualDisk {
             ..MetaCacheConfig::default()
         }
     };
-    open_chain(
-        "dir/top.qcow2",
-        &OpenOptions {
-            cache,
-            format: Some(ImageFormat::Qcow2),
-            opener: files.clone(),
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open")
+    let disk = Arc::new(
+        open_chain(
+            "dir/top.qcow2",
+            &OpenOptions {
+                cache,
+                format: Some(ImageFormat::Qcow2),
+                opener: files.clone(),
+                ..OpenOptions::default()
+            },
+        )
+        .expect("open"),
+    );
+    if c.deferred {
+        disk.defer_cow_fills(0);
+    }
+    disk
 }
 
 fn setup(c: &Config) -> (Arc<MemFiles>, Vec<u8>) {

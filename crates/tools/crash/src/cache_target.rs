@@ -128,7 +128,7 @@ impl CrashTarget for CacheTarget {
         Ok(())
     }
 
-    fn open(&self, files: &Arc<RecordingFiles>) -> Result<VirtualDisk, BoxError> {
+    fn open(&self, files: &Arc<RecordingFiles>) -> Result<Arc<VirtualDisk>, BoxError> {
         let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
         // Every other reopen also restarts the cache (a fast restart that
         // keeps dirty data in flash).
@@ -148,10 +148,10 @@ impl CrashTarget for CacheTarget {
             }
         };
         let opener: Arc<dyn StoreOpener> = files.clone();
-        Ok(open_chain(
+        Ok(self.images.serving(open_chain(
             Qcow2Target::TOP,
             &self.options(opener, Some(cache)),
-        )?)
+        )?))
     }
 
     fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {

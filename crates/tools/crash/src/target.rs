@@ -33,7 +33,7 @@ pub trait CrashTarget: Send + Sync {
     fn create(&self, files: &Arc<RecordingFiles>) -> Result<(), BoxError>;
     /// Opens the disk the workload runs on, over the recording devices.
     /// Called again after a guest reopen.
-    fn open(&self, files: &Arc<RecordingFiles>) -> Result<VirtualDisk, BoxError>;
+    fn open(&self, files: &Arc<RecordingFiles>) -> Result<Arc<VirtualDisk>, BoxError>;
     /// Recovers a disk from the devices a crash left (fresh stores built
     /// from `state`; see [`mem_files`]).
     fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError>;
@@ -174,6 +174,9 @@ pub struct Qcow2Target {
     /// Recovery is first killed after a few changes (how many varies with
     /// the crash point), then run again over what it left.
     pub interrupted_recovery: bool,
+    /// The workload's disk leaves every allocating write it can to its
+    /// workers (deferred copy-on-write, as serving does in a stream).
+    pub deferred_cow: bool,
 }
 
 impl std::fmt::Debug for Qcow2Target {
@@ -187,6 +190,7 @@ impl std::fmt::Debug for Qcow2Target {
             .field("io", &self.io.is_some())
             .field("journal", &self.journal)
             .field("interrupted_recovery", &self.interrupted_recovery)
+            .field("deferred_cow", &self.deferred_cow)
             .finish()
     }
 }
@@ -207,7 +211,23 @@ impl Qcow2Target {
             io: None,
             journal: JournalMode::Off,
             interrupted_recovery: false,
+            deferred_cow: false,
         }
+    }
+
+    /// Defers every allocating write the disk can ([`Self::deferred_cow`]).
+    pub fn with_deferred_cow(mut self) -> Self {
+        self.deferred_cow = true;
+        self
+    }
+
+    /// `disk`, deferring copy-on-write if asked to.
+    pub(crate) fn serving(&self, disk: VirtualDisk) -> Arc<VirtualDisk> {
+        let disk = Arc::new(disk);
+        if self.deferred_cow {
+            disk.defer_cow_fills(0);
+        }
+        disk
     }
 
     /// Kills each recovery once in mid-flight before recovering again
@@ -293,7 +313,7 @@ impl CrashTarget for Qcow2Target {
     fn label(&self) -> String {
         let c = &self.create;
         format!(
-            "{} (qcow2 v{} cluster {} refcount_bits {}{}{}{}{}, size {}, l2 cache {} slice {:?})",
+            "{} (qcow2 v{} cluster {} refcount_bits {}{}{}{}{}{}, size {}, l2 cache {} slice {:?})",
             self.label,
             c.version,
             c.cluster_size,
@@ -314,6 +334,11 @@ impl CrashTarget for Qcow2Target {
                 (JournalMode::Off, true) => " interrupted recovery",
                 (_, false) => " metadata journal",
                 (_, true) => " metadata journal, interrupted recovery",
+            },
+            if self.deferred_cow {
+                ", deferred copy-on-write"
+            } else {
+                ""
             },
             self.size,
             self.cache.l2_bytes,
@@ -341,10 +366,10 @@ impl CrashTarget for Qcow2Target {
         Ok(())
     }
 
-    fn open(&self, files: &Arc<RecordingFiles>) -> Result<VirtualDisk, BoxError> {
+    fn open(&self, files: &Arc<RecordingFiles>) -> Result<Arc<VirtualDisk>, BoxError> {
         let opener: Arc<dyn StoreOpener> = files.clone();
         let io = self.io.as_ref().map(|f| f());
-        Ok(open_chain(Self::TOP, &self.options(opener, io))?)
+        Ok(self.serving(open_chain(Self::TOP, &self.options(opener, io))?))
     }
 
     fn recover(&self, state: &CrashState) -> Result<VirtualDisk, BoxError> {
@@ -399,7 +424,7 @@ where
         self.inner.create(files)
     }
 
-    fn open(&self, files: &Arc<RecordingFiles>) -> Result<VirtualDisk, BoxError> {
+    fn open(&self, files: &Arc<RecordingFiles>) -> Result<Arc<VirtualDisk>, BoxError> {
         self.inner.open(files)
     }
 

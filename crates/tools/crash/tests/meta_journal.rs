@@ -2,7 +2,8 @@
 //! the crash harness: table updates logged out of place, one sync per
 //! guest flush, checkpoints, full-mode writes over data the newest record
 //! checksums, adaptive preallocation, eager records (a flush after every
-//! write), and the same through a writethrough flash cache. Every crash
+//! write), deferred copy-on-write, and the same through a writethrough
+//! flash cache (deferring copy-on-write, as serving does). Every crash
 //! state must pass invariants 1-3 after recovery replays the journal (in
 //! three configurations after a first recovery was killed part way). Two deliberate mutations of the journal's ordering
 //! must be caught.
@@ -165,6 +166,19 @@ fn journal_without_backing_file() {
 }
 
 #[test]
+fn journal_with_deferred_copy_on_write() {
+    // Allocating writes completed by the disk's workers: their pieces and
+    // L2 entries join whichever interval is open when they finish.
+    sweep(
+        &journaled("journal-deferred", CreateOptions::default())
+            .with_backing(Backing::Qcow2)
+            .with_deferred_cow()
+            .with_interrupted_recovery(),
+        0x160,
+    );
+}
+
+#[test]
 fn journal_with_a_flush_after_each_write() {
     // Every write sent with FUA: one write per interval, so writes take
     // the eager path (their record written beside their data, the flush
@@ -186,7 +200,9 @@ fn journal_with_a_flush_after_each_write() {
 
 #[test]
 fn journal_through_a_writethrough_cache() {
-    let images = journaled("journal-wt", CreateOptions::default()).with_backing(Backing::Raw);
+    let images = journaled("journal-wt", CreateOptions::default())
+        .with_backing(Backing::Raw)
+        .with_deferred_cow();
     let config = CacheConfig {
         region_bytes: 256 << 10,
         replacement: Replacement::Lru,

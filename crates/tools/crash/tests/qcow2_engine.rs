@@ -176,3 +176,14 @@ fn version2_over_raw_backing() {
     .with_backing(Backing::Raw);
     sweep(&target, config(0x02), 400);
 }
+
+#[test]
+fn deferred_copy_on_write_over_qcow2_backing() {
+    // Allocating writes acknowledged before their filler is read: a crash
+    // may lose them only until a flush, and never leaves a cluster mapped
+    // before its data.
+    let target = Qcow2Target::new("deferred-qcow2", 8 * MIB, CreateOptions::default())
+        .with_backing(Backing::Qcow2)
+        .with_deferred_cow();
+    sweep(&target, config(0xdc0), 700);
+}

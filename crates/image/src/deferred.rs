@@ -1,0 +1,319 @@
+//! Deferred copy-on-write, for serving without a cache and in the cache's
+//! write-through mode (where the cache never holds dirty data, so the
+//! decoupled copy-on-write of write-back is out). A small allocating write
+//! into a cluster the backing chain supplies is acknowledged once its new
+//! host cluster is allocated; reading the filler, writing the cluster and
+//! pointing the L2 entry at it happen on worker threads, with a copy of
+//! the guest's bytes. The guest no longer waits for two round trips to the
+//! store (read the filler, then write), and the store sees the same
+//! requests as from an inline copy-on-write.
+//!
+//! Until its worker is done a cluster is pending: reads and writes of it
+//! wait ([`DeferredFills::wait_clusters`]), and a flush waits for every
+//! write acknowledged before it ([`DeferredFills::wait_acknowledged`]), so
+//! a flush still makes every completed write durable (DESIGN invariant 1)
+//! and a failed one fails the flush. A crash before then loses only writes
+//! no flush covered, exactly as an inline copy-on-write does: its bytes
+//! are unreachable until the L2 entry is written, which only a flush
+//! orders. The new cluster is then at worst leaked (refcounted,
+//! unreferenced), which recovery repairs.
+//!
+//! Deferral is for streams of writes: a guest that flushes after every
+//! few writes would wait for the worker at its flush anyway, so only a disk
+//! whose flush interval holds at least [`STREAM_WRITES`] writes defers
+//! (a test may ask for fewer).
+//!
+//! This module owns the pending set, the queue and the workers; it plans
+//! and writes nothing itself (`cow` does).
+
+use crate::error::{ImageError, Result};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+
+/// Deferred writes queued or running at most; an allocating write beyond
+/// waits for one to finish (bounds the memory held, 64 KiB a write, and
+/// the store's queue).
+const MAX_PENDING: usize = 64;
+/// Worker threads at most: each write is two round trips to the store, so
+/// about this many run at once.
+const MAX_WORKERS: usize = 32;
+/// Writes in a flush interval (this one or the last) from which a serving
+/// disk defers allocating writes.
+pub const STREAM_WRITES: u64 = 64;
+
+/// What a worker runs: the rest of one allocating write.
+pub(crate) trait FillJob: Send + 'static {
+    /// The guest cluster that stays pending until the job is done.
+    fn cluster(&self) -> u64;
+}
+
+/// Runs a job against the disk it came from.
+pub(crate) trait FillRunner<J: FillJob>: Send + Sync + 'static {
+    fn run_fill(&self, job: J) -> Result<()>;
+}
+
+struct Queued<J> {
+    seq: u64,
+    job: J,
+}
+
+struct State<J> {
+    /// Pending guest clusters and the sequence number of their fill.
+    pending: BTreeMap<u64, u64>,
+    jobs: VecDeque<Queued<J>>,
+    next_seq: u64,
+    workers: usize,
+    idle: usize,
+    closed: bool,
+    /// Threads waiting in [`DeferredFills::wait_done`]: a finished fill
+    /// wakes them (a wake-up is a system call, so none when nobody waits).
+    waiters: usize,
+    /// The first fill that failed since the last flush reported one.
+    failure: Option<ImageError>,
+}
+
+/// The pending fills of one disk.
+pub(crate) struct DeferredFills<J: FillJob, R: FillRunner<J>> {
+    state: Mutex<State<J>>,
+    /// Signalled when a fill finishes (waiters for clusters, flushes and
+    /// slots).
+    done: Condvar,
+    /// Signalled, once per job, when a job is queued (idle workers).
+    queued: Condvar,
+    /// Set once deferral is turned on ([`Self::enable`]).
+    runner: OnceLock<Weak<R>>,
+    /// Writes in a flush interval from which writes are deferred.
+    stream_writes: AtomicU64,
+    /// `pending.len()`, read without the lock on every request.
+    pending_count: AtomicUsize,
+    interval_writes: AtomicU64,
+    last_interval_writes: AtomicU64,
+    /// Fills deferred since the disk was opened.
+    deferred: AtomicU64,
+}
+
+impl<J: FillJob, R: FillRunner<J>> std::fmt::Debug for DeferredFills<J, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeferredFills")
+            .field("pending", &self.pending_count.load(Ordering::Relaxed))
+            .field("deferred", &self.deferred.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl<J: FillJob, R: FillRunner<J>> Default for DeferredFills<J, R> {
+    fn default() -> Self {
+        DeferredFills {
+            state: Mutex::new(State {
+                pending: BTreeMap::new(),
+                jobs: VecDeque::new(),
+                next_seq: 0,
+                workers: 0,
+                idle: 0,
+                closed: false,
+                waiters: 0,
+                failure: None,
+            }),
+            done: Condvar::new(),
+            queued: Condvar::new(),
+            runner: OnceLock::new(),
+            stream_writes: AtomicU64::new(STREAM_WRITES),
+            pending_count: AtomicUsize::new(0),
+            interval_writes: AtomicU64::new(0),
+            last_interval_writes: AtomicU64::new(0),
+            deferred: AtomicU64::new(0),
+        }
+    }
+}
+
+impl<J: FillJob, R: FillRunner<J>> DeferredFills<J, R> {
+    fn lock(&self) -> MutexGuard<'_, State<J>> {
+        // Nothing is left half done under this lock by a panic.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for a fill to finish.
+    fn wait_done<'a>(&self, mut g: MutexGuard<'a, State<J>>) -> MutexGuard<'a, State<J>> {
+        g.waiters += 1;
+        let mut g = self.done.wait(g).unwrap_or_else(|p| p.into_inner());
+        g.waiters -= 1;
+        g
+    }
+
+    /// Turns deferral on from `stream_writes` writes in a flush interval;
+    /// the workers run jobs against `runner` while it lives.
+    pub(crate) fn enable(&self, runner: Weak<R>, stream_writes: u64) {
+        self.stream_writes.store(stream_writes, Ordering::Relaxed);
+        let _ = self.runner.set(runner);
+    }
+
+    /// Counts a guest write for the stream test.
+    pub(crate) fn note_write(&self) {
+        self.interval_writes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A flush ended the interval.
+    fn note_flush(&self) {
+        let n = self.interval_writes.swap(0, Ordering::Relaxed);
+        self.last_interval_writes.store(n, Ordering::Relaxed);
+    }
+
+    /// Whether the next allocating write should defer its fill.
+    pub(crate) fn wants_deferral(&self) -> bool {
+        self.runner.get().is_some()
+            && self
+                .interval_writes
+                .load(Ordering::Relaxed)
+                .max(self.last_interval_writes.load(Ordering::Relaxed))
+                >= self.stream_writes.load(Ordering::Relaxed)
+    }
+
+    /// Fills deferred since the disk was opened.
+    pub(crate) fn deferred(&self) -> u64 {
+        self.deferred.load(Ordering::Relaxed)
+    }
+
+    /// Marks `cluster` pending (waiting for a slot first) and returns the
+    /// fill's sequence number. The caller holds the cluster's range lock,
+    /// so nothing else has it pending.
+    pub(crate) fn reserve(&self, cluster: u64) -> u64 {
+        let mut g = self.lock();
+        while g.pending.len() >= MAX_PENDING {
+            g = self.wait_done(g);
+        }
+        let seq = g.next_seq;
+        g.next_seq += 1;
+        g.pending.insert(cluster, seq);
+        self.pending_count.store(g.pending.len(), Ordering::SeqCst);
+        seq
+    }
+
+    /// A reserved fill will not happen (its write failed before it was
+    /// queued).
+    pub(crate) fn cancel(&self, cluster: u64) {
+        let mut g = self.lock();
+        self.remove(&mut g, cluster);
+    }
+
+    fn remove(&self, g: &mut State<J>, cluster: u64) {
+        g.pending.remove(&cluster);
+        self.pending_count.store(g.pending.len(), Ordering::SeqCst);
+        if g.waiters > 0 {
+            self.done.notify_all();
+        }
+    }
+
+    /// Queues a reserved fill, starting a worker if none is idle.
+    pub(crate) fn submit(self: &Arc<Self>, seq: u64, job: J) -> Result<()> {
+        let Some(runner) = self.runner.get().cloned() else {
+            return Err(ImageError::corrupt("deferred fill", "deferral is off"));
+        };
+        let mut g = self.lock();
+        g.jobs.push_back(Queued { seq, job });
+        self.deferred.fetch_add(1, Ordering::Relaxed);
+        if g.idle == 0 && g.workers < MAX_WORKERS {
+            let queue = self.clone();
+            let started = std::thread::Builder::new()
+                .name("cow-fill".into())
+                .spawn(move || queue.work(runner));
+            match started {
+                Ok(_) => g.workers += 1,
+                // Without a new thread the busy workers take it in turn;
+                // with none at all, the job runs here.
+                Err(_) if g.workers > 0 => {}
+                Err(e) => {
+                    let Some(Queued { job, .. }) = g.jobs.pop_back() else {
+                        return Ok(());
+                    };
+                    drop(g);
+                    tracing::debug!("no thread for a deferred fill ({e}): filling inline");
+                    let cluster = job.cluster();
+                    let result = match self.runner.get().and_then(Weak::upgrade) {
+                        Some(r) => r.run_fill(job),
+                        None => Err(ImageError::corrupt("deferred fill", "the disk is closed")),
+                    };
+                    self.cancel(cluster);
+                    return result;
+                }
+            }
+        }
+        if g.idle > 0 {
+            self.queued.notify_one();
+        }
+        Ok(())
+    }
+
+    /// A worker: runs queued jobs until the queue closes or the disk is
+    /// gone.
+    fn work(&self, runner: Weak<R>) {
+        loop {
+            let mut g = self.lock();
+            let queued = loop {
+                if let Some(q) = g.jobs.pop_front() {
+                    break Some(q);
+                }
+                if g.closed {
+                    break None;
+                }
+                g.idle += 1;
+                g = self.queued.wait(g).unwrap_or_else(|p| p.into_inner());
+                g.idle -= 1;
+            };
+            let Some(Queued { seq, job }) = queued else {
+                g.workers -= 1;
+                return;
+            };
+            drop(g);
+            let cluster = job.cluster();
+            let result = match runner.upgrade() {
+                Some(r) => r.run_fill(job),
+                None => Err(ImageError::corrupt("deferred fill", "the disk is closed")),
+            };
+            let mut g = self.lock();
+            if let Err(e) = result {
+                tracing::error!(
+                    cluster,
+                    seq,
+                    "deferred copy-on-write fill failed: {e}; the next flush fails"
+                );
+                g.failure.get_or_insert(e);
+            }
+            self.remove(&mut g, cluster);
+        }
+    }
+
+    /// Waits until no cluster of `first..end` is pending.
+    pub(crate) fn wait_clusters(&self, first: u64, end: u64) {
+        if self.pending_count.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut g = self.lock();
+        while g.pending.range(first..end).next().is_some() {
+            g = self.wait_done(g);
+        }
+    }
+
+    /// Waits for every fill reserved so far (a flush makes every write
+    /// acknowledged before it durable), then reports a fill that failed
+    /// since the last report.
+    pub(crate) fn wait_acknowledged(&self) -> Result<()> {
+        let mut g = self.lock();
+        let upto = g.next_seq;
+        while g.pending.values().any(|&s| s < upto) {
+            g = self.wait_done(g);
+        }
+        self.note_flush();
+        match g.failure.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Lets idle workers go; no job is queued after this.
+    pub(crate) fn close(&self) {
+        let mut g = self.lock();
+        g.closed = true;
+        self.queued.notify_all();
+    }
+}
