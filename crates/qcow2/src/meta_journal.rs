@@ -187,21 +187,29 @@ impl Record {
         out
     }
 
+    /// How many bytes the record whose header starts `head` (at least
+    /// [`RECORD_HEADER`] bytes) takes, if the header is one of journal
+    /// `id` (nothing is checked beyond the header): what recovery must
+    /// read of a slot.
+    pub fn stored_len(head: &[u8], id: &[u8; 16]) -> Option<usize> {
+        if head.len() < RECORD_HEADER
+            || be32(&head[..4]) != RECORD_MAGIC
+            || be32(&head[4..8]) != VERSION
+            || &head[8..24] != id
+        {
+            return None;
+        }
+        RECORD_HEADER.checked_add(be32(&head[32..36]) as usize)
+    }
+
     /// The record at the start of `buf` if it is a whole, intact record of
     /// journal `id`; `None` for anything else (empty, torn, another
     /// journal's), since a crash may leave any of those in a slot.
     pub fn decode(buf: &[u8], id: &[u8; 16]) -> Option<Record> {
-        if buf.len() < RECORD_HEADER
-            || be32(&buf[..4]) != RECORD_MAGIC
-            || be32(&buf[4..8]) != VERSION
-            || &buf[8..24] != id
-        {
-            return None;
-        }
+        let end = Self::stored_len(buf, id)?;
         let seq = be64(&buf[24..32]);
-        let body = be32(&buf[32..36]) as usize;
+        let body = end - RECORD_HEADER;
         let count = be32(&buf[36..40]) as usize;
-        let end = RECORD_HEADER.checked_add(body)?;
         if end > buf.len() {
             return None;
         }

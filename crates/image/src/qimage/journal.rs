@@ -48,7 +48,9 @@ use vdcache_qcow2::HostOffset;
 use vdcache_qcow2::entries::L2Mapping;
 use vdcache_qcow2::features::{FeatureKind, incompatible};
 use vdcache_qcow2::header::field_offset;
-use vdcache_qcow2::meta_journal::{CHECKSUM_BYTES, Entry, JournalExtension, Record, record_len};
+use vdcache_qcow2::meta_journal::{
+    CHECKSUM_BYTES, Entry, JournalExtension, RECORD_HEADER, Record, record_len,
+};
 
 pub(crate) use super::sums::Piece;
 
@@ -1472,6 +1474,37 @@ impl Qcow2Image {
 /// image is opened (its tables are read from the file). Returns the
 /// header as it stands afterwards and the number of records replayed.
 /// A read-only open of an image with records to replay is refused.
+/// The bytes of journal slot `slot` that its record (if any) takes: its
+/// header first, then as much as the header says, within the slot and the
+/// file (a slot is far bigger than most records).
+fn read_slot(
+    handle: &crate::hostio::ImageHandle,
+    io: &dyn crate::hostio::HostIo,
+    ext: &JournalExtension,
+    slot: u64,
+    file_len: u64,
+    disk: crate::hostio::DiskId,
+) -> Result<Vec<u8>> {
+    let at = ext.slot_offset(slot);
+    let room = ext.slot_bytes().min(file_len.saturating_sub(at)) as usize;
+    let read = |buf: &mut [u8]| {
+        io.read(
+            handle,
+            HostOffset(at),
+            buf,
+            IoTag::meta(MetaTable::Journal, disk),
+        )
+        .map_err(|e| ImageError::io(&handle.name, "read the metadata journal", e))
+    };
+    let mut buf = vec![0u8; RECORD_HEADER.min(room)];
+    read(&mut buf)?;
+    if let Some(len) = Record::stored_len(&buf, &ext.id).filter(|&l| l > buf.len()) {
+        buf.resize(len.min(room), 0);
+        read(&mut buf)?;
+    }
+    Ok(buf)
+}
+
 pub(crate) fn recover(
     handle: &crate::hostio::ImageHandle,
     data: Option<&crate::hostio::ImageHandle>,
@@ -1495,16 +1528,7 @@ pub(crate) fn recover(
         .map_err(|e| ImageError::io(name, "stat", e))?;
     let mut slots = [Vec::new(), Vec::new()];
     for (i, slot) in slots.iter_mut().enumerate() {
-        let at = ext.slot_offset(i as u64);
-        let len = ext.slot_bytes().min(file_len.saturating_sub(at));
-        *slot = vec![0u8; len as usize];
-        io.read(
-            handle,
-            HostOffset(at),
-            slot,
-            IoTag::meta(MetaTable::Journal, disk),
-        )
-        .map_err(|e| ImageError::io(name, "read the metadata journal", e))?;
+        *slot = read_slot(handle, io, &ext, i as u64, file_len, disk)?;
     }
     let data = data.unwrap_or(handle);
     let data_len = io.len(data).map_err(|e| ImageError::io(name, "stat", e))?;
