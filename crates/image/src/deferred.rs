@@ -207,34 +207,29 @@ impl<J: FillJob, R: FillRunner<J>> DeferredFills<J, R> {
     /// Queues a reserved fill, starting a worker if none is idle.
     pub(crate) fn submit(self: &Arc<Self>, seq: u64, job: J) -> Result<()> {
         let Some(runner) = self.runner.get().cloned() else {
-            return Err(ImageError::corrupt("deferred fill", "deferral is off"));
+            return Err(ImageError::corrupt("deferred write", "deferral is off"));
         };
         let mut g = self.lock();
         g.jobs.push_back(Queued { seq, job });
         self.deferred.fetch_add(1, Ordering::Relaxed);
         if g.idle == 0 && g.workers < MAX_WORKERS {
-            let queue = self.clone();
+            let (queue, for_worker) = (self.clone(), runner.clone());
             let started = std::thread::Builder::new()
                 .name("cow-fill".into())
-                .spawn(move || queue.work(runner));
+                .spawn(move || queue.work(for_worker));
             match started {
                 Ok(_) => g.workers += 1,
                 // Without a new thread the busy workers take it in turn;
                 // with none at all, the job runs here.
                 Err(_) if g.workers > 0 => {}
                 Err(e) => {
-                    let Some(Queued { job, .. }) = g.jobs.pop_back() else {
+                    let Some(Queued { seq, job }) = g.jobs.pop_back() else {
                         return Ok(());
                     };
                     drop(g);
-                    tracing::debug!("no thread for a deferred fill ({e}): filling inline");
-                    let cluster = job.cluster();
-                    let result = match self.runner.get().and_then(Weak::upgrade) {
-                        Some(r) => r.run_fill(job),
-                        None => Err(ImageError::corrupt("deferred fill", "the disk is closed")),
-                    };
-                    self.cancel(cluster);
-                    return result;
+                    tracing::debug!("no thread for a deferred write ({e}): writing inline");
+                    self.run(&runner, seq, job);
+                    return Ok(());
                 }
             }
         }
@@ -265,22 +260,28 @@ impl<J: FillJob, R: FillRunner<J>> DeferredFills<J, R> {
                 return;
             };
             drop(g);
-            let cluster = job.cluster();
-            let result = match runner.upgrade() {
-                Some(r) => r.run_fill(job),
-                None => Err(ImageError::corrupt("deferred fill", "the disk is closed")),
-            };
-            let mut g = self.lock();
-            if let Err(e) = result {
-                tracing::error!(
-                    cluster,
-                    seq,
-                    "deferred copy-on-write fill failed: {e}; the next flush fails"
-                );
-                g.failure.get_or_insert(e);
-            }
-            self.remove(&mut g, cluster);
+            self.run(&runner, seq, job);
         }
+    }
+
+    /// Runs a job and ends its cluster's pending state; a failure is kept
+    /// for the next flush to report.
+    fn run(&self, runner: &Weak<R>, seq: u64, job: J) {
+        let cluster = job.cluster();
+        let result = match runner.upgrade() {
+            Some(r) => r.run_fill(job),
+            None => Err(ImageError::corrupt("deferred write", "the disk is closed")),
+        };
+        let mut g = self.lock();
+        if let Err(e) = result {
+            tracing::error!(
+                cluster,
+                seq,
+                "deferred copy-on-write failed: {e}; the next flush fails"
+            );
+            g.failure.get_or_insert(e);
+        }
+        self.remove(&mut g, cluster);
     }
 
     /// Waits until no cluster of `first..end` is pending.
