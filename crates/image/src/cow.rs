@@ -200,15 +200,20 @@ impl VirtualDisk {
             img,
             spans: Vec::new(),
         };
-        let done = self
-            .write_planned(img, &g, plans, &data, &mut overwrites)
-            .and_then(|pieces| self.commit(img, plans, &pieces, &mut overwrites));
-        if let Err(e) = done {
-            if let Target::New(Some(host)) = plan.target {
-                img.lock().release_clusters(host.0 / g.cluster_size(), 1)?;
+        // As in `cow_write`: the cluster goes back only if nothing maps it
+        // yet (a commit that fails may have set the entry).
+        let pieces = match self.write_planned(img, &g, plans, &data, &mut overwrites) {
+            Ok(pieces) => pieces,
+            Err(e) => {
+                if let Target::New(Some(host)) = plan.target
+                    && let Err(release) = img.lock().release_clusters(host.0 / g.cluster_size(), 1)
+                {
+                    tracing::warn!(image = img.name(), "{release}");
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
+        self.commit(img, plans, &pieces, &mut overwrites)?;
         self.forget_masked_blocks(&g, plans);
         Ok(())
     }

@@ -69,8 +69,11 @@ struct State<J> {
     /// Threads waiting in [`DeferredFills::wait_done`]: a finished fill
     /// wakes them (a wake-up is a system call, so none when nobody waits).
     waiters: usize,
-    /// The first fill that failed since the last flush reported one.
-    failure: Option<ImageError>,
+    /// What the first write that failed said: every flush reports it from
+    /// then on (an acknowledged write was lost; reporting it to one flush
+    /// only could tell another connection's flush instead of the
+    /// guest's).
+    failure: Option<String>,
 }
 
 /// The pending fills of one disk.
@@ -269,7 +272,12 @@ impl<J: FillJob, R: FillRunner<J>> DeferredFills<J, R> {
     fn run(&self, runner: &Weak<R>, seq: u64, job: J) {
         let cluster = job.cluster();
         let result = match runner.upgrade() {
-            Some(r) => r.run_fill(job),
+            // A panic must not leave the cluster pending for ever (every
+            // request of it, every flush and the close would wait).
+            Some(r) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.run_fill(job)))
+                .unwrap_or_else(|_| {
+                    Err(ImageError::corrupt("deferred write", "its worker panicked"))
+                }),
             None => Err(ImageError::corrupt("deferred write", "the disk is closed")),
         };
         let mut g = self.lock();
@@ -277,38 +285,39 @@ impl<J: FillJob, R: FillRunner<J>> DeferredFills<J, R> {
             tracing::error!(
                 cluster,
                 seq,
-                "deferred copy-on-write failed: {e}; the next flush fails"
+                "deferred copy-on-write failed: {e}; every flush fails until the disk is closed"
             );
-            g.failure.get_or_insert(e);
+            g.failure.get_or_insert(e.to_string());
         }
         self.remove(&mut g, cluster);
     }
 
-    /// Waits until no cluster of `first..end` is pending.
+    /// Waits until no cluster of `first..end` holds a write reserved
+    /// before this call (under the range lock, no later one can be).
     pub(crate) fn wait_clusters(&self, first: u64, end: u64) {
         if self.pending_count.load(Ordering::SeqCst) == 0 {
             return;
         }
         let mut g = self.lock();
-        while g.pending.range(first..end).next().is_some() {
+        let upto = g.next_seq;
+        while g.pending.range(first..end).any(|(_, &s)| s < upto) {
             g = self.wait_done(g);
         }
     }
 
-    /// Waits for every fill reserved so far (a flush makes every write
-    /// acknowledged before it durable), then reports a fill that failed
-    /// since the last report.
-    pub(crate) fn wait_acknowledged(&self) -> Result<()> {
+    /// Waits for every write reserved so far (a flush makes every write
+    /// acknowledged before it durable); returns the error to report if a
+    /// deferred write was ever lost.
+    pub(crate) fn wait_acknowledged(&self) -> Option<ImageError> {
         let mut g = self.lock();
         let upto = g.next_seq;
         while g.pending.values().any(|&s| s < upto) {
             g = self.wait_done(g);
         }
         self.note_flush();
-        match g.failure.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        g.failure
+            .clone()
+            .map(|cause| ImageError::DeferredWriteLost { cause })
     }
 
     /// Lets idle workers go; no job is queued after this.

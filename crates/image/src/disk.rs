@@ -586,7 +586,8 @@ impl VirtualDisk {
         let guard = self.lock_clusters(first, end, Mode::Exclusive);
         self.before_change()?;
         self.fills.note_write();
-        self.write_locked(offset, data, true)?;
+        // A FUA write would wait for its worker at once.
+        self.write_locked(offset, data, !fua)?;
         drop(guard);
         self.after_change(fua)
     }
@@ -828,7 +829,12 @@ impl VirtualDisk {
         if self.read_only {
             return Ok(FlushReport::default());
         }
-        self.fills.wait_acknowledged()?;
+        let lost = self.fills.wait_acknowledged();
+        let report = self.flush_layers()?;
+        lost.map_or(Ok(report), Err)
+    }
+
+    fn flush_layers(&self) -> Result<FlushReport> {
         match &self.layers[0] {
             Layer::Raw(r) => {
                 self.io
@@ -851,20 +857,22 @@ impl VirtualDisk {
         if self.read_only {
             return Ok(());
         }
-        self.fills.wait_acknowledged()?;
+        // A lost deferred write is reported after the rest is closed.
+        let lost = self.fills.wait_acknowledged();
         match &self.layers[0] {
             Layer::Qcow2(img) => {
                 self.fill_after_write_back()?;
-                img.close(false)
+                img.close(false)?;
             }
             Layer::Raw(r) => {
                 self.flush()?;
                 self.io
                     .copies()
                     .write_back_image(&r.handle)
-                    .map_err(|e| ImageError::io(&r.handle.name, "write back the cache", e))
+                    .map_err(|e| ImageError::io(&r.handle.name, "write back the cache", e))?;
             }
         }
+        lost.map_or(Ok(()), Err)
     }
 
     /// Flushes and persists deferred state like [`Self::close`], but leaves
@@ -874,11 +882,12 @@ impl VirtualDisk {
         if self.read_only {
             return Ok(());
         }
-        self.fills.wait_acknowledged()?;
+        let lost = self.fills.wait_acknowledged();
         match &self.layers[0] {
-            Layer::Qcow2(img) => img.close(true),
-            Layer::Raw(_) => self.flush(),
+            Layer::Qcow2(img) => img.close(true)?,
+            Layer::Raw(_) => self.flush()?,
         }
+        lost.map_or(Ok(()), Err)
     }
 
     /// How `[offset, offset+len)` reads, as extents with hole/zero flags.

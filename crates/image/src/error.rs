@@ -50,6 +50,10 @@ pub enum ImageError {
         "{image}: its newest data is in the vdcache cache {cache}, so the file alone is out of date. Serve it with that cache (--cache {cache}), or write the data back with `vdcache recover --full --cache {cache}`; if that cache is lost, `vdcache recover --without-cache {image}` makes the file usable again, without what the cache held"
     )]
     InCache { image: String, cache: String },
+    #[error(
+        "a write acknowledged before its copy-on-write completed was lost ({cause}); every flush of this disk fails until it is closed (its other writes are flushed regardless)"
+    )]
+    DeferredWriteLost { cause: String },
 }
 
 impl ImageError {

@@ -2,8 +2,8 @@
 //! backing chain supplies is acknowledged before its filler is read, and
 //! a worker completes it. Reads of the cluster see the guest's bytes at
 //! once, a flush returns only once every such write is in the image, a
-//! worker's failure fails the next flush, and a disk that flushes often
-//! writes inline.
+//! worker's failure (or panic) fails every later flush, and a disk that
+//! flushes often writes inline.
 
 #![allow(clippy::unwrap_used)]
 
@@ -31,6 +31,7 @@ struct FillerIo {
     armed: AtomicBool,
     gate: Gate,
     fail: AtomicBool,
+    panic: AtomicBool,
     filler_reads: AtomicU64,
 }
 
@@ -47,6 +48,7 @@ impl HostIo for FillerIo {
             if self.armed.load(Ordering::SeqCst) {
                 self.gate.wait();
             }
+            assert!(!self.panic.load(Ordering::SeqCst), "injected panic");
             if self.fail.load(Ordering::SeqCst) {
                 return Err(HostError::from(std::io::Error::other(
                     "injected read error",
@@ -215,23 +217,54 @@ fn a_flush_returns_once_deferred_writes_are_in_the_image() {
     assert_clean(&disk);
 }
 
-#[test]
-fn a_failed_deferred_write_fails_the_next_flush_and_leaks_nothing() {
-    let (files, model) = chain();
+/// A deferred write whose filler read fails (or panics): every flush
+/// fails from then on, naming the cause, though the disk's other writes
+/// are still flushed; the write's cluster is released (nothing leaks) and
+/// the guest range reads as before the write.
+fn a_lost_deferred_write_fails_every_flush(panic: bool) {
+    let (files, mut model) = chain();
     let io = Arc::new(FillerIo::default());
-    io.fail.store(true, Ordering::SeqCst);
     let disk = open(&files, Some(io.clone()));
     disk.defer_cow_fills(0);
+    disk.write(CLUSTER, &[0x22; 65536], false).unwrap();
+    model[CLUSTER as usize..2 * CLUSTER as usize].fill(0x22);
+    io.fail.store(true, Ordering::SeqCst);
+    io.panic.store(panic, Ordering::SeqCst);
     disk.write(5 * CLUSTER + 512, &[0x11; 4096], false).unwrap();
-    let err = disk.flush().unwrap_err().to_string();
-    assert!(err.contains("injected read error"), "{err}");
-    // Reported once, as fsync reports a lost write-back: the next flush
-    // has nothing new to report.
-    disk.flush().unwrap();
+    let cause = if panic {
+        "panicked"
+    } else {
+        "injected read error"
+    };
+    for _ in 0..2 {
+        // On a thread: a worker that never ends its write would hang it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let flushing = disk.clone();
+        std::thread::spawn(move || tx.send(flushing.flush().map_err(|e| e.to_string())));
+        let err = rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("the flush returns")
+            .unwrap_err();
+        assert!(err.contains("was lost") && err.contains(cause), "{err}");
+    }
     io.fail.store(false, Ordering::SeqCst);
+    io.panic.store(false, Ordering::SeqCst);
     assert_reads(&disk, &model);
-    disk.close().unwrap();
+    let err = disk.close().unwrap_err().to_string();
+    assert!(err.contains(cause), "{err}");
     assert_clean(&disk);
+    drop(disk);
+    assert_reads(&reopen_copy(&files), &model);
+}
+
+#[test]
+fn a_failed_deferred_write_fails_every_flush_and_leaks_nothing() {
+    a_lost_deferred_write_fails_every_flush(false);
+}
+
+#[test]
+fn a_panicking_worker_fails_every_flush_instead_of_hanging_the_disk() {
+    a_lost_deferred_write_fails_every_flush(true);
 }
 
 #[test]
