@@ -4,7 +4,9 @@
 //! check` is clean and `qemu-img compare` finds it equal to a reference
 //! written by qemu-io alone. Through a writethrough cache the journal
 //! survives kill -9 the same way; with a writeback cache it is refused,
-//! and `auto` leaves it off for now.
+//! and `auto` leaves it off for now. A stream of copy-on-write writes is
+//! acknowledged before its filler is copied (deferred copy-on-write), and
+//! what a flush covered survives kill -9.
 
 #![allow(clippy::unwrap_used)]
 
@@ -12,7 +14,7 @@ mod common;
 mod serving;
 
 use common::{Scratch, exec, ok};
-use serving::{qcow2, qemu_io, serve, stats, uri};
+use serving::{qcow2, qemu_io, qemu_io_opts, serve, stats, uri};
 
 const M: u64 = 1 << 20;
 
@@ -234,4 +236,93 @@ fn preallocation_is_opt_in_and_trimmed_by_a_clean_stop() {
         refused.contains("preallocate does nothing through a flash cache"),
         "{refused}"
     );
+}
+
+/// 4 KiB writes into distinct clusters of a delta over a full base, at
+/// offsets inside the clusters (so each copies on write).
+fn cow_stream() -> Vec<String> {
+    (0..120u64)
+        .map(|i| {
+            format!(
+                "write -P {} {} 4096",
+                1 + i % 200,
+                i * 65536 + (i % 15) * 4096
+            )
+        })
+        .collect()
+}
+
+/// Served without a cache and through a writethrough cache (with and
+/// without the journal), a stream of copy-on-write writes is deferred
+/// once 64 writes came without a flush (`deferred_cow_writes` counts
+/// them), reads back at once, and after its flush survives kill -9: the
+/// image then checks clean and holds every write.
+#[test]
+fn deferred_copy_on_write_keeps_what_a_flush_covered_through_kill_9() {
+    let s = Scratch::new();
+    let writes = cow_stream();
+    let reads: Vec<String> = writes
+        .iter()
+        .map(|c| c.replacen("write -P", "read -P", 1))
+        .collect();
+    let mut session = writes.clone();
+    session.extend(reads.iter().cloned());
+    session.push("flush".into());
+    let cache = s.path("flash.cache");
+    let modes: [(&str, &[&str]); 3] = [
+        ("nocache-journal", &["--metadata-journal", "on"]),
+        (
+            "writethrough",
+            &[
+                "--cache-size",
+                "64M",
+                "--cache-mode",
+                "writethrough",
+                "--metadata-journal",
+                "off",
+            ],
+        ),
+        (
+            "writethrough-journal",
+            &[
+                "--cache-size",
+                "64M",
+                "--cache-mode",
+                "writethrough",
+                "--metadata-journal",
+                "on",
+            ],
+        ),
+    ];
+    for (name, opts) in modes {
+        let delta = delta_over_full_base(&s, &format!("{name}.qcow2"));
+        let sock = s.path(&format!("{name}.sock"));
+        let mut args: Vec<&str> = opts.to_vec();
+        if name.starts_with("writethrough") {
+            args.extend(["--cache", cache.to_str().unwrap()]);
+        }
+        args.push(delta.to_str().unwrap());
+        let server = serve(&s, &sock, &args);
+        // Writeback: qemu-io sends no flush of its own after each write.
+        qemu_io_opts(
+            &s,
+            &["-f", "raw", "-t", "writeback"],
+            &uri(&sock, ""),
+            &session,
+        );
+        let st = stats(&s, &sock);
+        let deferred = st["disks"][0]["deferred_cow_writes"].as_u64();
+        assert_eq!(deferred, Some(120 - 63), "{name}: {st:#}");
+        server.kill9();
+        if name.ends_with("journal") {
+            ok(s.vdcache().arg("recover").arg(&delta));
+        }
+        if name.starts_with("writethrough") {
+            // The next serve through the cache recovers the image.
+            serve(&s, &sock, &args).stop_clean();
+        }
+        let chk = ok(s.qemu_img().arg("check").arg(&delta));
+        assert!(chk.stdout.contains("No errors"), "{name}: {}", chk.report());
+        qemu_io_opts(&s, &["-f", "qcow2", "-r"], delta.to_str().unwrap(), &reads);
+    }
 }
