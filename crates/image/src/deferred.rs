@@ -65,6 +65,9 @@ struct State<J> {
     next_seq: u64,
     workers: usize,
     idle: usize,
+    /// Idle workers told to wake that have not taken a job yet (they
+    /// still count in `idle`).
+    woken: usize,
     closed: bool,
     /// Threads waiting in [`DeferredFills::wait_done`]: a finished fill
     /// wakes them (a wake-up is a system call, so none when nobody waits).
@@ -114,6 +117,7 @@ impl<J: FillJob, R: FillRunner<J>> Default for DeferredFills<J, R> {
                 next_seq: 0,
                 workers: 0,
                 idle: 0,
+                woken: 0,
                 closed: false,
                 waiters: 0,
                 failure: None,
@@ -215,7 +219,10 @@ impl<J: FillJob, R: FillRunner<J>> DeferredFills<J, R> {
         let mut g = self.lock();
         g.jobs.push_back(Queued { seq, job });
         self.deferred.fetch_add(1, Ordering::Relaxed);
-        if g.idle == 0 && g.workers < MAX_WORKERS {
+        if g.idle > g.woken {
+            g.woken += 1;
+            self.queued.notify_one();
+        } else if g.workers < MAX_WORKERS {
             let (queue, for_worker) = (self.clone(), runner.clone());
             let started = std::thread::Builder::new()
                 .name("cow-fill".into())
@@ -236,9 +243,6 @@ impl<J: FillJob, R: FillRunner<J>> DeferredFills<J, R> {
                 }
             }
         }
-        if g.idle > 0 {
-            self.queued.notify_one();
-        }
         Ok(())
     }
 
@@ -257,6 +261,7 @@ impl<J: FillJob, R: FillRunner<J>> DeferredFills<J, R> {
                 g.idle += 1;
                 g = self.queued.wait(g).unwrap_or_else(|p| p.into_inner());
                 g.idle -= 1;
+                g.woken = g.woken.saturating_sub(1);
             };
             let Some(Queued { seq, job }) = queued else {
                 g.workers -= 1;
