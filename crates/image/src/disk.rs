@@ -276,7 +276,7 @@ impl VirtualDisk {
     /// [`crate::STREAM_WRITES`] in serving): for a writable qcow2 image
     /// over a backing chain that fills copy-on-write clusters itself (no
     /// decoupled copy-on-write).
-    pub fn defer_cow_fills(self: &Arc<Self>, stream_writes: u64) {
+    pub fn defer_cow_writes(self: &Arc<Self>, stream_writes: u64) {
         if let Layer::Qcow2(img) = &self.layers[0]
             && !self.read_only
             && !self.decoupled
@@ -288,7 +288,7 @@ impl VirtualDisk {
     }
 
     /// Allocating writes left to workers since the disk was opened.
-    pub fn deferred_fills(&self) -> u64 {
+    pub fn deferred_cow_writes(&self) -> u64 {
         self.fills.deferred()
     }
 

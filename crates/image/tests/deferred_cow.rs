@@ -150,7 +150,7 @@ fn assert_clean(disk: &VirtualDisk) {
 fn stream_writes_are_read_back_at_once_and_complete_at_close() {
     let (files, mut model) = chain();
     let disk = open(&files, None);
-    disk.defer_cow_fills(0);
+    disk.defer_cow_writes(0);
     // 4 KiB writes at 512-byte multiples: 200 clusters, some twice, a few
     // writes across a cluster boundary (those go inline).
     let mut deferrable = 0;
@@ -174,7 +174,7 @@ fn stream_writes_are_read_back_at_once_and_complete_at_close() {
             "write {i} at {off}"
         );
     }
-    assert_eq!(disk.deferred_fills(), deferrable);
+    assert_eq!(disk.deferred_cow_writes(), deferrable);
     assert!(deferrable > 200, "{deferrable} writes deferred");
     disk.close().unwrap();
     assert_clean(&disk);
@@ -188,12 +188,12 @@ fn a_flush_returns_once_deferred_writes_are_in_the_image() {
     let io = Arc::new(FillerIo::default());
     io.armed.store(true, Ordering::SeqCst);
     let disk = open(&files, Some(io.clone()));
-    disk.defer_cow_fills(0);
+    disk.defer_cow_writes(0);
     let data = vec![0xee; 4096];
     disk.write(3 * CLUSTER + 8192, &data, false).unwrap();
     model[(3 * CLUSTER + 8192) as usize..(3 * CLUSTER + 12288) as usize].fill(0xee);
     assert_eq!(
-        disk.deferred_fills(),
+        disk.deferred_cow_writes(),
         1,
         "acknowledged with the filler unread"
     );
@@ -225,7 +225,7 @@ fn a_lost_deferred_write_fails_every_flush(panic: bool) {
     let (files, mut model) = chain();
     let io = Arc::new(FillerIo::default());
     let disk = open(&files, Some(io.clone()));
-    disk.defer_cow_fills(0);
+    disk.defer_cow_writes(0);
     disk.write(CLUSTER, &[0x22; 65536], false).unwrap();
     model[CLUSTER as usize..2 * CLUSTER as usize].fill(0x22);
     io.fail.store(true, Ordering::SeqCst);
@@ -272,7 +272,7 @@ fn a_disk_flushing_every_few_writes_writes_inline() {
     let (files, mut model) = chain();
     let io = Arc::new(FillerIo::default());
     let disk = open(&files, Some(io.clone()));
-    disk.defer_cow_fills(vdcache_image::STREAM_WRITES);
+    disk.defer_cow_writes(vdcache_image::STREAM_WRITES);
     for i in 0..200u64 {
         let off = i * CLUSTER + 4096;
         disk.write(off, &[9; 4096], false).unwrap();
@@ -281,7 +281,7 @@ fn a_disk_flushing_every_few_writes_writes_inline() {
             disk.flush().unwrap();
         }
     }
-    assert_eq!(disk.deferred_fills(), 0);
+    assert_eq!(disk.deferred_cow_writes(), 0);
     assert_eq!(io.filler_reads.load(Ordering::SeqCst), 200);
     // A stream without flushes defers from its STREAM_WRITES-th write.
     for i in 200..250u64 {
@@ -289,14 +289,14 @@ fn a_disk_flushing_every_few_writes_writes_inline() {
         disk.write(off, &[9; 4096], false).unwrap();
         model[off as usize..off as usize + 4096].fill(9);
     }
-    assert_eq!(disk.deferred_fills(), 0);
+    assert_eq!(disk.deferred_cow_writes(), 0);
     for i in 0..100u64 {
         let off = (i + 250) * CLUSTER;
         disk.write(off, &[7; 4096], false).unwrap();
         model[off as usize..off as usize + 4096].fill(7);
     }
     let inline = vdcache_image::STREAM_WRITES - 1 - 50;
-    assert_eq!(disk.deferred_fills(), 100 - inline);
+    assert_eq!(disk.deferred_cow_writes(), 100 - inline);
     disk.close().unwrap();
     assert_clean(&disk);
     assert_reads(&disk, &model);

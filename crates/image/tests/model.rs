@@ -115,7 +115,7 @@ fn open(files: &Arc<MemFiles>, c: &Config) -> Arc<VirtualDisk> {
         .expect("open"),
     );
     if c.deferred {
-        disk.defer_cow_fills(0);
+        disk.defer_cow_writes(0);
     }
     disk
 }

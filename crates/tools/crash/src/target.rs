@@ -225,7 +225,7 @@ impl Qcow2Target {
     pub(crate) fn serving(&self, disk: VirtualDisk) -> Arc<VirtualDisk> {
         let disk = Arc::new(disk);
         if self.deferred_cow {
-            disk.defer_cow_fills(0);
+            disk.defer_cow_writes(0);
         }
         disk
     }

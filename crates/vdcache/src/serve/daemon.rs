@@ -338,7 +338,7 @@ impl Daemon {
             })?;
             let disk = Arc::new(disk);
             disk.offer_backing_fill();
-            disk.defer_cow_fills(vdcache_image::STREAM_WRITES);
+            disk.defer_cow_writes(vdcache_image::STREAM_WRITES);
             self.disks.push(Disk {
                 config: e.clone(),
                 id,

@@ -126,7 +126,7 @@ fn stats_json(
                 "l2_misses": meta.map(|m| m.l2.misses),
                 "l2_zero_hits": meta.map(|m| m.l2.zero_hits),
                 "partially_valid_bytes": d.disk.partially_valid_bytes().ok(),
-                "deferred_cow_writes": d.disk.deferred_fills(),
+                "deferred_cow_writes": d.disk.deferred_cow_writes(),
                 "meta_zero_map_bytes": meta.map(|m| m.zero_map_bytes),
                 "journal": daemon.cache.as_ref().and_then(|c| c.journal_counts(d.id)),
                 "metadata_journal": d.disk.journal_stats().map(|j| serde_json::json!({
