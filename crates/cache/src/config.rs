@@ -174,7 +174,8 @@ pub enum Dedup {
     /// Every address gets its own copy.
     #[default]
     Off,
-    /// A block whose fingerprint is already in flash shares that block.
+    /// A block whose bytes are already in flash (same checksum, then same
+    /// fingerprint) shares that block.
     On,
     /// The same, after comparing every byte (one flash read per shared
     /// block): for those who will not trust a 128-bit hash.

@@ -370,7 +370,7 @@ impl FlashCache {
         }
         writeback::start(cache);
         checkpoint::start(cache);
-        FlashCache::start_signature_scan(cache);
+        cache.rebuild_signatures();
     }
 
     /// Starts a background thread into `slot`. It gets only a weak

@@ -391,12 +391,12 @@ impl FlashCache {
                     continue;
                 }
             }
-            let fps = if matches!(tag.class, IoClass::Metadata(_)) {
+            let sums = if matches!(tag.class, IoClass::Metadata(_)) {
                 Vec::new()
             } else {
-                self.read_fingerprints(tag.disk, first, &data)
+                self.read_checksums(first, &data)
             };
-            let copies = self.dedup_copies(tag.disk, first * BLOCK, &[&data], &fps, &[])?;
+            let copies = self.dedup_copies(tag.disk, first * BLOCK, &[&data], &sums, &[])?;
             // A write to these blocks still on its way to the backend is
             // not in the history yet, and the backend bytes this read got
             // may predate it: wait for it, so the staleness check sees it.
@@ -416,7 +416,7 @@ impl FlashCache {
                 }
                 at = c + 1;
             }
-            self.remember_signatures(id, &fps);
+            self.remember_signatures(id, &sums);
         }
         Ok(())
     }

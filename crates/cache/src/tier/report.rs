@@ -70,9 +70,10 @@ pub struct DedupReport {
     pub unique_blocks: u64,
     /// Cached addresses per distinct block (1.0: nothing shared).
     pub ratio: f64,
-    /// Fingerprints in the signature table, and its memory (counted in
-    /// `index_memory_bytes` too).
+    /// Checksums in the signature table, fingerprints learned, and the
+    /// table's memory (counted in `index_memory_bytes` too).
     pub signatures: u64,
+    pub fingerprints: u64,
     pub table_memory_bytes: u64,
     pub counts: crate::dedup::DedupCounts,
 }
@@ -150,6 +151,7 @@ impl FlashCache {
                     st.index.present_blocks() as f64 / unique as f64
                 },
                 signatures: st.signatures.len() as u64,
+                fingerprints: st.signatures.learned() as u64,
                 table_memory_bytes: st.signatures.memory_bytes(),
                 counts: st.signatures.counts(),
             }

@@ -110,7 +110,7 @@ impl FlashCache {
 
     /// Pins (or unpins) the regions of the candidates' blocks, so none is
     /// reclaimed while its block is read.
-    fn pin_regions(&self, candidates: &[SharedCopy], pin: bool) {
+    pub(super) fn pin_regions(&self, candidates: &[SharedCopy], pin: bool) {
         let mut st = self.lock();
         for c in candidates {
             let r = st.regions.region_of(c.cbn);

@@ -1,33 +1,50 @@
 //! Deduplication on the write and read paths (DASH, paper 001, section
 //! III-B): each whole data block about to enter flash (a guest write, its
-//! copy-on-write filler, a read being promoted) is fingerprinted; one whose
-//! fingerprint the signature table knows, for a block still holding those
-//! bytes, shares that block (`sharing`) instead of being written; the
-//! others are written and remembered. Every disk of the cache shares one
-//! table, so clones dedup against each other, base images included.
+//! copy-on-write filler, a read being promoted) is looked up by its
+//! checksum. A block the table knows a live block for is a candidate: it is
+//! fingerprinted and compared with that block's fingerprint (learned by
+//! reading the block the first time it is a candidate), or with
+//! `Dedup::Verify` compared byte by byte, and if equal shares that block
+//! (`sharing`) instead of being written. Every block written is remembered
+//! by its checksum. Every disk of the cache shares one table, so clones
+//! dedup against each other, base images included.
 //!
-//! The fingerprint is computed before the write is acknowledged: the
-//! decision whether flash is written needs it. With `Dedup::Verify` a
-//! candidate's bytes are read back and compared before sharing.
+//! So only a candidate costs a fingerprint before the write is
+//! acknowledged (the decision whether flash is written needs it); a unique
+//! block costs a checksum the cache computes anyway, and a lookup.
 //!
-//! Owns: fingerprinting (timed), the lookups and the remembering. Must not:
-//! share a block itself (`sharing` does, under the lock) or fingerprint
+//! Owns: the lookups, fingerprinting (timed) and remembering. Must not:
+//! share a block itself (`sharing` does, under the lock) or look at
 //! metadata (tables change in place, sector by sector).
 
 use super::sharing::{SharedCopy, Source, place_holds};
+use super::write::Blocks;
 use super::{FlashCache, State};
+use crate::checksums::BlockCrcs;
 use crate::config::Dedup;
 use crate::dedup::{Fingerprint, Place, fingerprint};
-use crate::error::Result;
-use crate::index::{Cbn, line_key};
+use crate::error::{CacheError, Result};
+use crate::index::{Cbn, Index, line_key};
 use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::stats::bump;
 use std::time::Instant;
 use vdcache_contract::{DiskId, IoClass, WriteSegment};
 
 /// A block about to enter flash, by its number in the image, and its
-/// fingerprint.
-pub(super) type Fingerprinted = (u64, Fingerprint);
+/// CRC-32C.
+pub(super) type Checksummed = (u64, u32);
+
+/// A candidate, and the fingerprint its block is known to have.
+type Candidate = (SharedCopy, Option<Fingerprint>);
+
+/// What comparing candidates found: those equal, fingerprints learned on
+/// the way, and how many blocks were read.
+#[derive(Default)]
+struct Compared {
+    found: Vec<SharedCopy>,
+    learned: Vec<(Place, Fingerprint)>,
+    read: u64,
+}
 
 /// Whether a write segment carries data dedup considers.
 fn is_data(class: IoClass) -> bool {
@@ -40,50 +57,42 @@ impl FlashCache {
         self.config.dedup.enabled()
     }
 
-    pub(super) fn fingerprint_of(&self, pieces: &[&[u8]]) -> Fingerprint {
+    /// The fingerprint of a block's bytes, timed and counted for `disk`.
+    fn fingerprint_of(&self, disk: DiskId, pieces: &[&[u8]]) -> Fingerprint {
+        let started = Instant::now();
         let mut fp = fingerprint(pieces);
         if self.config.test_weak_fingerprints {
             fp[1..].fill(0);
         }
+        let counters = self.stats.disk(disk);
+        bump(&counters.hash_nanos, started.elapsed().as_nanos() as u64);
+        bump(&counters.hashed_blocks, 1);
         fp
     }
 
-    /// Fingerprints of the whole data blocks among `pieces` (the bytes of
+    /// Checksums of the whole data blocks among `pieces` (the bytes of
     /// image blocks from byte `off`; `data(i)` says whether the block at
-    /// byte `i` of them is data), counted and timed for `disk`.
-    fn fingerprint_blocks(
-        &self,
-        disk: DiskId,
+    /// byte `i` of them is data).
+    fn block_checksums(
         off: u64,
         pieces: &[&[u8]],
         data: impl Fn(u64, u64) -> bool,
-    ) -> Vec<Fingerprinted> {
+    ) -> Vec<Checksummed> {
         let len: u64 = pieces.iter().map(|p| p.len() as u64).sum();
-        let blocks = super::write::Blocks {
+        let blocks = Blocks {
             pieces: pieces.to_vec(),
         };
-        let started = Instant::now();
-        let out: Vec<Fingerprinted> = (off.div_ceil(BLOCK)..(off + len) / BLOCK)
+        (off.div_ceil(BLOCK)..(off + len) / BLOCK)
             .filter(|&b| data(b * BLOCK, (b + 1) * BLOCK))
             .map(|b| {
                 let start = (b * BLOCK - off) as usize;
-                let slices = blocks.slices(start, start + BLOCK as usize);
-                (b, self.fingerprint_of(&slices))
+                (b, blocks.crc(start, start + BLOCK as usize))
             })
-            .collect();
-        let counters = self.stats.disk(disk);
-        bump(&counters.hash_nanos, started.elapsed().as_nanos() as u64);
-        bump(&counters.hashed_blocks, out.len() as u64);
-        out
+            .collect()
     }
 
-    /// Fingerprints of the whole data blocks of a write.
-    pub(super) fn write_fingerprints(
-        &self,
-        disk: DiskId,
-        off: u64,
-        segments: &[WriteSegment<'_>],
-    ) -> Vec<Fingerprinted> {
+    /// Checksums of the whole data blocks of a write.
+    pub(super) fn write_checksums(off: u64, segments: &[WriteSegment<'_>]) -> Vec<Checksummed> {
         let mut spans: Vec<(u64, u64, bool)> = Vec::with_capacity(segments.len());
         let mut at = off;
         for s in segments {
@@ -92,7 +101,7 @@ impl FlashCache {
             at = end;
         }
         let pieces: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
-        self.fingerprint_blocks(disk, off, &pieces, |start, end| {
+        Self::block_checksums(off, &pieces, |start, end| {
             spans
                 .iter()
                 .filter(|&&(s, e, _)| s < end && start < e)
@@ -100,93 +109,159 @@ impl FlashCache {
         })
     }
 
-    /// The blocks among `fps` (of bytes `pieces` from image byte `off`)
-    /// that a cache block already holds, per the signature table (and, in
-    /// verify mode, a byte comparison); `taken`: blocks already shared
-    /// otherwise.
+    /// Checksums of blocks read from the backend (`data` from block
+    /// `first` of the image), for a promotion.
+    pub(super) fn read_checksums(&self, first: u64, data: &[u8]) -> Vec<Checksummed> {
+        if !self.dedups() {
+            return Vec::new();
+        }
+        Self::block_checksums(first * BLOCK, &[data], |_, _| true)
+    }
+
+    /// The blocks among `sums` (of bytes `pieces` from image byte `off`)
+    /// that a cache block already holds: candidates by checksum whose
+    /// fingerprints (or, verifying, bytes) are equal; `taken`: blocks
+    /// already shared otherwise.
     pub(super) fn dedup_copies(
         &self,
         disk: DiskId,
         off: u64,
         pieces: &[&[u8]],
-        fps: &[Fingerprinted],
+        sums: &[Checksummed],
         taken: &[u64],
     ) -> Result<Vec<SharedCopy>> {
-        if fps.is_empty() {
+        if sums.is_empty() {
             return Ok(Vec::new());
         }
-        let candidates: Vec<SharedCopy> = {
+        let candidates: Vec<Candidate> = {
             let mut st = self.lock();
-            fps.iter()
+            sums.iter()
                 .filter(|(b, _)| !taken.contains(b))
-                .filter_map(|&(block, fp)| known_copy(&mut st, block, &fp))
+                .filter_map(|&(block, crc)| known_copy(&mut st, block, crc))
                 .collect()
         };
-        let compare = self.config.dedup == Dedup::Verify;
-        let (found, read) = self.compare_copies(off, pieces, &candidates, compare)?;
-        bump(&self.stats.disk(disk).flash_bytes_read, read * BLOCK);
-        if found.len() < candidates.len() {
-            let mut st = self.lock();
-            for _ in found.len()..candidates.len() {
-                st.signatures.collided();
+        if candidates.is_empty() {
+            return Ok(Vec::new());
+        }
+        let copies: Vec<SharedCopy> = candidates.iter().map(|c| c.0).collect();
+        let Compared {
+            found,
+            learned,
+            read,
+        } = if self.config.dedup == Dedup::Verify {
+            let (found, read) = self.compare_copies(off, pieces, &copies, true)?;
+            Compared {
+                found,
+                learned: Vec::new(),
+                read,
             }
+        } else {
+            self.pin_regions(&copies, true);
+            let result = self.compare_fingerprints(disk, off, pieces, &candidates);
+            self.pin_regions(&copies, false);
+            result?
+        };
+        bump(&self.stats.disk(disk).flash_bytes_read, read * BLOCK);
+        let mut st = self.lock();
+        for &(place, fp) in &learned {
+            st.signatures.learn(place, fp);
+        }
+        for _ in 0..found.len() {
+            st.signatures.shared();
+        }
+        for _ in found.len()..candidates.len() {
+            st.signatures.collided();
         }
         Ok(found)
     }
 
-    /// After blocks `fps` of image `id` entered flash (written, promoted or
-    /// shared): their cache blocks hold those fingerprints.
-    pub(super) fn remember_signatures(&self, id: u16, fps: &[Fingerprinted]) {
-        if fps.is_empty() {
+    /// The candidates (their regions pinned) whose block's fingerprint
+    /// equals the write's block's; a block whose fingerprint is not known
+    /// yet is read and fingerprinted (and returned, to be learned). Also
+    /// how many blocks were read.
+    fn compare_fingerprints(
+        &self,
+        disk: DiskId,
+        off: u64,
+        pieces: &[&[u8]],
+        candidates: &[Candidate],
+    ) -> Result<Compared> {
+        let blocks = Blocks {
+            pieces: pieces.to_vec(),
+        };
+        let mut buf = vec![0u8; BLOCK as usize];
+        let mut out = Compared::default();
+        for (c, known) in candidates {
+            let start = (c.block * BLOCK - off) as usize;
+            let new = self.fingerprint_of(disk, &blocks.slices(start, start + BLOCK as usize));
+            let old = match known {
+                Some(fp) => *fp,
+                None => {
+                    self.device
+                        .read_at(&mut buf, self.layout.block_offset(c.cbn))
+                        .map_err(CacheError::device("read a block to fingerprint"))?;
+                    out.read += 1;
+                    // A block the device damaged is not shared.
+                    if crc32c::crc32c(&buf) != c.crc {
+                        continue;
+                    }
+                    let Source::Signature { epoch } = c.source else {
+                        continue;
+                    };
+                    let fp = self.fingerprint_of(disk, &[&buf]);
+                    out.learned.push((Place { cbn: c.cbn, epoch }, fp));
+                    fp
+                }
+            };
+            if new == old {
+                out.found.push(*c);
+            }
+        }
+        Ok(out)
+    }
+
+    /// After blocks `sums` of image `id` entered flash (written, promoted
+    /// or shared): their cache blocks hold those checksums.
+    pub(super) fn remember_signatures(&self, id: u16, sums: &[Checksummed]) {
+        if sums.is_empty() {
             return;
         }
         let mut st = self.lock();
-        for &(b, fp) in fps {
+        for &(b, crc) in sums {
             if let Some(cbn) = st
                 .index
                 .block(line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize)
             {
-                note_signature(&mut st, fp, cbn);
+                st.signatures.remember(crc, cbn);
             }
         }
         sweep_signatures(&mut st);
     }
-
-    /// Fingerprints of blocks read from the backend (`data` from block
-    /// `first` of the image), for a promotion.
-    pub(super) fn read_fingerprints(
-        &self,
-        disk: DiskId,
-        first: u64,
-        data: &[u8],
-    ) -> Vec<Fingerprinted> {
-        if !self.dedups() {
-            return Vec::new();
-        }
-        self.fingerprint_blocks(disk, first * BLOCK, &[data], |_, _| true)
-    }
 }
 
 /// Blocks `first..` of an image were just placed, in order, in `runs`
-/// (first cache block, count): their cache blocks hold the fingerprints
-/// among `fps` (sorted by block) that fall in that range. Saves looking
-/// the blocks up again after the write.
+/// (first cache block, count): their cache blocks hold the checksums among
+/// `sums` (sorted by block) that fall in that range. Saves looking the
+/// blocks up again after the write.
 pub(super) fn remember_placed(
     st: &mut State,
     first: u64,
     runs: &[(Cbn, u32)],
-    fps: &[Fingerprinted],
+    sums: &[Checksummed],
 ) {
     let placed: u64 = runs.iter().map(|r| u64::from(r.1)).sum();
-    let from = fps.partition_point(|&(b, _)| b < first);
+    let from = sums.partition_point(|&(b, _)| b < first);
     let mut noted = false;
     let mut run = runs.iter();
     let mut run_start = first;
     let mut current = run.next();
-    for &(b, fp) in fps[from..].iter().take_while(|&&(b, _)| b < first + placed) {
+    for &(b, crc) in sums[from..]
+        .iter()
+        .take_while(|&&(b, _)| b < first + placed)
+    {
         while let Some(&(cbn0, k)) = current {
             if b < run_start + u64::from(k) {
-                note_signature(st, fp, cbn0 + (b - run_start) as u32);
+                st.signatures.remember(crc, cbn0 + (b - run_start) as u32);
                 noted = true;
                 break;
             }
@@ -199,11 +274,9 @@ pub(super) fn remember_placed(
     }
 }
 
-/// Records that cache block `cbn` (referenced, in its region's current
-/// epoch) holds the bytes of `fp`.
-fn note_signature(st: &mut State, fp: Fingerprint, cbn: Cbn) {
-    let epoch = st.regions.epoch(st.regions.region_of(cbn));
-    st.signatures.remember(fp, Place { cbn, epoch });
+/// Whether cache block `cbn` is referenced and carries checksum `crc`.
+fn carries(index: &Index, crcs: &BlockCrcs, cbn: Cbn, crc: u32) -> bool {
+    index.is_referenced(cbn) && crcs.get(cbn) == Some(crc)
 }
 
 /// Drops stale entries once they could outnumber the live ones.
@@ -213,14 +286,19 @@ fn sweep_signatures(st: &mut State) {
         signatures,
         index,
         regions,
+        integrity,
         ..
     } = st;
-    signatures.sweep_if_over(live, |p| place_holds(index, regions, p));
+    signatures.sweep_if_over(
+        live,
+        |crc, cbn| carries(index, &integrity.crcs, cbn, crc),
+        |p| place_holds(index, regions, p),
+    );
 }
 
-/// The block holding `fp`'s bytes, if the table knows a live one, as a
-/// candidate for block `block`.
-fn known_copy(st: &mut State, block: u64, fp: &Fingerprint) -> Option<SharedCopy> {
+/// The block the table knows with `crc`, still carrying it, as a
+/// candidate for block `block`, with its fingerprint if learned.
+fn known_copy(st: &mut State, block: u64, crc: u32) -> Option<Candidate> {
     let State {
         signatures,
         index,
@@ -228,104 +306,42 @@ fn known_copy(st: &mut State, block: u64, fp: &Fingerprint) -> Option<SharedCopy
         integrity,
         ..
     } = st;
-    let place = signatures.find(fp, |p| place_holds(index, regions, p))?;
-    let crc = integrity.crcs.get(place.cbn)?;
-    Some(SharedCopy {
+    let cbn = signatures.find(crc, |cbn| carries(index, &integrity.crcs, cbn, crc))?;
+    let epoch = regions.epoch(regions.region_of(cbn));
+    let copy = SharedCopy {
         block,
-        cbn: place.cbn,
+        cbn,
         crc,
-        source: Source::Signature { epoch: place.epoch },
-    })
+        source: Source::Signature { epoch },
+    };
+    Some((copy, signatures.fingerprint(Place { cbn, epoch })))
 }
 
 impl FlashCache {
-    /// After an open, the signature table knows nothing of the blocks
-    /// flash already holds: a background thread reads them region by
-    /// region (each pinned while read), and remembers the fingerprint of
-    /// every referenced block that still verifies. Until it is done, a
-    /// block it has not reached yet is simply not shared.
-    pub(super) fn start_signature_scan(cache: &std::sync::Arc<FlashCache>) {
-        if !cache.dedups() || cache.lock().index.present_blocks() == 0 {
+    /// After an open the signature table is empty: every referenced block
+    /// is remembered by the checksum the cache keeps for it (no I/O; their
+    /// fingerprints are learned again when they are candidates).
+    pub(super) fn rebuild_signatures(&self) {
+        if !self.dedups() {
             return;
         }
-        let weak = std::sync::Arc::downgrade(cache);
-        let spawned = std::thread::Builder::new()
-            .name("vdcache-dedup-scan".into())
-            .spawn(move || {
-                let started = Instant::now();
-                let mut blocks = 0u64;
-                let regions = match weak.upgrade() {
-                    Some(c) => c.layout.regions,
-                    None => return,
-                };
-                for region in 0..regions {
-                    let Some(cache) = weak.upgrade() else { return };
-                    if cache.stop.load(std::sync::atomic::Ordering::SeqCst) {
-                        return;
-                    }
-                    match cache.scan_region_signatures(region) {
-                        Ok(n) => blocks += n,
-                        Err(e) => {
-                            tracing::warn!("dedup: rebuilding the signature table stopped: {e}");
-                            return;
-                        }
-                    }
-                }
-                tracing::info!(
-                    "dedup: signature table rebuilt from {blocks} cached blocks in {:.1} s",
-                    started.elapsed().as_secs_f64()
-                );
-            });
-        if let Err(e) = spawned {
-            tracing::warn!(
-                "dedup: cannot start the signature scan ({e}); blocks cached before this start are not shared"
-            );
-        }
-    }
-
-    /// Fingerprints the referenced blocks of `region`; returns how many it
-    /// remembered.
-    fn scan_region_signatures(&self, region: u32) -> Result<u64> {
-        let first = region * self.layout.blocks_per_region();
-        let (blocks, epoch) = {
-            let mut st = self.lock();
-            let blocks: Vec<(u32, u32)> = (first..first + self.layout.data_blocks_per_region())
-                .filter(|&cbn| st.index.is_referenced(cbn))
-                .filter_map(|cbn| Some((cbn, st.integrity.crcs.get(cbn)?)))
-                .collect();
-            if blocks.is_empty() {
-                return Ok(0);
-            }
-            st.regions.pin(region);
-            (blocks, st.regions.epoch(region))
-        };
-        let mut found = Vec::with_capacity(blocks.len());
-        let mut buf = vec![0u8; BLOCK as usize];
-        let mut failed = None;
-        for &(cbn, crc) in &blocks {
-            if let Err(e) = self.device.read_at(&mut buf, self.layout.block_offset(cbn)) {
-                failed = Some(e);
-                break;
-            }
-            if crc32c::crc32c(&buf) == crc {
-                found.push((cbn, self.fingerprint_of(&[&buf])));
-            }
-        }
         let mut st = self.lock();
-        st.regions.unpin(region);
-        if let Some(e) = failed {
-            return Err(crate::error::CacheError::device("read a cached block")(e));
-        }
-        if st.regions.epoch(region) != epoch {
-            return Ok(0);
-        }
-        let mut n = 0;
-        for (cbn, fp) in found {
-            if st.index.is_referenced(cbn) {
-                st.signatures.remember(fp, Place { cbn, epoch });
-                n += 1;
+        let per_region = self.layout.blocks_per_region();
+        let mut blocks = 0u64;
+        for region in 0..self.layout.regions {
+            let first = region * per_region;
+            for cbn in first..first + self.layout.data_blocks_per_region() {
+                if !st.index.is_referenced(cbn) {
+                    continue;
+                }
+                if let Some(crc) = st.integrity.crcs.get(cbn) {
+                    st.signatures.remember(crc, cbn);
+                    blocks += 1;
+                }
             }
         }
-        Ok(n)
+        if blocks > 0 {
+            tracing::info!("dedup: signature table rebuilt from {blocks} cached blocks");
+        }
     }
 }

@@ -18,6 +18,10 @@ use crate::summary::decode_entry;
 /// A dirty block to copy to its backend: (line key, slot, block).
 pub(crate) type DirtyBlock = (u64, usize, Cbn);
 
+/// Blocks a reclaim moved: the old cache block to the new one, and the
+/// checksum of the bytes moved.
+type Moves = std::collections::HashMap<Cbn, (Cbn, u32)>;
+
 /// Where an image's blocks go back to: (image id, store, disk to bill).
 pub(crate) type Target = (u16, vdcache_backend::BackendRef, vdcache_contract::DiskId);
 
@@ -297,7 +301,8 @@ impl FlashCache {
         }
         // Held blocks live only in flash: moved, while flash has room
         // for them, else written out like any dirty block.
-        dirty.extend(self.relocate_held(st, &held)?);
+        let mut moved = Moves::new();
+        dirty.extend(self.relocate_held(st, &held, &mut moved)?);
         if !dirty.is_empty() {
             self.commit_before_bypass(st)?;
             let backends = self.backends_of(st, &dirty)?;
@@ -320,16 +325,16 @@ impl FlashCache {
                 self.unmap_block(st, key, slot);
             }
         }
-        self.relocate(st, &relocate)?;
+        self.relocate(st, &relocate, &mut moved)?;
         st.regions.remember_evicted(victim, keys.into_iter());
         Ok(())
     }
 
     /// Copies hot clean blocks into the promotion stream (only into space
     /// that is already free: relocation never triggers another eviction).
-    fn relocate(&self, st: &mut State, blocks: &[DirtyBlock]) -> Result<()> {
+    fn relocate(&self, st: &mut State, blocks: &[DirtyBlock], moved: &mut Moves) -> Result<()> {
         for &(key, slot, cbn) in blocks {
-            match self.move_block(st, key, slot, cbn, false)? {
+            match self.move_block(st, (key, slot, cbn), false, moved)? {
                 Moved::Yes => st
                     .ledger
                     .clean_copy_needs_sync(crate::index::key_image(key)),
@@ -351,14 +356,19 @@ impl FlashCache {
     /// the promotion stream, as long as held blocks take at most half of
     /// flash and free space takes them; returns those that must be written
     /// out instead.
-    fn relocate_held(&self, st: &mut State, blocks: &[DirtyBlock]) -> Result<Vec<DirtyBlock>> {
+    fn relocate_held(
+        &self,
+        st: &mut State,
+        blocks: &[DirtyBlock],
+        moved: &mut Moves,
+    ) -> Result<Vec<DirtyBlock>> {
         let mut out = Vec::new();
         for &(key, slot, cbn) in blocks {
             if st.index.held_dirty_blocks() * 2 > self.layout.cacheable_blocks() {
                 out.push((key, slot, cbn));
                 continue;
             }
-            match self.move_block(st, key, slot, cbn, true)? {
+            match self.move_block(st, (key, slot, cbn), true, moved)? {
                 Moved::Yes => {}
                 Moved::Damaged => {
                     // Its content is lost: the region goes, the loss stays.
@@ -372,45 +382,28 @@ impl FlashCache {
     }
 
     /// Copies block `cbn` of (line `key`, `slot`) into free space of the
-    /// promotion stream and maps the slot there, `dirty` or clean.
+    /// promotion stream and maps the slot there, `dirty` or clean. Another
+    /// address of a shared block (dedup, a journal copy) that moved it
+    /// already in this reclaim (`moved`) follows it: flash keeps one copy.
     fn move_block(
         &self,
         st: &mut State,
-        key: u64,
-        slot: usize,
-        cbn: Cbn,
+        (key, slot, cbn): DirtyBlock,
         dirty: bool,
+        moved: &mut Moves,
     ) -> Result<Moved> {
-        let mut buf = vec![0u8; BLOCK as usize];
-        self.device
-            .read_at(&mut buf, self.layout.block_offset(cbn))
-            .map_err(CacheError::device("read block"))?;
-        let crc = crc32c::crc32c(&buf);
-        if st.integrity.crcs.get(cbn) != Some(crc) {
-            return Ok(Moved::Damaged);
-        }
-        // With dedup, another address of a shared block may have moved it
-        // already: this one follows, and flash holds one copy still.
-        let fp = self.dedups().then(|| self.fingerprint_of(&[&buf]));
-        let victim = st.regions.region_of(cbn);
-        let moved = fp.as_ref().and_then(|fp| {
-            let State {
-                signatures,
-                index,
-                regions,
-                ..
-            } = &mut *st;
-            signatures
-                .find(fp, |p| {
-                    regions.region_of(p.cbn) != victim
-                        && super::sharing::place_holds(index, regions, p)
-                })
-                .map(|p| p.cbn)
-                .filter(|&to| st.integrity.crcs.get(to) == Some(crc))
-        });
-        let dst = match moved {
-            Some(to) => to,
+        let (dst, crc) = match moved.get(&cbn) {
+            Some(&to) => to,
             None => {
+                let mut buf = vec![0u8; BLOCK as usize];
+                self.device
+                    .read_at(&mut buf, self.layout.block_offset(cbn))
+                    .map_err(CacheError::device("read block"))?;
+                let crc = crc32c::crc32c(&buf);
+                if st.integrity.crcs.get(cbn) != Some(crc) {
+                    return Ok(Moved::Damaged);
+                }
+                let victim = st.regions.region_of(cbn);
                 let owner = st.regions.owner(victim);
                 let Some((dst, 1)) = st.regions.allocate_for(Stream::Promote, owner, 1) else {
                     return Ok(Moved::NoRoom);
@@ -418,7 +411,9 @@ impl FlashCache {
                 self.device
                     .write_at(&buf, self.layout.block_offset(dst))
                     .map_err(CacheError::device("write block"))?;
-                dst
+                self.follow_signature(st, cbn, dst, crc);
+                moved.insert(cbn, (dst, crc));
+                (dst, crc)
             }
         };
         let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
@@ -435,12 +430,25 @@ impl FlashCache {
             dirty,
             crc,
         });
-        if let (Some(fp), None) = (fp, moved) {
-            let epoch = st.regions.epoch(st.regions.region_of(dst));
-            st.signatures
-                .remember(fp, crate::dedup::Place { cbn: dst, epoch });
-        }
         Ok(Moved::Yes)
+    }
+
+    /// With dedup, the signature table learns that block `from`'s bytes
+    /// (checksum `crc`) are now at `to`, with their fingerprint if known.
+    fn follow_signature(&self, st: &mut State, from: Cbn, to: Cbn, crc: u32) {
+        if !self.dedups() {
+            return;
+        }
+        let place = |st: &State, cbn: Cbn| crate::dedup::Place {
+            cbn,
+            epoch: st.regions.epoch(st.regions.region_of(cbn)),
+        };
+        let known = st.signatures.fingerprint(place(st, from));
+        st.signatures.remember(crc, to);
+        if let Some(fp) = known {
+            let at = place(st, to);
+            st.signatures.learn(at, fp);
+        }
     }
 
     /// The stores of the images the blocks belong to.

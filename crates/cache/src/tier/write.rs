@@ -9,7 +9,7 @@
 
 use super::metastore::{overlay, table_sectors};
 use super::sharing::SharedCopy;
-use super::signatures::{Fingerprinted, remember_placed};
+use super::signatures::{Checksummed, remember_placed};
 use super::{FlashCache, State};
 use crate::admission::Run;
 use crate::error::{CacheError, Result};
@@ -256,22 +256,22 @@ impl FlashCache {
         } else {
             Vec::new()
         };
-        let fps = if enters_flash && self.dedups() {
-            self.write_fingerprints(tag.disk, off, segments)
+        let sums = if enters_flash && self.dedups() {
+            Self::write_checksums(off, segments)
         } else {
             Vec::new()
         };
-        if !fps.is_empty() {
+        if !sums.is_empty() {
             let taken: Vec<u64> = copies.iter().map(|c| c.block).collect();
             let pieces: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
-            copies.extend(self.dedup_copies(tag.disk, off, &pieces, &fps, &taken)?);
+            copies.extend(self.dedup_copies(tag.disk, off, &pieces, &sums, &taken)?);
             copies.sort_unstable_by_key(|c| c.block);
         }
-        self.write_routed(image, id, off, segments, route, &copies, &fps)?;
+        self.write_routed(image, id, off, segments, route, &copies, &sums)?;
         // A plain write-back remembers the signatures of what it placed
         // under its own lock; other routes' blocks are looked up here.
         if !copies.is_empty() || route != (Route::WriteBack { sectors: false }) {
-            self.remember_signatures(id, &fps);
+            self.remember_signatures(id, &sums);
         }
         if journal.is_journal {
             self.observe_journal_write(tag.disk, id, off, segments);
@@ -281,7 +281,7 @@ impl FlashCache {
 
     /// Writes where `route` says; `copies`: blocks whose bytes a cache
     /// block already holds (a journal copy or a dedup match, see `sharing`);
-    /// `fps`: the fingerprints of its whole data blocks, which a plain
+    /// `sums`: the checksums of its whole data blocks, which a plain
     /// write-back remembers as it places them.
     #[allow(clippy::too_many_arguments)]
     fn write_routed(
@@ -292,7 +292,7 @@ impl FlashCache {
         segments: &[WriteSegment<'_>],
         route: Route,
         copies: &[SharedCopy],
-        fps: &[Fingerprinted],
+        sums: &[Checksummed],
     ) -> Result<()> {
         let len = total_len(segments);
         let tag = segments[0].tag;
@@ -302,7 +302,7 @@ impl FlashCache {
                     return Ok(());
                 }
                 let done = if copies.is_empty() {
-                    self.write_back_chunked(image, id, off, segments, tag, fps)?
+                    self.write_back_chunked(image, id, off, segments, tag, sums)?
                 } else {
                     self.write_back_sharing(image, id, off, segments, copies)?
                 };
@@ -432,7 +432,7 @@ impl FlashCache {
         off: u64,
         segments: &[WriteSegment<'_>],
         tag: IoTag,
-        fps: &[Fingerprinted],
+        sums: &[Checksummed],
     ) -> Result<bool> {
         let piece = (self.config.reserve_regions.max(1) as u64) * self.layout.region_bytes;
         let end = off + total_len(segments);
@@ -440,7 +440,7 @@ impl FlashCache {
         while at < end {
             let next = ((at / piece + 1) * piece).min(end);
             let part = sub_segments(off, segments, at, next);
-            if !self.write_back(image, id, at, next - at, &part, tag, fps)? {
+            if !self.write_back(image, id, at, next - at, &part, tag, sums)? {
                 if at == off {
                     return Ok(false);
                 }
@@ -452,7 +452,7 @@ impl FlashCache {
     }
 
     /// Write-back: whole blocks appended to the write stream, recorded
-    /// dirty, and the signatures among `fps` of those placed remembered.
+    /// dirty, and the checksums among `sums` of those placed remembered.
     /// Returns false (nothing done) when flash has no room.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn write_back(
@@ -463,7 +463,7 @@ impl FlashCache {
         len: u64,
         segments: &[WriteSegment<'_>],
         tag: IoTag,
-        fps: &[Fingerprinted],
+        sums: &[Checksummed],
     ) -> Result<bool> {
         let (head, tail) = self.edges(image, id, off, len)?;
         let mut pieces: Vec<&[u8]> = vec![&head];
@@ -482,8 +482,14 @@ impl FlashCache {
             }
             runs
         };
+        // Dedup checksummed the write's whole blocks already.
         let crcs: Vec<u32> = (0..n as usize)
-            .map(|i| blocks.crc(i * BLOCK as usize, (i + 1) * BLOCK as usize))
+            .map(
+                |i| match sums.binary_search_by_key(&(first + i as u64), |s| s.0) {
+                    Ok(k) => sums[k].1,
+                    Err(_) => blocks.crc(i * BLOCK as usize, (i + 1) * BLOCK as usize),
+                },
+            )
             .collect();
         let guests = block_guests(off, segments, first, n);
         if self.config.test_index_before_data {
@@ -520,7 +526,7 @@ impl FlashCache {
             // nothing.
             self.validate_written(&mut st, id, off, len);
         }
-        remember_placed(&mut st, first, &runs, fps);
+        remember_placed(&mut st, first, &runs, sums);
         self.settle(&mut st, &runs);
         st.history.note(id, off, off + len);
         self.keep_reserve(&mut st)?;

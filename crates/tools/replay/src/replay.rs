@@ -84,17 +84,18 @@ pub struct DedupFigures {
     pub blocks_shared: u64,
     /// `blocks_shared` x 4 KiB: the flash data writes dedup spared.
     pub flash_bytes_saved: u64,
-    /// Blocks fingerprinted (BLAKE3), and the mean time per block in ns:
+    /// Blocks fingerprinted (BLAKE3: candidates and the blocks they were
+    /// compared with), and the mean time per block in ns:
     /// wall clock on this machine, the one figure that differs between
     /// two runs of the same replay.
     pub hashed_blocks: u64,
     pub hash_ns_per_block: f64,
-    /// Fingerprints in the signature table at the end, and its memory
+    /// Checksums in the signature table at the end, and its memory
     /// (part of `index_memory_bytes`).
     pub signatures: u64,
     pub table_memory_bytes: u64,
-    /// Signature-table lookups, hits, stale entries dropped, and
-    /// collisions (verify mode) over the replay.
+    /// Signature-table lookups, candidates, hits, stale entries dropped,
+    /// and collisions over the replay.
     pub counts: DedupCounts,
     /// Blocks of reads the replay seeded with the trace's content before
     /// reading them (never written by the replay; see `seed`).
