@@ -1,7 +1,8 @@
 //! Deduplication (DASH, paper 001, section III; CacheDedup): the signature
 //! table beside the address map. A block that enters flash is first known
-//! by its CRC-32C, which the cache computes for every block anyway; the
-//! table maps a checksum to the cache block last written with it. Only a
+//! by its CRC-32C, which the cache computes for every block anyway and
+//! keeps per cache block; the table finds a cache block by the checksum it
+//! carries (an entry is just the block's number). Only a
 //! block whose checksum the table knows, for a block that still holds
 //! bytes with that checksum, is fingerprinted (BLAKE3) and compared with
 //! that block's fingerprint, learned the first time the block is a
@@ -13,9 +14,10 @@
 //! block's region: a region is only appended to and reclaimed whole, so a
 //! block holds one content per epoch, and a fingerprint learned in an
 //! older epoch is never used. A checksum entry needs no epoch: the caller
-//! checks that its block still carries that checksum, and the fingerprint
-//! decides. Stale entries are dropped on lookup and swept when they could
-//! outnumber the live ones; there is no reverse map from blocks.
+//! says which checksum a block carries now, and the fingerprint decides.
+//! An entry whose block was freed or rewritten is simply not found; such
+//! entries are swept when they could outnumber the live ones. There is no
+//! reverse map from blocks.
 //!
 //! Owns: fingerprints, the signature table, its counters. Must not: do
 //! I/O, change the index, or decide alone that a block may be shared (the
@@ -59,7 +61,7 @@ pub struct DedupCounts {
     pub candidates: u64,
     /// Candidates whose bytes turned out equal: shared.
     pub found: u64,
-    /// Entries dropped because their block was rewritten or freed.
+    /// Entries swept because their block was rewritten or freed.
     pub stale: u64,
     /// Candidates whose bytes differed: a checksum collision (about one
     /// pair in 2^32), or a fingerprint collision a test hasher forces.
@@ -69,8 +71,8 @@ pub struct DedupCounts {
 /// The signature table.
 #[derive(Debug, Default)]
 pub struct Signatures {
-    /// Checksum to the cache block last written with it.
-    by_crc: HashTable<(u32, Cbn)>,
+    /// Cache blocks, found by the checksum they carry.
+    by_crc: HashTable<Cbn>,
     /// Fingerprints learned for blocks that were candidates.
     learned: HashMap<Cbn, (u32, Fingerprint)>,
     counts: DedupCounts,
@@ -83,29 +85,25 @@ fn hash(crc: u32) -> u64 {
 }
 
 impl Signatures {
-    /// The block last recorded for checksum `crc`, if `live(cbn)` says it
-    /// still holds bytes with that checksum (else the entry is dropped).
-    pub fn find(&mut self, crc: u32, live: impl Fn(Cbn) -> bool) -> Option<Cbn> {
+    /// A cache block carrying checksum `crc` (`crc_of(cbn)`: the checksum
+    /// a referenced block carries, none for a free one), the one last
+    /// recorded for it.
+    pub fn find(&mut self, crc: u32, crc_of: impl Fn(Cbn) -> Option<u32>) -> Option<Cbn> {
         self.counts.lookups += 1;
-        let entry = self.by_crc.find_entry(hash(crc), |e| e.0 == crc).ok()?;
-        let cbn = entry.get().1;
-        if live(cbn) {
-            self.counts.candidates += 1;
-            return Some(cbn);
-        }
-        entry.remove();
-        self.counts.stale += 1;
-        None
+        let cbn = *self.by_crc.find(hash(crc), |&c| crc_of(c) == Some(crc))?;
+        self.counts.candidates += 1;
+        Some(cbn)
     }
 
     /// Records that block `cbn` was written with checksum `crc` (it
-    /// replaces the block recorded before).
-    pub fn remember(&mut self, crc: u32, cbn: Cbn) {
-        match self.by_crc.find_mut(hash(crc), |e| e.0 == crc) {
-            Some(e) => e.1 = cbn,
+    /// replaces the block found for that checksum before).
+    pub fn remember(&mut self, crc: u32, cbn: Cbn, crc_of: impl Fn(Cbn) -> Option<u32>) {
+        match self.by_crc.find_mut(hash(crc), |&c| crc_of(c) == Some(crc)) {
+            Some(e) => *e = cbn,
             None => {
+                // Growing rehashes every entry by what its block carries now.
                 self.by_crc
-                    .insert_unique(hash(crc), (crc, cbn), |e| hash(e.0));
+                    .insert_unique(hash(crc), cbn, |&c| hash(crc_of(c).unwrap_or(0)));
             }
         }
     }
@@ -127,25 +125,32 @@ impl Signatures {
     /// Drops every stale entry once there are a quarter more entries than
     /// the cache's distinct live blocks (each holds one content, so at most
     /// that many entries are live), and gives back the memory they held.
-    /// A sweep costs the table's size, once per that many insertions.
+    /// The checksum table is rebuilt from its live blocks (an entry whose
+    /// block was rewritten sits where its old checksum led). A sweep costs
+    /// the table's size, once per that many insertions.
     pub fn sweep_if_over(
         &mut self,
         live_blocks: u64,
-        live: impl Fn(u32, Cbn) -> bool,
+        crc_of: impl Fn(Cbn) -> Option<u32>,
         holds: impl Fn(Place) -> bool,
     ) {
         let bound = live_blocks + live_blocks / 4 + 1024;
         if (self.by_crc.len() as u64) > bound {
             let before = self.by_crc.len();
-            self.by_crc.retain(|e| live(e.0, e.1));
-            self.counts.stale += (before - self.by_crc.len()) as u64;
-            if self.by_crc.len() < self.by_crc.capacity() / 2 {
-                self.by_crc.shrink_to_fit(|e| hash(e.0));
+            let blocks: Vec<Cbn> = self.by_crc.drain().collect();
+            self.by_crc.shrink_to_fit(|_| 0);
+            for cbn in blocks {
+                if let Some(crc) = crc_of(cbn) {
+                    self.remember(crc, cbn, &crc_of);
+                }
             }
+            self.counts.stale += (before - self.by_crc.len()) as u64;
         }
         if (self.learned.len() as u64) > bound {
+            let before = self.learned.len();
             self.learned
                 .retain(|&cbn, &mut (epoch, _)| holds(Place { cbn, epoch }));
+            self.counts.stale += (before - self.learned.len()) as u64;
             self.learned.shrink_to_fit();
         }
     }
@@ -180,7 +185,7 @@ impl Signatures {
 
     /// Bytes of memory the table holds (a control byte per slot).
     pub fn memory_bytes(&self) -> u64 {
-        let by_crc = self.by_crc.capacity() * (std::mem::size_of::<(u32, Cbn)>() + 1);
+        let by_crc = self.by_crc.capacity() * (std::mem::size_of::<Cbn>() + 1);
         let learned =
             self.learned.capacity() * (std::mem::size_of::<(Cbn, (u32, Fingerprint))>() + 1);
         (by_crc + learned) as u64
@@ -203,17 +208,38 @@ mod tests {
         assert_ne!(fingerprint(&[&block]), fingerprint(&[&other]));
     }
 
+    /// What each block carries: block n carries checksum `crcs[n]`.
+    fn carried(crcs: &[Option<u32>]) -> impl Fn(Cbn) -> Option<u32> + '_ {
+        |cbn| crcs.get(cbn as usize).copied().flatten()
+    }
+
     #[test]
-    fn a_live_block_is_found_and_a_stale_one_dropped() {
+    fn a_block_is_found_only_while_it_carries_the_checksum() {
         let mut s = Signatures::default();
-        s.remember(0xabcd, 40);
-        assert_eq!(s.find(0xabcd, |c| c == 40), Some(40));
-        assert_eq!(s.find(0x1234, |_| true), None, "never recorded");
-        // The block was rewritten or freed since.
-        assert_eq!(s.find(0xabcd, |_| false), None);
-        assert_eq!(s.len(), 0, "the stale entry is gone");
+        let mut crcs = vec![None; 64];
+        crcs[40] = Some(0xabcd);
+        s.remember(0xabcd, 40, carried(&crcs));
+        assert_eq!(s.find(0xabcd, carried(&crcs)), Some(40));
+        assert_eq!(s.find(0x1234, carried(&crcs)), None, "never recorded");
+        // The block was rewritten since: not found, and swept later.
+        crcs[40] = Some(0x5555);
+        assert_eq!(s.find(0xabcd, carried(&crcs)), None);
         let c = s.counts();
-        assert_eq!((c.lookups, c.candidates, c.stale), (3, 1, 1));
+        assert_eq!((c.lookups, c.candidates), (3, 1));
+        // A sweep (over the bound) files the rewritten block under what it
+        // carries now and drops the freed ones.
+        let mut crcs: Vec<Option<u32>> = (0..2000).map(Some).collect();
+        let mut s = Signatures::default();
+        for n in 0..2000u32 {
+            s.remember(n, n, carried(&crcs));
+        }
+        crcs[5] = Some(0x5555_0000);
+        crcs[6] = None;
+        assert_eq!(s.find(0x5555_0000, carried(&crcs)), None, "filed under 5");
+        s.sweep_if_over(0, carried(&crcs), |_| true);
+        assert_eq!((s.len(), s.counts().stale), (1999, 1));
+        assert_eq!(s.find(0x5555_0000, carried(&crcs)), Some(5));
+        assert_eq!(s.find(6, carried(&crcs)), None);
     }
 
     #[test]
@@ -233,25 +259,31 @@ mod tests {
     #[test]
     fn a_newer_block_replaces_the_older_and_sweeps_keep_live_ones() {
         let mut s = Signatures::default();
-        s.remember(5, 1);
-        s.remember(5, 9);
+        let mut crcs: Vec<Option<u32>> = (0..3000).map(Some).collect();
+        crcs[9] = Some(1);
+        s.remember(1, 1, carried(&crcs));
+        s.remember(1, 9, carried(&crcs));
         assert_eq!(s.len(), 1);
-        assert_eq!(s.find(5, |_| true), Some(9));
-        for n in 0..256u32 {
-            s.remember(n, n);
-        }
+        assert_eq!(s.find(1, carried(&crcs)), Some(9));
         // Under the bound: nothing swept.
-        s.sweep_if_over(200, |_, cbn| cbn < 10, |_| false);
-        assert_eq!(s.len(), 256);
+        let mut small = Signatures::default();
+        for n in 0..256u32 {
+            small.remember(n, n, carried(&crcs));
+        }
+        crcs[100..256].fill(None);
+        small.sweep_if_over(200, carried(&crcs), |_| false);
+        assert_eq!(small.len(), 256);
         // Over it (with a small cache): only live entries stay, and the
         // memory of the others is given back.
+        let mut crcs: Vec<Option<u32>> = (0..3000).map(Some).collect();
         let mut big = Signatures::default();
         for n in 0..3000u32 {
-            big.remember(n.wrapping_mul(2_654_435_761), n);
+            big.remember(n, n, carried(&crcs));
             big.learn(Place { cbn: n, epoch: 1 }, [0; 16]);
         }
         let full = big.memory_bytes();
-        big.sweep_if_over(100, |_, cbn| cbn < 10, |p| p.cbn < 20);
+        crcs[10..].fill(None);
+        big.sweep_if_over(100, carried(&crcs), |p| p.cbn < 20);
         assert_eq!((big.len(), big.learned()), (10, 20));
         assert!(
             big.memory_bytes() * 10 < full,

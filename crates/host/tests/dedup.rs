@@ -395,11 +395,11 @@ fn colliding_pair() -> (Vec<u8>, Vec<u8>) {
 }
 
 /// Writes the two colliding blocks through a cache whose fingerprints keep
-/// one byte; returns what the second address reads, and the collisions
-/// the cache counted.
-fn colliding(dedup: Dedup) -> (Vec<u8>, Vec<u8>, u64) {
+/// one byte (`weak`) or all 128 bits; returns what the second address
+/// reads, and the collisions the cache counted.
+fn colliding(dedup: Dedup, weak: bool) -> (Vec<u8>, Vec<u8>, u64) {
     let cfg = CacheConfig {
-        test_weak_fingerprints: true,
+        test_weak_fingerprints: weak,
         ..config(WriteMode::WriteBack, dedup)
     };
     let (a, b) = colliding_pair();
@@ -412,17 +412,26 @@ fn colliding(dedup: Dedup) -> (Vec<u8>, Vec<u8>, u64) {
 
 #[test]
 fn with_colliding_fingerprints_verify_never_serves_another_blocks_bytes() {
-    let (got, want, collisions) = colliding(Dedup::Verify);
+    let (got, want, collisions) = colliding(Dedup::Verify, true);
     assert!(got == want, "verify compared the bytes");
     assert_eq!(collisions, 1, "the collision was found and refused");
     // The same hasher trusted serves the other block's bytes: the test's
     // hasher (and checksum) really collide, which a 128-bit BLAKE3 prefix
     // does not in practice.
-    let (got, want, _) = colliding(Dedup::On);
+    let (got, want, _) = colliding(Dedup::On, true);
     assert!(
         got != want,
         "a trusted colliding fingerprint shares the block"
     );
+}
+
+#[test]
+fn an_equal_checksum_alone_never_shares_a_block() {
+    // The pair's CRC-32C is equal: the checksum makes the second block a
+    // candidate, and the full fingerprint refuses it.
+    let (got, want, collisions) = colliding(Dedup::On, false);
+    assert!(got == want, "the fingerprints were compared");
+    assert_eq!(collisions, 1);
 }
 
 #[test]

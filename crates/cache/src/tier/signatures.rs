@@ -232,7 +232,7 @@ impl FlashCache {
                 .index
                 .block(line_key(id, b / LINE_BLOCKS), (b % LINE_BLOCKS) as usize)
             {
-                st.signatures.remember(crc, cbn);
+                note_signature(&mut st, crc, cbn);
             }
         }
         sweep_signatures(&mut st);
@@ -261,7 +261,7 @@ pub(super) fn remember_placed(
     {
         while let Some(&(cbn0, k)) = current {
             if b < run_start + u64::from(k) {
-                st.signatures.remember(crc, cbn0 + (b - run_start) as u32);
+                note_signature(st, crc, cbn0 + (b - run_start) as u32);
                 noted = true;
                 break;
             }
@@ -274,9 +274,20 @@ pub(super) fn remember_placed(
     }
 }
 
-/// Whether cache block `cbn` is referenced and carries checksum `crc`.
-fn carries(index: &Index, crcs: &BlockCrcs, cbn: Cbn, crc: u32) -> bool {
-    index.is_referenced(cbn) && crcs.get(cbn) == Some(crc)
+/// The checksum each referenced cache block carries.
+fn carried<'a>(index: &'a Index, crcs: &'a BlockCrcs) -> impl Fn(Cbn) -> Option<u32> + 'a {
+    |cbn| index.is_referenced(cbn).then(|| crcs.get(cbn)).flatten()
+}
+
+/// Records that cache block `cbn` was written with checksum `crc`.
+pub(super) fn note_signature(st: &mut State, crc: u32, cbn: Cbn) {
+    let State {
+        signatures,
+        index,
+        integrity,
+        ..
+    } = st;
+    signatures.remember(crc, cbn, carried(index, &integrity.crcs));
 }
 
 /// Drops stale entries once they could outnumber the live ones.
@@ -289,15 +300,13 @@ fn sweep_signatures(st: &mut State) {
         integrity,
         ..
     } = st;
-    signatures.sweep_if_over(
-        live,
-        |crc, cbn| carries(index, &integrity.crcs, cbn, crc),
-        |p| place_holds(index, regions, p),
-    );
+    signatures.sweep_if_over(live, carried(index, &integrity.crcs), |p| {
+        place_holds(index, regions, p)
+    });
 }
 
-/// The block the table knows with `crc`, still carrying it, as a
-/// candidate for block `block`, with its fingerprint if learned.
+/// A block carrying `crc`, as a candidate for block `block`, with its
+/// fingerprint if learned.
 fn known_copy(st: &mut State, block: u64, crc: u32) -> Option<Candidate> {
     let State {
         signatures,
@@ -306,7 +315,7 @@ fn known_copy(st: &mut State, block: u64, crc: u32) -> Option<Candidate> {
         integrity,
         ..
     } = st;
-    let cbn = signatures.find(crc, |cbn| carries(index, &integrity.crcs, cbn, crc))?;
+    let cbn = signatures.find(crc, carried(index, &integrity.crcs))?;
     let epoch = regions.epoch(regions.region_of(cbn));
     let copy = SharedCopy {
         block,
@@ -335,7 +344,7 @@ impl FlashCache {
                     continue;
                 }
                 if let Some(crc) = st.integrity.crcs.get(cbn) {
-                    st.signatures.remember(crc, cbn);
+                    note_signature(&mut st, crc, cbn);
                     blocks += 1;
                 }
             }

@@ -18,6 +18,19 @@ use crate::summary::decode_entry;
 /// A dirty block to copy to its backend: (line key, slot, block).
 pub(crate) type DirtyBlock = (u64, usize, Cbn);
 
+/// Cache block `cbn` in its region's current epoch.
+fn place_of(st: &State, cbn: Cbn) -> crate::dedup::Place {
+    crate::dedup::Place {
+        cbn,
+        epoch: st.regions.epoch(st.regions.region_of(cbn)),
+    }
+}
+
+/// The fingerprint learned for what block `cbn` holds now.
+fn fingerprint_at(st: &State, cbn: Cbn) -> Option<crate::dedup::Fingerprint> {
+    st.signatures.fingerprint(place_of(st, cbn))
+}
+
 /// Blocks a reclaim moved: the old cache block to the new one, and the
 /// checksum of the bytes moved.
 type Moves = std::collections::HashMap<Cbn, (Cbn, u32)>;
@@ -392,6 +405,7 @@ impl FlashCache {
         dirty: bool,
         moved: &mut Moves,
     ) -> Result<Moved> {
+        let follows = moved.contains_key(&cbn);
         let (dst, crc) = match moved.get(&cbn) {
             Some(&to) => to,
             None => {
@@ -411,16 +425,24 @@ impl FlashCache {
                 self.device
                     .write_at(&buf, self.layout.block_offset(dst))
                     .map_err(CacheError::device("write block"))?;
-                self.follow_signature(st, cbn, dst, crc);
                 moved.insert(cbn, (dst, crc));
                 (dst, crc)
             }
         };
         let guest = st.index.get(key).map_or(u64::MAX, |l| u64::from(l.guest));
+        // Learned before the source may be freed below.
+        let known = self.dedups().then(|| fingerprint_at(st, cbn)).flatten();
         if let Some((old, r)) = st.map_block(key, guest, slot, dst, dirty, crc)
             && st.index.release(old, r)
         {
             st.regions.release_block(old);
+        }
+        if self.dedups() && !follows {
+            super::signatures::note_signature(st, crc, dst);
+            if let Some(fp) = known {
+                let at = place_of(st, dst);
+                st.signatures.learn(at, fp);
+            }
         }
         st.journal.push(&Entry::Map {
             key,
@@ -431,24 +453,6 @@ impl FlashCache {
             crc,
         });
         Ok(Moved::Yes)
-    }
-
-    /// With dedup, the signature table learns that block `from`'s bytes
-    /// (checksum `crc`) are now at `to`, with their fingerprint if known.
-    fn follow_signature(&self, st: &mut State, from: Cbn, to: Cbn, crc: u32) {
-        if !self.dedups() {
-            return;
-        }
-        let place = |st: &State, cbn: Cbn| crate::dedup::Place {
-            cbn,
-            epoch: st.regions.epoch(st.regions.region_of(cbn)),
-        };
-        let known = st.signatures.fingerprint(place(st, from));
-        st.signatures.remember(crc, to);
-        if let Some(fp) = known {
-            let at = place(st, to);
-            st.signatures.learn(at, fp);
-        }
     }
 
     /// The stores of the images the blocks belong to.
