@@ -6,7 +6,8 @@
 //! survives kill -9 the same way; with a writeback cache it is refused,
 //! and `auto` leaves it off for now. A stream of copy-on-write writes is
 //! acknowledged before its filler is copied (deferred copy-on-write), and
-//! what a flush covered survives kill -9.
+//! what a flush covered survives kill -9, a flush sent on another NBD
+//! connection too.
 
 #![allow(clippy::unwrap_used)]
 
@@ -14,7 +15,7 @@ mod common;
 mod serving;
 
 use common::{Scratch, exec, ok};
-use serving::{qcow2, qemu_io, qemu_io_opts, serve, stats, uri};
+use serving::{nbdkit_with, qcow2, qemu_io, qemu_io_opts, serve, stats, uri};
 
 const M: u64 = 1 << 20;
 
@@ -325,4 +326,58 @@ fn deferred_copy_on_write_keeps_what_a_flush_covered_through_kill_9() {
         assert!(chk.stdout.contains("No errors"), "{name}: {}", chk.report());
         qemu_io_opts(&s, &["-f", "qcow2", "-r"], delta.to_str().unwrap(), &reads);
     }
+}
+
+/// A flush waits for the deferred writes of every connection, not only
+/// its own: behind a storage server with 2 ms per request (so the
+/// deferred copies are still running), one NBD connection writes a stream
+/// of copy-on-write writes (57 deferred) and never flushes, another
+/// connection flushes, and after kill -9 the image checks clean and holds
+/// every write of the first.
+#[test]
+fn a_flush_on_another_connection_covers_deferred_copy_on_write() {
+    use vdcache_backend::nbd::NbdClient;
+    let s = Scratch::new();
+    let dir = s.path("storage");
+    std::fs::create_dir(&dir).unwrap();
+    let base = dir.join("base.qcow2");
+    qcow2(&s, &base, 8 * M, None);
+    ok(s.qemu_io().args(["-c", "write -P 0x5a 0 8M"]).arg(&base));
+    let delta = dir.join("delta.qcow2");
+    qcow2(&s, &delta, 8 * M, Some("base.qcow2"));
+    // An NBD export cannot grow: room for every cluster.
+    ok(s.cmd("truncate").args(["-s", "16M"]).arg(&delta));
+    let ksock = s.path("storage.sock");
+    let _storage = nbdkit_with(
+        &s,
+        &ksock,
+        &dir,
+        &["--filter=delay", "rdelay=2ms", "wdelay=2ms"],
+    );
+    let sock = s.path("nbd.sock");
+    let image = uri(&ksock, "delta.qcow2");
+    let server = serve(&s, &sock, &["--metadata-journal", "off", &image]);
+    let writer = NbdClient::connect(&uri(&sock, "")).unwrap();
+    let flusher = NbdClient::connect(&uri(&sock, "")).unwrap();
+    let writes: Vec<(u64, u8)> = (0..120u64)
+        .map(|i| (i * 65536 + (i % 15) * 4096, (1 + i % 200) as u8))
+        .collect();
+    for &(off, byte) in &writes {
+        writer.write_at(off, &[byte; 4096], false).unwrap();
+    }
+    flusher.flush().unwrap();
+    let st = stats(&s, &sock);
+    assert_eq!(
+        st["disks"][0]["deferred_cow_writes"].as_u64(),
+        Some(120 - 63),
+        "{st:#}"
+    );
+    server.kill9();
+    let chk = ok(s.qemu_img().arg("check").arg(&delta));
+    assert!(chk.stdout.contains("No errors"), "{}", chk.report());
+    let reads: Vec<String> = writes
+        .iter()
+        .map(|(off, byte)| format!("read -P {byte} {off} 4096"))
+        .collect();
+    qemu_io_opts(&s, &["-f", "qcow2", "-r"], delta.to_str().unwrap(), &reads);
 }
