@@ -114,7 +114,8 @@ pub(crate) struct State {
     pub meta: metastore::MetaStore,
     /// Guests' journal devices and what their logs say (see `logical`).
     pub guest_journals: crate::guest_journal::GuestJournals,
-    /// Fingerprint to cache block (dedup, see `signatures`).
+    /// Checksum to cache block, and fingerprints learned (dedup, see
+    /// `signatures`).
     pub signatures: crate::dedup::Signatures,
     /// Per-VM shares of flash and their demand (see `crate::shares`).
     pub shares: crate::shares::Shares,
