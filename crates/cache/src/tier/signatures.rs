@@ -194,8 +194,14 @@ impl FlashCache {
         for (c, known) in candidates {
             let start = (c.block * BLOCK - off) as usize;
             let new = self.fingerprint_of(disk, &blocks.slices(start, start + BLOCK as usize));
-            let old = match known {
-                Some(fp) => *fp,
+            // A block several of the write's blocks match is read once.
+            let learned_here = out
+                .learned
+                .iter()
+                .find(|(p, _)| p.cbn == c.cbn)
+                .map(|&(_, fp)| fp);
+            let old = match known.or(learned_here) {
+                Some(fp) => fp,
                 None => {
                     self.device
                         .read_at(&mut buf, self.layout.block_offset(c.cbn))
