@@ -77,6 +77,12 @@ impl Rig {
 
     /// The cache reopened from its device as after a crash.
     fn crash_and_reopen(self) -> Rig {
+        let dedup = self.config.dedup;
+        self.crash_and_reopen_with(dedup)
+    }
+
+    /// The cache reopened as after a crash, with dedup now `dedup`.
+    fn crash_and_reopen_with(self, dedup: Dedup) -> Rig {
         let n = self.disks.len();
         let Rig {
             files,
@@ -84,8 +90,16 @@ impl Rig {
             config,
             ..
         } = self;
+        let config = CacheConfig { dedup, ..config };
         let cache = cache_on(&device, &config, false);
         Rig::attach(files, device, cache, n, config)
+    }
+
+    /// Every disk flushed: what they wrote survives a crash.
+    fn flush_all(&self) {
+        for d in &self.disks {
+            d.flush().expect("flush");
+        }
     }
 
     fn flash_data_written(&self) -> u64 {
@@ -297,6 +311,48 @@ fn shared_blocks_survive_a_crash() {
         }
     }
     assert_eq!(block_of(&rig.file(0), 3010), &content(10)[..]);
+}
+
+#[test]
+fn turning_dedup_off_and_on_again_keeps_every_address_right() {
+    // An operator restarts with dedup off, then on again: blocks shared
+    // before stay shared and right, nothing new is shared while it is
+    // off, and once it is on again new writes share the old blocks.
+    let rig = Rig::new(2, config(WriteMode::WriteBack, Dedup::On));
+    for n in 0..16u64 {
+        write_block(&rig.disks[0], n, &content(n));
+        write_block(&rig.disks[1], 100 + n, &content(n));
+    }
+    assert_eq!(rig.shared(), 16);
+    rig.flush_all();
+    let rig = rig.crash_and_reopen_with(Dedup::Off);
+    assert!(rig.cache.report().dedup.is_none());
+    assert_eq!(rig.cache.report().total.hashed_blocks, 0);
+    for n in 0..16u64 {
+        write_block(&rig.disks[0], 200 + n, &content(n));
+    }
+    assert_eq!(rig.shared(), 0, "nothing shared with dedup off");
+    // One sharer overwritten while dedup is off: the other keeps its bytes.
+    write_block(&rig.disks[0], 3, &content(77));
+    rig.cache.audit_regions().expect("regions");
+    rig.flush_all();
+    let rig = rig.crash_and_reopen_with(Dedup::On);
+    for n in 0..16u64 {
+        write_block(&rig.disks[1], 300 + n, &content(n));
+    }
+    assert_eq!(rig.shared(), 16, "the old blocks are found again");
+    for n in 0..16u64 {
+        let first = if n == 3 { content(77) } else { content(n) };
+        assert_eq!(read_block(&rig.disks[0], n), first);
+        for b in [100 + n, 300 + n] {
+            assert_eq!(read_block(&rig.disks[1], b), content(n));
+        }
+        assert_eq!(read_block(&rig.disks[0], 200 + n), content(n));
+    }
+    rig.cache.audit_regions().expect("regions");
+    rig.cache.drain().expect("drain");
+    assert_eq!(block_of(&rig.file(0), 3), &content(77)[..]);
+    assert_eq!(block_of(&rig.file(1), 303), &content(3)[..]);
 }
 
 #[test]

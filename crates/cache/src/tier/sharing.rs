@@ -111,6 +111,9 @@ impl FlashCache {
     /// Pins (or unpins) the regions of the candidates' blocks, so none is
     /// reclaimed while its block is read.
     pub(super) fn pin_regions(&self, candidates: &[SharedCopy], pin: bool) {
+        if candidates.is_empty() {
+            return;
+        }
         let mut st = self.lock();
         for c in candidates {
             let r = st.regions.region_of(c.cbn);

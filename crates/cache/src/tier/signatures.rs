@@ -156,9 +156,15 @@ impl FlashCache {
                 read,
             }
         } else {
-            self.pin_regions(&copies, true);
+            // Only a block whose fingerprint is not known yet is read.
+            let unknown: Vec<SharedCopy> = candidates
+                .iter()
+                .filter(|c| c.1.is_none())
+                .map(|c| c.0)
+                .collect();
+            self.pin_regions(&unknown, true);
             let result = self.compare_fingerprints(disk, off, pieces, &candidates);
-            self.pin_regions(&copies, false);
+            self.pin_regions(&unknown, false);
             result?
         };
         bump(&self.stats.disk(disk).flash_bytes_read, read * BLOCK);

@@ -405,9 +405,10 @@ impl FlashCache {
         dirty: bool,
         moved: &mut Moves,
     ) -> Result<Moved> {
-        let follows = moved.contains_key(&cbn);
-        let (dst, crc) = match moved.get(&cbn) {
-            Some(&to) => to,
+        let earlier = moved.get(&cbn).copied();
+        let follows = earlier.is_some();
+        let (dst, crc) = match earlier {
+            Some(to) => to,
             None => {
                 let mut buf = vec![0u8; BLOCK as usize];
                 self.device
