@@ -66,6 +66,9 @@ pub struct DedupCounts {
     /// Candidates whose bytes differed: a checksum collision (about one
     /// pair in 2^32), or a fingerprint collision a test hasher forces.
     pub collisions: u64,
+    /// Blocks not shared (a copy was written instead) because one more
+    /// address could have outgrown the checkpoint's room for the map.
+    pub no_room: u64,
 }
 
 /// The signature table.
@@ -158,6 +161,11 @@ impl Signatures {
     /// A candidate's bytes turned out equal to the block's.
     pub fn shared(&mut self) {
         self.counts.found += 1;
+    }
+
+    /// A block was not shared for want of checkpoint room.
+    pub fn refused_for_room(&mut self) {
+        self.counts.no_room += 1;
     }
 
     /// A candidate's bytes turned out to differ from the block's.

@@ -34,6 +34,11 @@ pub const REGISTRY_BYTES: u64 = 1 << 20;
 /// Checkpoint bytes per data block in the worst case (one line per block:
 /// key, guest line, three bitmaps, one block number and its checksum).
 const CHECKPOINT_BYTES_PER_BLOCK: u64 = 36;
+/// Checkpoint bytes per data block on a cache formatted for dedup: room
+/// for about ten addresses per block in full lines (some 9.5 bytes each),
+/// or three in lines of their own. Sharing that would outgrow it stores
+/// copies instead (see `tier::sharing`).
+const CHECKPOINT_BYTES_PER_BLOCK_DEDUP: u64 = 96;
 /// Checkpoint bytes per dirty metadata sector (image, offset, 512 bytes).
 const CHECKPOINT_BYTES_PER_SECTOR: u64 = 528;
 
@@ -54,6 +59,13 @@ impl Layout {
     /// Computes a layout for a device of `device_bytes` with regions of
     /// `region_bytes` (a multiple of the block size, at least 64 KiB).
     pub fn compute(device_bytes: u64, region_bytes: u64) -> Result<Layout> {
+        Layout::compute_for(device_bytes, region_bytes, false)
+    }
+
+    /// As [`Self::compute`]; `dedup`: the checkpoint slots have room for
+    /// many addresses sharing each block (about 4.7% of the device for the
+    /// two slots, against 1.8%).
+    pub fn compute_for(device_bytes: u64, region_bytes: u64, dedup: bool) -> Result<Layout> {
         if region_bytes < BLOCK || !region_bytes.is_multiple_of(BLOCK) {
             return Err(CacheError::Config(format!(
                 "region size {region_bytes} must be a non-zero multiple of {BLOCK}"
@@ -70,7 +82,12 @@ impl Layout {
         let slot = round(
             BLOCK
                 + REGISTRY_BYTES
-                + estimate_blocks * CHECKPOINT_BYTES_PER_BLOCK
+                + estimate_blocks
+                    * if dedup {
+                        CHECKPOINT_BYTES_PER_BLOCK_DEDUP
+                    } else {
+                        CHECKPOINT_BYTES_PER_BLOCK
+                    }
                 + meta_store_sectors(device_bytes) * CHECKPOINT_BYTES_PER_SECTOR,
         );
         let checkpoint_offset = SUPERBLOCK_BYTES;
@@ -111,6 +128,30 @@ impl Layout {
     /// for all of them.
     pub fn meta_store_sectors(&self) -> u64 {
         meta_store_sectors(self.device_bytes)
+    }
+
+    /// Bytes of a checkpoint slot reserved for the lines of the virtual
+    /// cache map: what remains beside the frame, the image registry and
+    /// the dirty metadata sectors (at least [`CHECKPOINT_BYTES_PER_BLOCK`]
+    /// per block of the device).
+    pub fn checkpoint_lines_room(&self) -> u64 {
+        self.checkpoint_slot_bytes.saturating_sub(
+            BLOCK + REGISTRY_BYTES + self.meta_store_sectors() * CHECKPOINT_BYTES_PER_SECTOR,
+        )
+    }
+
+    /// The layouts a device of `device_bytes` may have: formatted without
+    /// and with room for dedup.
+    pub fn candidates(device_bytes: u64, region_bytes: u64) -> Vec<Layout> {
+        [false, true]
+            .into_iter()
+            .filter_map(|dedup| Layout::compute_for(device_bytes, region_bytes, dedup).ok())
+            .collect()
+    }
+
+    /// Whether the checkpoint slots were sized for dedup.
+    pub fn has_dedup_room(&self) -> bool {
+        Layout::compute_for(self.device_bytes, self.region_bytes, true).is_ok_and(|l| l == *self)
     }
 
     pub fn blocks_per_region(&self) -> u32 {
@@ -282,8 +323,7 @@ impl Superblock {
             journal_bytes: f[6],
             data_offset: f[7],
         };
-        let expected = Layout::compute(layout.device_bytes, layout.region_bytes)?;
-        if expected != layout {
+        if !Layout::candidates(layout.device_bytes, layout.region_bytes).contains(&layout) {
             return Err(CacheError::Corrupt(
                 "superblock layout is inconsistent with its device size".into(),
             ));
@@ -363,9 +403,13 @@ fn read_at(device: &dyn Backend, offset: u64) -> Result<Vec<u8>> {
 /// The superblock's copy, where a device of `len` bytes keeps it (its
 /// place depends on the device size alone), if it decodes.
 fn backup_of(device: &dyn Backend, len: u64) -> Option<Superblock> {
-    let probe = Layout::compute(len, BLOCK).ok()?;
-    let sb = Superblock::decode(&read_at(device, probe.backup_superblock_offset()).ok()?).ok()?;
-    (sb.layout.backup_superblock_offset() == probe.backup_superblock_offset()).then_some(sb)
+    Layout::candidates(len, BLOCK)
+        .into_iter()
+        .find_map(|probe| {
+            let at = probe.backup_superblock_offset();
+            let sb = Superblock::decode(&read_at(device, at).ok()?).ok()?;
+            (sb.layout.backup_superblock_offset() == at).then_some(sb)
+        })
 }
 
 /// This host's identity: /etc/machine-id, else the host name.
@@ -438,6 +482,50 @@ mod tests {
         old[8..16].copy_from_slice(&2u64.to_le_bytes());
         let e = Superblock::decode(&old).unwrap_err().to_string();
         assert!(e.contains("version 2 is not supported"), "{e}");
+    }
+
+    /// A cache formatted for dedup has larger checkpoint slots; its
+    /// superblock is accepted, and found from its copy when damaged, as a
+    /// plain cache's is.
+    #[test]
+    fn a_cache_formatted_for_dedup_has_room_for_shared_addresses() {
+        let device = 256u64 << 20;
+        let plain = Layout::compute(device, DEFAULT_REGION).unwrap();
+        let dedup = Layout::compute_for(device, DEFAULT_REGION, true).unwrap();
+        assert!(!plain.has_dedup_room() && dedup.has_dedup_room());
+        assert!(
+            dedup.checkpoint_lines_room() >= (device / BLOCK) * CHECKPOINT_BYTES_PER_BLOCK_DEDUP
+        );
+        assert!(plain.checkpoint_lines_room() >= (device / BLOCK) * CHECKPOINT_BYTES_PER_BLOCK);
+        assert!(dedup.regions < plain.regions);
+        for layout in [plain, dedup] {
+            let sb = Superblock {
+                uuid: random_uuid(),
+                host: "host-a".into(),
+                layout,
+                created_unix: 7,
+            };
+            let dev = vdcache_backend::MemBackend::new("dev", vec![0; device as usize]);
+            sb.write(&dev).unwrap();
+            assert_eq!(Superblock::read(&dev).unwrap(), sb);
+            dev.write_at(&[0xa5; 64], 0).unwrap();
+            assert_eq!(
+                Superblock::read(&dev).unwrap(),
+                sb,
+                "restored from its copy"
+            );
+        }
+        // A slot of neither size is refused.
+        let mut odd = dedup;
+        odd.checkpoint_slot_bytes += BLOCK;
+        let sb = Superblock {
+            uuid: random_uuid(),
+            host: "host-a".into(),
+            layout: odd,
+            created_unix: 7,
+        };
+        let e = Superblock::decode(&sb.encode()).unwrap_err().to_string();
+        assert!(e.contains("inconsistent"), "{e}");
     }
 
     #[test]

@@ -10,7 +10,7 @@ mod common;
 
 use common::{cache_on, disk_as, drain_only_config};
 use std::sync::Arc;
-use vdcache_backend::MemBackend;
+use vdcache_backend::{Backend, MemBackend};
 use vdcache_cache::{CacheConfig, Dedup, FlashCache, WriteMode};
 use vdcache_image::{DiskId, ImageFormat, MemFiles, VirtualDisk};
 
@@ -39,9 +39,14 @@ fn name(i: usize) -> String {
 impl Rig {
     /// `n` raw images (clones) through one cache, disks 1..=n.
     fn new(n: usize, config: CacheConfig) -> Rig {
+        Rig::with_images(n, IMAGE_BYTES, config)
+    }
+
+    /// `n` raw images of `bytes` each through one cache, disks 1..=n.
+    fn with_images(n: usize, bytes: usize, config: CacheConfig) -> Rig {
         let files = MemFiles::new();
         for i in 0..n {
-            files.insert(&name(i), vec![0u8; IMAGE_BYTES]);
+            files.insert(&name(i), vec![0u8; bytes]);
         }
         let device = Arc::new(MemBackend::fixed("cache", 32 << 20));
         let cache = cache_on(&device, &config, true);
@@ -560,6 +565,51 @@ fn reclaim_keeps_every_address_of_shared_blocks_right() {
     for copy in 0..8u64 {
         for n in 0..64u64 {
             assert!(block_of(&f, copy * 100 + n) == &content(n)[..]);
+        }
+    }
+}
+
+/// A checkpoint has room for a line per cache block, not for every
+/// address that could share one: clones writing one block at 98,304
+/// addresses, each in a line of its own, would outgrow it (2.9 MB of lines
+/// for a slot of 2.1 MB, formatted for dedup; a checkpoint that does not
+/// fit fails writes and opens with "cache device is corrupt"). Sharing stops while one more
+/// address could; the rest is written as copies, and every address reads
+/// its bytes, before and after a crash (the open writes a checkpoint).
+#[test]
+fn sharing_stops_before_the_checkpoint_outgrows_its_slot() {
+    const IMAGE: usize = 1 << 30;
+    let (disks, lines) = (6usize, (IMAGE / (16 * BLOCK)) as u64);
+    let rig = Rig::with_images(disks, IMAGE, config(WriteMode::WriteBack, Dedup::On));
+    let data = content(7);
+    for d in &rig.disks {
+        for line in 0..lines {
+            write_block(d, line * 16, &data);
+        }
+    }
+    rig.flush_all();
+    let dedup = rig.cache.report().dedup.expect("dedup").counts;
+    assert!(dedup.no_room > 0, "{dedup:?}");
+    assert!(rig.shared() > 1000, "{} shared", rig.shared());
+    assert_eq!(rig.shared() + dedup.no_room, dedup.found);
+    let every_address_reads_its_bytes = |rig: &Rig| {
+        for d in &rig.disks {
+            for line in 0..lines {
+                assert_eq!(read_block(d, line * 16), data);
+            }
+        }
+    };
+    every_address_reads_its_bytes(&rig);
+    let rig = rig.crash_and_reopen();
+    every_address_reads_its_bytes(&rig);
+    rig.cache.drain().expect("drain");
+    for i in 0..disks {
+        let f = rig.files.get(&name(i)).expect("image");
+        let mut buf = vec![0u8; BLOCK];
+        for line in 0..lines {
+            f.read_at(&mut buf, line * 16 * BLOCK as u64)
+                .expect("read image");
+            assert_eq!(buf, data, "clone {i}, line {line}");
         }
     }
 }

@@ -321,6 +321,27 @@ impl FlashCache {
     }
 }
 
+/// Most bytes a line takes in a checkpoint beside its blocks: key, guest
+/// cluster, three bitmaps and, partially valid, the bitmap of its blocks
+/// with valid sectors (one byte more per such block, counted apart).
+const LINE_BYTES: u64 = 24;
+/// Bytes of a present block in a checkpoint: its number and checksum.
+const BLOCK_BYTES: u64 = 8;
+/// Most bytes of a lost block's entry.
+const LOST_BYTES: u64 = 16;
+/// Most bytes one more address can add: a block in a line of its own,
+/// partially valid with valid sectors.
+pub(crate) const ADDRESS_BYTES: u64 = LINE_BYTES + BLOCK_BYTES + 1;
+
+/// Most bytes the checkpoint's lines and lost blocks take now, counted
+/// against [`crate::layout::Layout::checkpoint_lines_room`].
+pub(crate) fn lines_bound(st: &State) -> u64 {
+    LINE_BYTES * st.index.line_count() as u64
+        + BLOCK_BYTES * st.index.present_blocks()
+        + st.index.valid_sector_count() as u64
+        + LOST_BYTES * st.integrity.unreadable.len() as u64
+}
+
 fn put(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }

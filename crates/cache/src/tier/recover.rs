@@ -5,7 +5,7 @@
 
 use super::checkpoint::decode_checkpoint;
 use super::{FlashCache, ImageRecord, State};
-use crate::config::CacheConfig;
+use crate::config::{CacheConfig, Dedup};
 use crate::error::{CacheError, Result};
 use crate::journal::{self, CheckpointMark, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock, host_identity, random_uuid};
@@ -34,7 +34,7 @@ impl FlashCache {
     pub fn format(device: BackendRef, config: CacheConfig) -> Result<Arc<FlashCache>> {
         config.validate()?;
         let len = device.len().map_err(CacheError::device("stat"))?;
-        let layout = Layout::compute(len, config.region_bytes)?;
+        let layout = Layout::compute_for(len, config.region_bytes, config.dedup != Dedup::Off)?;
         let sb = Superblock {
             uuid: random_uuid(),
             host: config.host.clone().unwrap_or_else(host_identity),
@@ -95,6 +95,14 @@ impl FlashCache {
                 owner: sb.host,
                 this,
             });
+        }
+        if config.dedup != Dedup::Off && !sb.layout.has_dedup_room() {
+            tracing::warn!(
+                "dedup is on, but this cache was formatted without it: its checkpoints have room for fewer \
+                 addresses sharing blocks, and blocks past that room are stored as copies (`no_room` in \
+                 `vdcache stats --json`); for the full room, stop the server cleanly (every dirty block is \
+                 written back), remove the cache file and start again with dedup on"
+            );
         }
         let (state, report) = recover_state(&*device, &sb, &config)?;
         tracing::info!(
@@ -193,8 +201,8 @@ fn is_zero(buf: &[u8]) -> bool {
 }
 
 /// Classifies a device whose superblock does not decode. The metadata
-/// zone's place depends on the device size only, so it can be probed
-/// without a superblock.
+/// zone's place depends on the device size (and whether it was formatted
+/// for dedup) only, so it can be probed without a superblock.
 fn blank_state(device: &dyn vdcache_backend::Backend) -> Result<Blank> {
     let len = device.len().map_err(CacheError::device("stat"))?;
     let mut head = vec![0u8; len.min(BLANK_PROBE) as usize];
@@ -203,15 +211,15 @@ fn blank_state(device: &dyn vdcache_backend::Backend) -> Result<Blank> {
         .map_err(CacheError::device("read"))?;
     // A cache's checkpoints lie where the device's size puts them, which
     // may be past the bytes probed for blankness.
-    if let Ok(layout) = Layout::compute(len, BLOCK)
-        && let Some(generation) = journal::stray_checkpoint_generation(device, &layout)?
-    {
-        if generation == 1 && format_cut_short(device, &layout, &head)? {
-            return Ok(Blank::FormatCutShort);
+    for layout in Layout::candidates(len, BLOCK) {
+        if let Some(generation) = journal::stray_checkpoint_generation(device, &layout)? {
+            if generation == 1 && format_cut_short(device, &layout, &head)? {
+                return Ok(Blank::FormatCutShort);
+            }
+            return Ok(Blank::Holds(format!(
+                "a vdcache checkpoint (generation {generation}) but no valid superblock: a cache whose superblock was damaged"
+            )));
         }
-        return Ok(Blank::Holds(format!(
-            "a vdcache checkpoint (generation {generation}) but no valid superblock: a cache whose superblock was damaged"
-        )));
     }
     if is_zero(&head) {
         return Ok(Blank::Empty);

@@ -13,6 +13,7 @@
 //! write split around them. Must not: find candidates (the callers do) or
 //! map a block whose holder it did not check under the lock.
 
+use super::checkpoint::{ADDRESS_BYTES, lines_bound};
 use super::write::{Blocks, block_guests, sub_segments};
 use super::{FlashCache, State};
 use crate::dedup::Place;
@@ -178,6 +179,10 @@ impl FlashCache {
         if !c.still_holds(st) {
             return false;
         }
+        if !self.room_to_share(st) {
+            st.signatures.refused_for_room();
+            return false;
+        }
         let (key, slot) = (
             line_key(id, c.block / LINE_BLOCKS),
             (c.block % LINE_BLOCKS) as usize,
@@ -196,6 +201,19 @@ impl FlashCache {
             }
         }
         true
+    }
+
+    /// Whether one more address may share a block. Without sharing the
+    /// checkpoint always fits: its slot has room for a line per block.
+    /// Addresses sharing blocks could outgrow it, so one more is mapped only
+    /// while the checkpoint would still fit if every block no address
+    /// references were then filled by an address in a line of its own.
+    fn room_to_share(&self, st: &State) -> bool {
+        let free = self
+            .layout
+            .data_blocks()
+            .saturating_sub(st.index.referenced_blocks());
+        lines_bound(st) + ADDRESS_BYTES * (free + 1) <= self.layout.checkpoint_lines_room()
     }
 
     /// Counts blocks shared, by what they share.
@@ -236,6 +254,7 @@ impl FlashCache {
             }
             st.history.note(id, off, off + len);
             self.journal_buffer_check(&mut st)?;
+            self.keep_reserve(&mut st)?;
         }
         self.count_shared(tag.disk, &done);
         let shared: Vec<u64> = done.iter().map(|c| c.block).collect();

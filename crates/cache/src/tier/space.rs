@@ -7,6 +7,7 @@
 
 use tracing::{debug, warn};
 
+use super::checkpoint::lines_bound;
 use super::{FlashCache, State};
 use crate::error::{CacheError, Result};
 use crate::index::Cbn;
@@ -114,6 +115,15 @@ impl FlashCache {
             && st.regions.free_regions() + st.regions.empty_full_regions() < reserve
         {
             if !self.evict_one(st)? {
+                break;
+            }
+        }
+        // Sharing stops while the checkpoint could outgrow its room, but
+        // addresses leaving lines that stay behind and blocks refilled in
+        // new lines can still push it over: evict until it fits again.
+        let room = self.layout.checkpoint_lines_room();
+        for _ in 0..self.layout.regions {
+            if lines_bound(st) <= room || !self.evict_one(st)? {
                 break;
             }
         }

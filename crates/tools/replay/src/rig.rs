@@ -127,12 +127,13 @@ pub struct Rig {
     bottoms: BTreeMap<u32, Arc<SparseStore>>,
 }
 
-/// The smallest cache device whose data zone holds `data_bytes`.
-pub fn device_bytes_for(data_bytes: u64, region_bytes: u64) -> Result<u64, RigError> {
+/// The smallest cache device whose data zone holds `data_bytes` (formatted
+/// for dedup or not).
+pub fn device_bytes_for(data_bytes: u64, region_bytes: u64, dedup: bool) -> Result<u64, RigError> {
     let want = data_bytes.div_ceil(region_bytes).max(1) * region_bytes;
     let mut device = want.max(vdcache_cache::layout::MIN_DEVICE);
     for _ in 0..64 {
-        let l = Layout::compute(device, region_bytes)?;
+        let l = Layout::compute_for(device, region_bytes, dedup)?;
         let have = l.cacheable_blocks() * BLOCK;
         if have >= want {
             return Ok(device);
@@ -320,7 +321,11 @@ impl Rig {
 }
 
 fn build_cache(config: &RigConfig, meter: &Arc<Meter>) -> Result<CacheRig, RigError> {
-    let device_bytes = device_bytes_for(config.cache_bytes, config.region_bytes)?;
+    let device_bytes = device_bytes_for(
+        config.cache_bytes,
+        config.region_bytes,
+        config.dedup != Dedup::Off,
+    )?;
     let store: BackendRef = Arc::new(SparseStore::new(
         "cache",
         device_bytes,
