@@ -15,7 +15,8 @@ mod serving;
 
 use common::{Scratch, assert_same_bytes, exec, ok};
 use serving::{
-    CrashWorkload, Streamed, qcow2, qemu_io, serve, serve_refused, stats, try_serve, uri,
+    CrashWorkload, Streamed, qcow2, qemu_io, serve, serve_config, serve_refused, stats, try_serve,
+    uri,
 };
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
@@ -276,6 +277,86 @@ fn keep_dirty_stop_then_restart_and_write_back() {
         "qcow2",
         i,
         &["read -P 0x5a 1M 2M".into(), "read -P 0 3M 13M".into()],
+    );
+    s.finish();
+}
+
+/// A cache kept dirty across a stop (or left by a crash) full of one
+/// export's dirty blocks: the restart opens the exports one by one, and
+/// opening the first (which writes its header through the cache) must not
+/// need the second's blocks written back before that one is open (the
+/// restart failed: "dirty blocks of vm2.qcow2 cannot be written back: the
+/// image is not open").
+#[test]
+fn a_restart_opens_every_export_while_the_cache_is_full_of_another_ones_dirty_blocks() {
+    let s = Scratch::new();
+    let base = s.path("base.qcow2");
+    qcow2(&s, &base, 128 * M, None);
+    for vm in ["vm1", "vm2"] {
+        qcow2(
+            &s,
+            &s.path(&format!("{vm}.qcow2")),
+            128 * M,
+            Some("base.qcow2"),
+        );
+    }
+    let sock = s.path("two.sock");
+    let cfg = s.path("two.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nsocket = {:?}\n[cache]\npath = {:?}\nsize = \"64M\"\nkeep_dirty = true\n\
+             [[export]]\nname = \"vm1\"\nimage = {:?}\n[[export]]\nname = \"vm2\"\nimage = {:?}\n",
+            sock,
+            s.path("two.cache"),
+            s.path("vm1.qcow2"),
+            s.path("vm2.qcow2")
+        ),
+    )
+    .expect("write config");
+    // 1000 writes of 64 KiB at distinct offsets (7919 is prime to 2048).
+    let offset = |i: u64| (i * 7919 % 2048) * 64 * 1024;
+    let pattern = |i: u64| i % 250 + 1;
+    let server = serve_config(&s, &cfg, &sock);
+    let mut cmds: Vec<String> = (0..1000)
+        .map(|i| format!("write -P {} {} 64k", pattern(i), offset(i)))
+        .collect();
+    cmds.push("flush".into());
+    qemu_io(&s, "raw", &uri(&sock, "vm2"), &cmds);
+    let dirty = stats(&s, &sock)["cache"]["dirty_bytes"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        dirty >= 8 * M,
+        "the cache must hold vm2's dirty blocks: {dirty}"
+    );
+    let log = server.stop_clean();
+    assert!(log.contains("kept in the cache"), "{log}");
+
+    let server = serve_config(&s, &cfg, &sock);
+    let reads: Vec<String> = (0..1000)
+        .map(|i| format!("read -P {} {} 64k", pattern(i), offset(i)))
+        .collect();
+    qemu_io(&s, "raw", &uri(&sock, "vm2"), &reads);
+    qemu_io(
+        &s,
+        "raw",
+        &uri(&sock, "vm1"),
+        &["write -P 0x77 0 1M".into(), "flush".into()],
+    );
+    ok(s.vdcache().args(["flush", "--socket"]).arg(&sock));
+    server.stop_clean();
+    for vm in ["vm1", "vm2"] {
+        check_clean(&s, &s.path(&format!("{vm}.qcow2")));
+    }
+    let vm2 = s.path("vm2.qcow2");
+    qemu_io(&s, "qcow2", vm2.to_str().expect("utf-8"), &reads);
+    let vm1 = s.path("vm1.qcow2");
+    qemu_io(
+        &s,
+        "qcow2",
+        vm1.to_str().expect("utf-8"),
+        &["read -P 0x77 0 1M".into()],
     );
     s.finish();
 }

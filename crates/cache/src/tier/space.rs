@@ -162,7 +162,9 @@ impl FlashCache {
                 break None;
             };
             let refs = self.region_refs(st, v);
-            if !self.holds_block_being_copied(st, &refs.0) {
+            if !self.holds_block_being_copied(st, &refs.0)
+                && !Self::holds_dirty_block_of_closed_image(st, &refs.0)
+            {
                 break Some((v, refs));
             }
             // Pinned, the policy chooses among the others.
@@ -199,6 +201,24 @@ impl FlashCache {
     fn holds_block_being_copied(&self, st: &State, refs: &[DirtyBlock]) -> bool {
         refs.iter().any(|&(key, slot, _)| {
             st.dirty.is_copying(key, slot)
+                && st
+                    .index
+                    .get(key)
+                    .is_some_and(|l| l.dirty & (1 << slot) != 0)
+        })
+    }
+
+    /// Whether any of a region's `refs` is a dirty block of an image not
+    /// open (yet: a server opening its exports one by one, a cache kept
+    /// dirty across a restart): it cannot be written back, so the region
+    /// cannot be emptied before that image opens.
+    fn holds_dirty_block_of_closed_image(st: &State, refs: &[DirtyBlock]) -> bool {
+        refs.iter().any(|&(key, slot, _)| {
+            let image = crate::index::key_image(key);
+            st.catalog
+                .images
+                .get(image as usize)
+                .is_some_and(|r| r.backend.is_none())
                 && st
                     .index
                     .get(key)
