@@ -252,9 +252,26 @@ pub struct ControlArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Give up when the server has not answered within SECS seconds
+    /// (default 30; flush: as long as writing back takes; 0: no limit).
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
 }
 
+/// How long `stats` and `share` wait for a reply by default.
+const CONTROL_TIMEOUT_SECS: f64 = 30.0;
+
 impl ControlArgs {
+    /// The reply timeout: --timeout, else `default` (None: no limit).
+    fn timeout(&self, default: Option<f64>) -> Result<Option<std::time::Duration>> {
+        match self.timeout.or(default) {
+            None => Ok(None),
+            Some(s) if s == 0.0 => Ok(None),
+            Some(s) if s.is_finite() && s > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(s))),
+            Some(s) => bail!("--timeout takes a number of seconds (0: no limit), not {s}"),
+        }
+    }
+
     fn path(&self) -> Result<PathBuf> {
         if let Some(c) = &self.control {
             return Ok(c.clone());
@@ -282,8 +299,9 @@ pub struct StatsArgs {
 
 pub fn stats(a: StatsArgs) -> Result<u8> {
     let path = a.control.path()?;
+    let timeout = a.control.timeout(Some(CONTROL_TIMEOUT_SECS))?;
     let Some(every) = a.watch else {
-        let data = request(&path, &Request::Stats)?;
+        let data = request(&path, &Request::Stats, timeout)?;
         if a.control.json {
             outln!("{}", serde_json::to_string_pretty(&data)?);
         } else {
@@ -297,7 +315,7 @@ pub fn stats(a: StatsArgs) -> Result<u8> {
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut shown = 0u64;
     loop {
-        let data = request(&path, &Request::Stats)?;
+        let data = request(&path, &Request::Stats, timeout)?;
         if a.control.json {
             outln!("{}", serde_json::to_string(&data)?);
         } else {
@@ -461,6 +479,7 @@ pub fn share(a: ShareArgs) -> Result<u8> {
             max: a.max,
             weight: a.weight,
         },
+        a.control.timeout(Some(CONTROL_TIMEOUT_SECS))?,
     )?;
     let blocks = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
     let max = blocks(&data["max_blocks"]);
@@ -489,7 +508,11 @@ pub struct FlushArgs {
 }
 
 pub fn flush(a: FlushArgs) -> Result<u8> {
-    request(&a.control.path()?, &Request::Flush { fill: a.fill })?;
+    request(
+        &a.control.path()?,
+        &Request::Flush { fill: a.fill },
+        a.control.timeout(None)?,
+    )?;
     outln!(
         "all dirty data written back{}",
         if a.fill {

@@ -359,3 +359,53 @@ fn the_detector_catches_repeats_and_debug_forms() {
         .is_empty()
     );
 }
+
+/// A server that accepts a control connection and never answers (stopped
+/// with SIGSTOP, hung): `stats` gives up after its timeout, saying so; one
+/// that hangs up before answering is named as such.
+#[test]
+fn control_requests_to_a_server_that_does_not_answer_end_with_a_message() {
+    use std::os::unix::net::UnixListener;
+    let s = Scratch::new();
+    let hung = s.path("hung.sock.control");
+    let listener = UnixListener::bind(&hung).expect("bind");
+    let keep = std::thread::spawn(move || {
+        // Hold the first connection open without answering; close the
+        // second at once.
+        let first = listener.accept().expect("accept");
+        drop(listener.accept().expect("accept"));
+        drop(first);
+    });
+    let hung_s = hung.display().to_string();
+    let out = exec(
+        s.vdcache()
+            .args(["stats", "--control", &hung_s, "--timeout", "1"]),
+    );
+    assert!(!out.success(), "{}", out.report());
+    assert!(
+        out.stderr.contains("did not answer within 1 s") && out.stderr.contains(&hung_s),
+        "{}",
+        out.report()
+    );
+    assert!(message_faults(&out.stderr).is_empty(), "{}", out.report());
+    let out = exec(s.vdcache().args(["flush", "--control", &hung_s]));
+    assert!(
+        !out.success()
+            && out
+                .stderr
+                .contains("closed the connection before answering"),
+        "{}",
+        out.report()
+    );
+    let out = exec(
+        s.vdcache()
+            .args(["stats", "--control", &hung_s, "--timeout=-2"]),
+    );
+    assert!(
+        !out.success() && out.stderr.contains("--timeout"),
+        "{}",
+        out.report()
+    );
+    keep.join().expect("listener");
+    s.finish();
+}

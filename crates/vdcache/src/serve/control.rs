@@ -165,19 +165,48 @@ fn answer(stream: UnixStream, handler: &dyn Handler) {
     }
 }
 
-/// Sends one request to a running server and returns its data.
-pub fn request(path: &Path, req: &Request) -> Result<serde_json::Value> {
+/// Sends one request to a running server and returns its data, giving up
+/// when no reply came within `timeout` (None: waits as long as it takes).
+pub fn request(
+    path: &Path,
+    req: &Request,
+    timeout: Option<std::time::Duration>,
+) -> Result<serde_json::Value> {
     let mut stream = UnixStream::connect(path).with_context(|| {
         format!(
             "cannot reach a vdcache server at {} (is it running?)",
             path.display()
         )
     })?;
+    stream.set_read_timeout(timeout)?;
+    stream.set_write_timeout(timeout)?;
+    let unanswered = |e: std::io::Error| -> anyhow::Error {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => anyhow::anyhow!(
+                "the vdcache server at {} did not answer within {:.0} s (stopped, or hung?); \
+                 --timeout 0 waits as long as it takes",
+                path.display(),
+                timeout.unwrap_or_default().as_secs_f64()
+            ),
+            _ => anyhow::Error::new(e).context(format!(
+                "the vdcache server at {} closed the connection before answering (did it stop?)",
+                path.display()
+            )),
+        }
+    };
     let mut text = serde_json::to_string(req)?;
     text.push('\n');
-    stream.write_all(text.as_bytes())?;
+    stream.write_all(text.as_bytes()).map_err(unanswered)?;
     let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line)?;
+    BufReader::new(stream)
+        .read_line(&mut line)
+        .map_err(unanswered)?;
+    if line.is_empty() {
+        bail!(
+            "the vdcache server at {} closed the connection before answering (did it stop?)",
+            path.display()
+        );
+    }
     let reply: Reply =
         serde_json::from_str(&line).context("the server sent an unreadable reply")?;
     if !reply.ok {
@@ -206,8 +235,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ctl.sock");
         let _server = ControlServer::start(&path, Arc::new(Echo)).unwrap();
-        assert_eq!(request(&path, &Request::Stats).unwrap()["reads"], 7);
-        let err = request(&path, &Request::Flush { fill: false })
+        assert_eq!(request(&path, &Request::Stats, None).unwrap()["reads"], 7);
+        let err = request(&path, &Request::Flush { fill: false }, None)
             .unwrap_err()
             .to_string();
         assert!(err.contains("nothing to flush"), "{err}");
@@ -217,7 +246,7 @@ mod tests {
             max: None,
             weight: Some(2.0),
         };
-        assert_eq!(request(&path, &share).unwrap()["export"], "vm1");
+        assert_eq!(request(&path, &share, None).unwrap()["export"], "vm1");
         assert!(ControlServer::start(&path, Arc::new(Echo)).is_err());
     }
 }
