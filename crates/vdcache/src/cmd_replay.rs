@@ -80,10 +80,20 @@ pub struct Args {
     #[arg(long)]
     sweep: bool,
     /// --sweep: cache sizes in percent of the working set.
-    #[arg(long, value_delimiter = ',', value_name = "P,P,...")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "P,P,...",
+        requires = "sweep"
+    )]
     sweep_sizes: Option<Vec<f64>>,
     /// --sweep: policies.
-    #[arg(long, value_delimiter = ',', default_value = "lru,clock,arc")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "lru,clock,arc",
+        requires = "sweep"
+    )]
     sweep_policies: Vec<String>,
     /// --sweep: dedup modes each policy runs with, e.g. off,on (default:
     /// the --dedup mode); --dedup-verify makes "on" verify.
@@ -206,6 +216,9 @@ fn options(a: &Args) -> Result<(Option<Format>, ReplayOptions)> {
         (None, Some(p)) => bail!("--cache-size-pct-of-wss {p}: must be a positive number"),
         (None, None) => CacheSize::PercentOfWorkingSet(10.0),
     };
+    if matches!(cache_size, CacheSize::Bytes(0)) && rig.dedup != Dedup::Off {
+        bail!("--dedup on needs a cache, but --cache-size is 0 (no cache)");
+    }
     let snapshot_every_ns = a
         .snapshot_every
         .as_deref()
@@ -241,6 +254,27 @@ fn progress_bar(label: &str) -> Option<indicatif::ProgressBar> {
     Some(bar)
 }
 
+/// Largest cache size a sweep takes, in percent of the working set.
+const MAX_PERCENT: f64 = 10_000.0;
+
+/// Warns when a run's cache is much larger than asked for: below the
+/// smallest cache device, the replay uses that one.
+fn note_grown_cache(r: &ReplayReport, asked: &CacheSize) {
+    let want = match (r.cache_percent_of_working_set, asked) {
+        (Some(p), _) | (None, &CacheSize::PercentOfWorkingSet(p)) => {
+            (r.working_set_bytes as f64 * p / 100.0) as u64
+        }
+        (None, CacheSize::Bytes(b)) => *b,
+    };
+    if want > 0 && r.cache_bytes > want + want / 10 + r.region_bytes {
+        tracing::warn!(
+            "the cache asked for ({}) is below the smallest cache the replay builds: it ran with {}",
+            crate::size::human(want),
+            crate::size::human(r.cache_bytes)
+        );
+    }
+}
+
 pub fn run(a: Args) -> Result<u8> {
     let (format, opts) = options(&a)?;
     if a.sweep {
@@ -257,6 +291,7 @@ pub fn run(a: Args) -> Result<u8> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    note_grown_cache(&report, &opts.cache_size);
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -279,6 +314,12 @@ fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8
     if let Some(bad) = percents.iter().find(|p| !(**p > 0.0 && p.is_finite())) {
         bail!("--sweep-sizes: {bad} is not a positive percentage");
     }
+    if let Some(big) = percents.iter().find(|p| **p > MAX_PERCENT) {
+        bail!(
+            "--sweep-sizes: {big} is more than {MAX_PERCENT} (a cache {} times the working set)",
+            MAX_PERCENT / 100.0
+        );
+    }
     let opts = SweepOptions {
         base,
         percents,
@@ -296,6 +337,9 @@ fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8
     .with_context(|| format!("sweep {}", a.trace.display()))?;
     if let Some(b) = bar {
         b.finish_and_clear();
+    }
+    for r in &reports {
+        note_grown_cache(r, &opts.base.cache_size);
     }
     let files = write_sweep(&a.out, &reports)
         .with_context(|| format!("writing results to {}", a.out.display()))?;

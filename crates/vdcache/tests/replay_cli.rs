@@ -240,6 +240,41 @@ fn bad_input_is_refused_with_a_clear_message() {
         "x.csv",
     ]);
     assert!(e.contains("clone-storm"), "{e}");
+    // What a replay cannot do as asked is refused, not changed silently.
+    let e = err(&["replay", &trace, "--cache-size", "0", "--dedup", "on"]);
+    assert!(e.contains("--dedup on needs a cache"), "{e}");
+    let usage = Command::new(env!("CARGO_BIN_EXE_vdcache"))
+        .args(["replay", &trace, "--sweep-sizes", "10"])
+        .output()
+        .expect("run vdcache");
+    let e = String::from_utf8_lossy(&usage.stderr);
+    assert!(
+        usage.status.code() == Some(2) && e.contains("--sweep"),
+        "{e}"
+    );
+    let e = err(&["replay", &trace, "--sweep", "--sweep-sizes", "1e9"]);
+    assert!(
+        e.contains("--sweep-sizes") && e.contains("1000000000"),
+        "{e}"
+    );
+}
+
+/// A cache asked for below the smallest one the replay builds runs at
+/// that size, and the run says so.
+#[test]
+fn a_cache_too_small_to_build_is_named_in_a_warning() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = generate(dir.path(), "t.csv", "msr");
+    let out = Command::new(env!("CARGO_BIN_EXE_vdcache"))
+        .args(["replay", &trace, "--cache-size", "1M"])
+        .output()
+        .expect("run vdcache");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the cache asked for (1 MiB) is below the smallest cache"),
+        "{stderr}"
+    );
 }
 
 fn num(r: &serde_json::Value, path: &[&str]) -> f64 {
