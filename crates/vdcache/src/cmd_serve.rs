@@ -266,7 +266,7 @@ impl ControlArgs {
     fn timeout(&self, default: Option<f64>) -> Result<Option<std::time::Duration>> {
         match self.timeout.or(default) {
             None => Ok(None),
-            Some(s) if s == 0.0 => Ok(None),
+            Some(0.0) => Ok(None),
             Some(s) if s.is_finite() && s > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(s))),
             Some(s) => bail!("--timeout takes a number of seconds (0: no limit), not {s}"),
         }
