@@ -36,6 +36,10 @@ pub enum CacheError {
         reason: String,
         cache: String,
     },
+    #[error(
+        "the cache holds unwritten data of this image from an earlier time: a later session wrote the image back completely, which the cache does not remember (is the cache file a copy, restored from a backup?). Serving or recovering with it would overwrite newer data: put the newest cache file back, or, to give up what this one holds, remove it"
+    )]
+    StaleCache,
     #[error("invalid cache setting: {0}")]
     Config(String),
     #[error(

@@ -80,9 +80,15 @@ pub fn recover_full(
         match make_standalone(&cache, &name, &how.opener) {
             Ok(()) => done.push(name),
             Err(e) => {
+                // Most image errors name the image themselves.
                 let why = chain(&e);
-                tracing::error!("{name}: {why}");
-                failed.push(format!("{name}: {why}"));
+                let line = if why.contains(name.as_str()) {
+                    why
+                } else {
+                    format!("{name}: {why}")
+                };
+                tracing::error!("{line}");
+                failed.push(line);
             }
         }
     }

@@ -361,6 +361,53 @@ fn a_restart_opens_every_export_while_the_cache_is_full_of_another_ones_dirty_bl
     s.finish();
 }
 
+/// A copy of the cache file from an earlier time put back after a later
+/// session wrote the image back completely: its dirty blocks are older than
+/// the image and must not overwrite it. Serving and `recover --full` are
+/// refused, naming the cache as the stale one, and the image keeps its
+/// newer data.
+#[test]
+fn a_stale_copy_of_the_cache_is_refused_and_never_overwrites_newer_data() {
+    let s = Scratch::new();
+    let img = s.path("st.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let cache = s.path("st.cache");
+    let (c, i) = (cache.to_str().expect("utf-8"), img.to_str().expect("utf-8"));
+    let sock = s.path("st.sock");
+    let u = uri(&sock, "");
+    let server = serve(&s, &sock, &cache_args(c, i, &[]));
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0xa1 0 64k".into(), "flush".into()],
+    );
+    server.kill9();
+    let stale = s.path("st.cache.copy");
+    std::fs::copy(&cache, &stale).expect("copy the cache");
+    let server = serve(&s, &sock, &cache_args(c, i, &[]));
+    qemu_io(
+        &s,
+        "raw",
+        &u,
+        &["write -P 0xb1 0 64k".into(), "flush".into()],
+    );
+    server.stop_clean();
+    std::fs::copy(&stale, &cache).expect("put the old copy back");
+    let refused = try_serve(&s, &sock, &cache_args(c, i, &[])).err();
+    let log = refused.expect("a stale cache must be refused");
+    assert!(log.contains("from an earlier time"), "{log}");
+    let out = exec(s.vdcache().args(["recover", "--full", "--cache", c]));
+    assert!(
+        out.stderr.contains("from an earlier time"),
+        "{}",
+        out.report()
+    );
+    check_clean(&s, &img);
+    qemu_io(&s, "qcow2", i, &["read -P 0xb1 0 64k".into()]);
+    s.finish();
+}
+
 #[test]
 fn cache_from_another_host_is_refused_until_recovered() {
     let s = Scratch::new();

@@ -74,6 +74,15 @@ fn store_identity_of(image: &ImageHandle) -> ImageIdentity {
     }
 }
 
+/// Whether the image's header says a cache holds data its file lacks
+/// (true when the header cannot be read: nothing to conclude from).
+fn stamped_as_in_cache(image: &ImageHandle) -> bool {
+    match vdcache_contract::identity::read_header_direct(image) {
+        Ok(Some(h)) => vdcache_contract::identity::in_cache(&h),
+        _ => true,
+    }
+}
+
 impl FlashCache {
     /// The id of an image, registering it on first sight. An image the
     /// COW layer attached (see [`FlashCache::attach_image`]) was checked
@@ -126,6 +135,15 @@ impl FlashCache {
         match found.compare(&rec.identity, &self.sb.uuid) {
             Verdict::Same => {}
             Verdict::Advanced => {
+                // Stamped by this cache at an open whose record a crash
+                // took: the stamp then marked the file as needing the cache
+                // for any data the cache held. A file complete without it
+                // while the cache holds its dirty data was written back by
+                // a later session: this cache is a copy from before that.
+                if !stamped_as_in_cache(image) && self.holds_newer_of(&st, id) {
+                    return Err(CacheError::StaleCache);
+                }
+                let rec = &mut st.catalog.images[id as usize];
                 rec.identity = *found;
                 let name = rec.name.clone();
                 st.journal.push(&Entry::Image {
