@@ -465,8 +465,8 @@ pub struct GenArgs {
     /// Output format: msr, fiu, blkparse, fio.
     #[arg(long, default_value = "msr")]
     format: String,
-    /// Records to write.
-    #[arg(long, default_value_t = 1_000_000)]
+    /// Requests to write (at least 1).
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     requests: u64,
     /// Working set per disk.
     #[arg(long, value_name = "SIZE")]
@@ -484,8 +484,8 @@ pub struct GenArgs {
     /// applies (the rest are private data).
     #[arg(long)]
     update_ratio: Option<f64>,
-    /// Disks (boot storm, clone storm: cloned VMs).
-    #[arg(long)]
+    /// Disks (boot storm, clone storm: cloned VMs), 1 to 65536.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
     disks: Option<u32>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -527,8 +527,17 @@ pub fn generate(a: GenArgs) -> Result<u8> {
         spec.disks = d;
     }
     spec.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Written under a temporary name and renamed once complete, so an
+    // interrupted run never leaves a truncated trace under the name asked.
+    let file_name = a
+        .out
+        .file_name()
+        .with_context(|| format!("{} is not a file name", a.out.display()))?;
+    let partial = a
+        .out
+        .with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
     let file =
-        File::create(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+        File::create(&partial).with_context(|| format!("cannot create {}", partial.display()))?;
     let name = a.out.display().to_string();
     let out: Box<dyn Write> = if name.ends_with(".gz") {
         Box::new(flate2::write::GzEncoder::new(
@@ -547,11 +556,25 @@ pub fn generate(a: GenArgs) -> Result<u8> {
         BufWriter::new(out),
     )
     .map_err(|e| anyhow::anyhow!("{e}"))
-    .with_context(|| format!("writing {}", a.out.display()))?;
+    .with_context(|| format!("writing {}", a.out.display()));
+    let summary = match summary {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&partial, &a.out)
+        .with_context(|| format!("cannot rename {} to {}", partial.display(), a.out.display()))?;
     errln!(
-        "wrote {} records to {} ({} the format cannot express were skipped)",
+        "wrote {} requests to {} ({}{} the format cannot express were skipped)",
         summary.written,
         a.out.display(),
+        if format == Format::Fiu {
+            "one FIU line per 4 KiB block of each; "
+        } else {
+            ""
+        },
         summary.skipped
     );
     Ok(0)

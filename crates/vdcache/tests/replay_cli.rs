@@ -257,6 +257,24 @@ fn bad_input_is_refused_with_a_clear_message() {
         e.contains("--sweep-sizes") && e.contains("1000000000"),
         "{e}"
     );
+    for (option, value) in [("--requests", "0"), ("--disks", "4294967296")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_vdcache"))
+            .args(["trace-gen", option, value, "x.csv"])
+            .current_dir(dir.path())
+            .output()
+            .expect("run vdcache");
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.code() == Some(2) && e.contains(option), "{e}");
+    }
+    assert!(!dir.path().join("x.csv").exists());
+    // A trace is written under a temporary name and renamed when whole.
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("list")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".partial"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// A cache asked for below the smallest one the replay builds runs at
