@@ -102,7 +102,7 @@ fn compare_marks(found: &MarkIdentity, rec: &MarkIdentity, cache_id: &[u8; 16]) 
     }
     if !found.coherent {
         return Verdict::Different(
-            "another program (QEMU, or vdcache without this cache) wrote to it since".into(),
+            "another program (QEMU, `vdcache recover --full`, or vdcache without this cache) wrote to it since".into(),
         );
     }
     if found.generation == rec.generation {

@@ -350,21 +350,54 @@ fn pct(part: u64, whole: u64) -> String {
     }
 }
 
+/// The dedup line of `vdcache stats`.
+fn print_dedup(d: &serde_json::Value, total: &serde_json::Value) {
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    let shared = n(&total["dedup_blocks_shared"]);
+    let hashed = n(&total["hashed_blocks"]);
+    outln!(
+        "dedup {}: {:.2} cached addresses per flash block, {} blocks shared ({} of flash writes saved), {} fingerprinted{}{}",
+        d["mode"].as_str().unwrap_or("on"),
+        d["ratio"].as_f64().unwrap_or(1.0),
+        shared,
+        human(shared * 4096),
+        hashed,
+        n(&total["hash_nanos"])
+            .checked_div(hashed)
+            .map_or_else(String::new, |ns| format!(" ({ns} ns each)")),
+        match n(&d["counts"]["no_room"]) {
+            0 => String::new(),
+            r => format!(", {r} stored as copies for want of checkpoint room"),
+        }
+    );
+}
+
 fn print_stats(d: &serde_json::Value) {
     let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
     let h = |v: &serde_json::Value| human(n(v));
     let cache = d.get("cache").filter(|c| !c.is_null());
     if let Some(c) = cache {
+        let dedup = c.get("dedup").filter(|d| !d.is_null());
+        // With dedup, cached addresses may outnumber the flash blocks.
+        let in_flash = dedup.map_or(n(&c["cached_bytes"]), |d| n(&d["unique_blocks"]) * 4096);
         outln!(
-            "cache: {} cached of {} for data ({}), {} dirty (in flash only, not yet written back); regions {} free, {} open, {} full",
+            "cache: {} cached{} of {} for data ({}), {} dirty (in flash only, not yet written back); regions {} free, {} open, {} full",
             h(&c["cached_bytes"]),
+            if dedup.is_some() {
+                format!(" in {} of flash", human(in_flash))
+            } else {
+                String::new()
+            },
             h(&c["data_bytes"]),
-            pct(n(&c["cached_bytes"]), n(&c["data_bytes"])),
+            pct(in_flash, n(&c["data_bytes"])),
             h(&c["dirty_bytes"]),
             n(&c["regions_free"]),
             n(&c["regions_open"]),
             n(&c["regions_full"]),
         );
+        if let Some(d) = dedup {
+            print_dedup(d, &c["total"]);
+        }
         outln!(
             "index memory: {} = {} fixed for the device + {:.3}% of the cached bytes (under 0.25% for pieces with nothing partially valid; a little cached or many partially written clusters read higher: docs/internals.md)",
             h(&c["index_memory_bytes"]),
