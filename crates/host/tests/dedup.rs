@@ -536,7 +536,14 @@ fn reclaim_keeps_every_address_of_shared_blocks_right() {
     }
     let moved_before = rig.flash_data_written();
     for i in 0..96u64 {
-        let chunk: Vec<u8> = (0..256 * 1024).map(|k| (k as u64 ^ i) as u8).collect();
+        // 64 blocks, each of its own bytes (equal blocks would share one).
+        let chunk: Vec<u8> = (0..256 * 1024u64)
+            .map(|k| {
+                let word = (k / 8 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    ^ (i + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+                (word >> (k % 8 * 8)) as u8
+            })
+            .collect();
         d.write(
             (16 << 20) + i * chunk.len() as u64 % (40 << 20),
             &chunk,
@@ -612,4 +619,56 @@ fn sharing_stops_before_the_checkpoint_outgrows_its_slot() {
             assert_eq!(buf, data, "clone {i}, line {line}");
         }
     }
+}
+
+/// One write holding the same block many times (zeros, a fill pattern):
+/// the first enters flash, the rest share it; every address reads and
+/// writes back its bytes, and overwriting one leaves the others.
+#[test]
+fn a_write_of_one_repeated_block_enters_flash_once() {
+    let rig = Rig::new(1, config(WriteMode::WriteBack, Dedup::On));
+    let d = &rig.disks[0];
+    let before = rig.flash_data_written();
+    let repeated: Vec<u8> = (0..256).flat_map(|_| content(5)).collect();
+    d.write(0, &repeated, false).expect("write");
+    let written = rig.flash_data_written() - before;
+    // The staging may write a chunk's summary block too; never a copy.
+    assert!(
+        written < 4 * BLOCK as u64,
+        "{written} bytes for one distinct block"
+    );
+    assert_eq!(rig.shared(), 255);
+    // Mixed: A B A C B, at blocks 300..305: three enter flash, two share.
+    let mixed: Vec<u8> = [6u64, 7, 6, 8, 7]
+        .iter()
+        .flat_map(|&n| content(n))
+        .collect();
+    let before = rig.flash_data_written();
+    d.write(300 * BLOCK as u64, &mixed, false).expect("write");
+    assert_eq!(rig.shared(), 257);
+    assert!(rig.flash_data_written() - before < 6 * BLOCK as u64);
+    write_block(d, 10, &content(9));
+    for b in 0..256u64 {
+        let want = if b == 10 { content(9) } else { content(5) };
+        assert!(read_block(d, b) == want, "block {b}");
+    }
+    for (i, n) in [6u64, 7, 6, 8, 7].into_iter().enumerate() {
+        assert!(
+            read_block(d, 300 + i as u64) == content(n),
+            "block {}",
+            300 + i
+        );
+    }
+    rig.cache.audit_regions().expect("regions");
+    rig.cache.drain().expect("drain");
+    let f = rig.file(0);
+    for b in 0..256u64 {
+        let want = if b == 10 { content(9) } else { content(5) };
+        assert!(block_of(&f, b) == &want[..], "image block {b}");
+    }
+    for (i, n) in [6u64, 7, 6, 8, 7].into_iter().enumerate() {
+        assert!(block_of(&f, 300 + i as u64) == &content(n)[..]);
+    }
+    let rig = rig.crash_and_reopen();
+    assert!(read_block(&rig.disks[0], 200) == content(5));
 }

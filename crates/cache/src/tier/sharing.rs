@@ -230,8 +230,10 @@ impl FlashCache {
     /// Write-back of a write some of whose blocks share copies: those are
     /// mapped onto the copies first (writing the others may reclaim the
     /// copies' regions), then the rest is written as usual, with any block
-    /// whose copy moved meanwhile. Returns false, having done nothing, when
-    /// nothing could be shared and flash has no room for the first piece.
+    /// whose copy moved meanwhile; last, blocks equal to an earlier block
+    /// of the write (`inner`) share the block it was just written to.
+    /// Returns false, having done nothing, when nothing could be shared and
+    /// flash has no room for the first piece.
     pub(super) fn write_back_sharing(
         &self,
         image: &vdcache_contract::ImageHandle,
@@ -239,6 +241,7 @@ impl FlashCache {
         off: u64,
         segments: &[WriteSegment<'_>],
         copies: &[SharedCopy],
+        inner: &[(u64, u64, u32)],
     ) -> Result<bool> {
         let len: u64 = segments.iter().map(|s| s.data.len() as u64).sum();
         let tag = segments[0].tag;
@@ -257,8 +260,10 @@ impl FlashCache {
             self.keep_reserve(&mut st)?;
         }
         self.count_shared(tag.disk, &done);
-        let shared: Vec<u64> = done.iter().map(|c| c.block).collect();
+        let mut shared: Vec<u64> = done.iter().map(|c| c.block).collect();
         let mut wrote_any = !shared.is_empty();
+        shared.extend(inner.iter().map(|&(b, _, _)| b));
+        shared.sort_unstable();
         for (s, e) in unshared_ranges(off, off + len, &shared) {
             let part = sub_segments(off, segments, s, e);
             if !self.write_back_chunked(image, id, s, &part, tag, &[])? {
@@ -269,7 +274,55 @@ impl FlashCache {
             }
             wrote_any = true;
         }
+        for b in self.share_inner(id, tag.disk, inner, |b| guests[(b - off / BLOCK) as usize])? {
+            let (s, e) = (b * BLOCK, (b + 1) * BLOCK);
+            let part = sub_segments(off, segments, s, e);
+            if !self.write_back_chunked(image, id, s, &part, tag, &[])? {
+                self.write_through(image, id, s, BLOCK, &part, tag, Keep::Nothing)?;
+            }
+        }
         Ok(true)
+    }
+
+    /// Maps each block of `inner` onto the cache block its earlier equal
+    /// block was just written to (dirty, as a write); returns those that
+    /// could not share (the earlier block did not enter flash, or no room
+    /// in the checkpoint), to be written.
+    fn share_inner(
+        &self,
+        id: u16,
+        disk: vdcache_contract::DiskId,
+        inner: &[(u64, u64, u32)],
+        guest: impl Fn(u64) -> u64,
+    ) -> Result<Vec<u64>> {
+        let mut left = Vec::new();
+        let mut done = Vec::new();
+        let mut st = self.lock();
+        for &(b, a, crc) in inner {
+            st.signatures.shared();
+            // Only this write wrote `a` (the guest's range lock): mapped in
+            // flash, it holds these bytes; written through, it is not mapped.
+            let copy = st
+                .index
+                .block(line_key(id, a / LINE_BLOCKS), (a % LINE_BLOCKS) as usize)
+                .filter(|&cbn| st.integrity.crcs.get(cbn) == Some(crc))
+                .map(|cbn| SharedCopy {
+                    block: b,
+                    cbn,
+                    crc,
+                    source: Source::Signature {
+                        epoch: st.regions.epoch(st.regions.region_of(cbn)),
+                    },
+                });
+            match copy {
+                Some(c) if self.share_copy(&mut st, id, &c, guest(b), true) => done.push(c),
+                _ => left.push(b),
+            }
+        }
+        self.journal_buffer_check(&mut st)?;
+        drop(st);
+        self.count_shared(disk, &done);
+        Ok(left)
     }
 }
 

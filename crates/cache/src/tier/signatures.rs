@@ -232,6 +232,47 @@ impl FlashCache {
         Ok(out)
     }
 
+    /// Blocks of one write whose bytes an earlier block of the same write
+    /// has (same checksum, then every byte compared: both are in memory),
+    /// leaving out those a copy in flash already covers: (block, the
+    /// earlier block, checksum). A write of one repeated block (zeros, a
+    /// pattern) then enters flash once.
+    pub(super) fn inner_duplicates(
+        off: u64,
+        pieces: &[&[u8]],
+        sums: &[Checksummed],
+        copies: &[SharedCopy],
+    ) -> Vec<(u64, u64, u32)> {
+        if sums.len() < 2 {
+            return Vec::new();
+        }
+        let blocks = Blocks {
+            pieces: pieces.to_vec(),
+        };
+        let bytes_of = |b: u64| {
+            let start = (b * BLOCK - off) as usize;
+            blocks.slices(start, start + BLOCK as usize).concat()
+        };
+        let mut by_crc: Vec<(u32, u64)> = sums
+            .iter()
+            .filter(|(b, _)| !copies.iter().any(|c| c.block == *b))
+            .map(|&(b, crc)| (crc, b))
+            .collect();
+        by_crc.sort_unstable();
+        let mut out = Vec::new();
+        for group in by_crc.chunk_by(|x, y| x.0 == y.0).filter(|g| g.len() > 1) {
+            let mut firsts: Vec<(u64, Vec<u8>)> = Vec::new();
+            for &(crc, b) in group {
+                let bytes = bytes_of(b);
+                match firsts.iter().find(|(_, f)| *f == bytes) {
+                    Some(&(a, _)) => out.push((b, a, crc)),
+                    None => firsts.push((b, bytes)),
+                }
+            }
+        }
+        out
+    }
+
     /// After blocks `sums` of image `id` entered flash (written, promoted
     /// or shared): their cache blocks hold those checksums.
     pub(super) fn remember_signatures(&self, id: u16, sums: &[Checksummed]) {

@@ -261,16 +261,21 @@ impl FlashCache {
         } else {
             Vec::new()
         };
+        let mut inner = Vec::new();
         if !sums.is_empty() {
             let taken: Vec<u64> = copies.iter().map(|c| c.block).collect();
             let pieces: Vec<&[u8]> = segments.iter().map(|s| s.data).collect();
             copies.extend(self.dedup_copies(tag.disk, off, &pieces, &sums, &taken)?);
             copies.sort_unstable_by_key(|c| c.block);
+            if route == (Route::WriteBack { sectors: false }) {
+                inner = Self::inner_duplicates(off, &pieces, &sums, &copies);
+            }
         }
-        self.write_routed(image, id, off, segments, route, &copies, &sums)?;
+        self.write_routed(image, id, off, segments, route, &copies, &inner, &sums)?;
         // A plain write-back remembers the signatures of what it placed
         // under its own lock; other routes' blocks are looked up here.
-        if !copies.is_empty() || route != (Route::WriteBack { sectors: false }) {
+        if !copies.is_empty() || !inner.is_empty() || route != (Route::WriteBack { sectors: false })
+        {
             self.remember_signatures(id, &sums);
         }
         if journal.is_journal {
@@ -281,8 +286,9 @@ impl FlashCache {
 
     /// Writes where `route` says; `copies`: blocks whose bytes a cache
     /// block already holds (a journal copy or a dedup match, see `sharing`);
-    /// `sums`: the checksums of its whole data blocks, which a plain
-    /// write-back remembers as it places them.
+    /// `inner`: blocks equal to an earlier block of the write (see
+    /// `inner_duplicates`); `sums`: the checksums of its whole data blocks,
+    /// which a plain write-back remembers as it places them.
     #[allow(clippy::too_many_arguments)]
     fn write_routed(
         &self,
@@ -292,6 +298,7 @@ impl FlashCache {
         segments: &[WriteSegment<'_>],
         route: Route,
         copies: &[SharedCopy],
+        inner: &[(u64, u64, u32)],
         sums: &[Checksummed],
     ) -> Result<()> {
         let len = total_len(segments);
@@ -301,10 +308,10 @@ impl FlashCache {
                 if sectors && self.write_sectors(id, off, segments, tag)? {
                     return Ok(());
                 }
-                let done = if copies.is_empty() {
+                let done = if copies.is_empty() && inner.is_empty() {
                     self.write_back_chunked(image, id, off, segments, tag, sums)?
                 } else {
-                    self.write_back_sharing(image, id, off, segments, copies)?
+                    self.write_back_sharing(image, id, off, segments, copies, inner)?
                 };
                 if done {
                     return Ok(());
