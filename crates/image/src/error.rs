@@ -51,6 +51,10 @@ pub enum ImageError {
     )]
     InCache { image: String, cache: String },
     #[error(
+        "{image}: its newest data is in the vdcache cache that was at {cache}, but the cache there now is another one (its id differs): was the cache file replaced? Put the original back and serve again; if it is lost, `vdcache recover --without-cache {image}` makes the file usable again, without what the cache held"
+    )]
+    CacheReplaced { image: String, cache: String },
+    #[error(
         "a write acknowledged before its copy-on-write completed was lost ({cause}); every flush of this disk fails until it is closed (its other writes are flushed regardless)"
     )]
     DeferredWriteLost { cause: String },

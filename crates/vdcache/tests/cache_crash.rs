@@ -408,6 +408,42 @@ fn a_stale_copy_of_the_cache_is_refused_and_never_overwrites_newer_data() {
     s.finish();
 }
 
+/// Another cache moved over the cache path while an image's newest data
+/// is in the original: the image is refused saying the cache there is not
+/// the one holding its data (not to serve it "with that cache", which is
+/// what just failed), and the file is left as it was.
+#[test]
+fn an_image_whose_cache_file_was_replaced_by_another_cache_says_so() {
+    let s = Scratch::new();
+    let (img, other) = (s.path("rp.qcow2"), s.path("other.qcow2"));
+    qcow2(&s, &img, 16 * M, None);
+    qcow2(&s, &other, 16 * M, None);
+    let (cache, cache2) = (s.path("rp.cache"), s.path("rp2.cache"));
+    let c = cache.to_str().expect("utf-8");
+    let (i, o) = (img.to_str().expect("utf-8"), other.to_str().expect("utf-8"));
+    let sock = s.path("rp.sock");
+    let server = serve(&s, &sock, &cache_args(c, i, &[]));
+    qemu_io(
+        &s,
+        "raw",
+        &uri(&sock, ""),
+        &["write -P 0x42 0 64k".into(), "flush".into()],
+    );
+    server.kill9();
+    let c2 = cache2.to_str().expect("utf-8");
+    serve(&s, &sock, &cache_args(c2, o, &[])).stop_clean();
+    std::fs::rename(&cache2, &cache).expect("move the other cache over");
+    let log = try_serve(&s, &sock, &cache_args(c, i, &[]))
+        .err()
+        .expect("refused");
+    assert!(
+        log.contains("the cache there now is another one")
+            && !log.contains("Serve it with that cache"),
+        "{log}"
+    );
+    s.finish();
+}
+
 #[test]
 fn cache_from_another_host_is_refused_until_recovered() {
     let s = Scratch::new();

@@ -43,10 +43,16 @@ impl Qcow2Image {
         }
         let mark = h.extensions.cache_mark.as_ref().and_then(|m| m.current());
         let holder = self.io.copies().holder();
-        if let (Some(m), Some(holder)) = (mark, &holder)
-            && m.cache_id == holder.id
-        {
-            return Ok(());
+        if let (Some(m), Some(holder)) = (mark, &holder) {
+            if m.cache_id == holder.id {
+                return Ok(());
+            }
+            if m.cache_path == holder.path {
+                return Err(ImageError::CacheReplaced {
+                    image: self.name().to_string(),
+                    cache: holder.path.clone(),
+                });
+            }
         }
         Err(ImageError::InCache {
             image: self.name().to_string(),
