@@ -672,3 +672,90 @@ fn a_write_of_one_repeated_block_enters_flash_once() {
     let rig = rig.crash_and_reopen();
     assert!(read_block(&rig.disks[0], 200) == content(5));
 }
+
+/// The checkpoint room check admits a share while every free block could
+/// still take an address in a line of its own. Blocks that shared a line
+/// with a shared block (8 bytes each) and are then replaced by blocks in
+/// lines of their own (32 bytes each) still push the map past that room;
+/// eviction then frees lines until it fits again: writes go on, and the
+/// cache reopens after a crash with every address right.
+#[test]
+fn eviction_keeps_the_map_within_the_checkpoint_when_shared_lines_outlive_their_neighbours() {
+    const IMAGE: usize = 1 << 30;
+    const LINES: u64 = (IMAGE / (16 * BLOCK)) as u64;
+    let disks = 4usize;
+    let rig = Rig::with_images(disks, IMAGE, config(WriteMode::WriteBack, Dedup::On));
+    let shared = content(3);
+    // Distinct for every n (content() repeats after 256).
+    let unique = |n: u64| -> Vec<u8> {
+        (0..BLOCK as u64 / 8)
+            .flat_map(|w| (n << 20 | w).to_le_bytes())
+            .collect()
+    };
+    let neighbour = |line: u64| unique(line);
+    let no_room = |rig: &Rig| rig.cache.report().dedup.expect("dedup").counts.no_room;
+    // Lines across the disks: one address sharing a block, one next to it
+    // with bytes of its own, until the room check refuses a share.
+    let mut lines = 0u64;
+    while no_room(&rig) == 0 {
+        assert!(lines < disks as u64 * LINES, "sharing never stopped");
+        let (d, line) = (
+            &rig.disks[(lines % disks as u64) as usize],
+            lines / disks as u64,
+        );
+        write_block(d, line * 16, &shared);
+        write_block(d, line * 16 + 1, &neighbour(lines));
+        lines += 1;
+        if lines % 64 == 0 {
+            // Keeps the shared block's region recent, so eviction takes
+            // the neighbours.
+            assert!(read_block(&rig.disks[0], 0) == shared);
+        }
+    }
+    // Lines of their own, each with new bytes: twice the cache over.
+    let alone = |i: u64| unique(1 << 30 | i);
+    let own_lines = 2 * rig.cache.report().data_bytes / BLOCK as u64;
+    let first_own = lines.div_ceil(disks as u64) + 1;
+    let mut fullest = 0;
+    for i in 0..own_lines {
+        let d = &rig.disks[(i % disks as u64) as usize];
+        write_block(d, (first_own + i / disks as u64) * 16, &alone(i));
+        if i % 64 == 0 {
+            assert!(read_block(&rig.disks[0], 0) == shared);
+            let d = rig.cache.report().dedup.expect("dedup");
+            fullest = fullest.max(d.checkpoint_map_bytes);
+            assert!(
+                d.checkpoint_map_bytes <= d.checkpoint_room_bytes,
+                "after {i} lines of their own the map takes {} bytes of the checkpoint's {}",
+                d.checkpoint_map_bytes,
+                d.checkpoint_room_bytes
+            );
+        }
+    }
+    let room = rig
+        .cache
+        .report()
+        .dedup
+        .expect("dedup")
+        .checkpoint_room_bytes;
+    assert!(
+        fullest > room / 100 * 95,
+        "the map never neared the room: {fullest} of {room}"
+    );
+    rig.flush_all();
+    let every_address_reads_its_bytes = |rig: &Rig| {
+        for l in 0..lines {
+            let (d, line) = (&rig.disks[(l % disks as u64) as usize], l / disks as u64);
+            assert!(read_block(d, line * 16) == shared, "line {l}");
+            assert!(read_block(d, line * 16 + 1) == neighbour(l), "line {l}");
+        }
+        for i in (0..own_lines).step_by(7) {
+            let d = &rig.disks[(i % disks as u64) as usize];
+            assert!(read_block(d, (first_own + i / disks as u64) * 16) == alone(i));
+        }
+    };
+    // Reads now would promote the neighbours back into their lines and
+    // shrink the map: crash first.
+    let rig = rig.crash_and_reopen();
+    every_address_reads_its_bytes(&rig);
+}

@@ -356,7 +356,7 @@ fn print_dedup(d: &serde_json::Value, total: &serde_json::Value) {
     let shared = n(&total["dedup_blocks_shared"]);
     let hashed = n(&total["hashed_blocks"]);
     outln!(
-        "dedup {}: {:.2} cached addresses per flash block, {} blocks shared ({} of flash writes saved), {} fingerprinted{}{}",
+        "dedup {}: {:.2} cached addresses per flash block, {} blocks shared ({} of flash writes saved), {} fingerprinted{}; checkpoint room {} used{}",
         d["mode"].as_str().unwrap_or("on"),
         d["ratio"].as_f64().unwrap_or(1.0),
         shared,
@@ -365,6 +365,10 @@ fn print_dedup(d: &serde_json::Value, total: &serde_json::Value) {
         n(&total["hash_nanos"])
             .checked_div(hashed)
             .map_or_else(String::new, |ns| format!(" ({ns} ns each)")),
+        pct(
+            n(&d["checkpoint_map_bytes"]),
+            n(&d["checkpoint_room_bytes"])
+        ),
         match n(&d["counts"]["no_room"]) {
             0 => String::new(),
             r => format!(", {r} stored as copies for want of checkpoint room"),

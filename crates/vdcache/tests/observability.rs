@@ -586,6 +586,19 @@ fn stats_show_what_dedup_shares_between_exports() {
         "{text}"
     );
     assert!(text.contains("cached in "), "{text}");
+    // 256 addresses of each export's image, 16 to a line: the map's
+    // room in the checkpoint, as a share used.
+    let dedup = &st["cache"]["dedup"];
+    let (map, room) = (
+        dedup["checkpoint_map_bytes"].as_u64().expect("map bytes"),
+        dedup["checkpoint_room_bytes"].as_u64().expect("room bytes"),
+    );
+    assert!(map >= 2 * 16 * (24 + 16 * 8) && map < room, "{dedup:#}");
+    let used = format!(
+        "checkpoint room {:.1}% used",
+        map as f64 * 100.0 / room as f64
+    );
+    assert!(text.contains(&used), "{used}: {text}");
     qio("a", &["write -P 0x5d 0 64k", "flush"]);
     qio("b", &["read -P 0x3c 8M 1M"]);
     qio("a", &["read -P 0x5d 0 64k", "read -P 0x3c 64k 960k"]);

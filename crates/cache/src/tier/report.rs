@@ -76,6 +76,11 @@ pub struct DedupReport {
     pub fingerprints: u64,
     pub table_memory_bytes: u64,
     pub counts: crate::dedup::DedupCounts,
+    /// Most bytes the address map takes in a checkpoint now, and the room
+    /// its slot has for them: sharing lets addresses outnumber blocks, so
+    /// shares stop, and eviction frees lines, before the map outgrows it.
+    pub checkpoint_map_bytes: u64,
+    pub checkpoint_room_bytes: u64,
 }
 
 /// Each owner's share: its regions' bytes, demand and settings.
@@ -154,6 +159,8 @@ impl FlashCache {
                 fingerprints: st.signatures.learned() as u64,
                 table_memory_bytes: st.signatures.memory_bytes(),
                 counts: st.signatures.counts(),
+                checkpoint_map_bytes: super::checkpoint::lines_bound(&st),
+                checkpoint_room_bytes: self.layout.checkpoint_lines_room(),
             }
         });
         let shares = st.shares.enabled().then(|| share_reports(&st));
