@@ -134,6 +134,12 @@ pub struct ReadMiss {
     /// Bytes of consecutive misses after which a sequential run is not
     /// admitted (the disk's `sequential_threshold`).
     pub sequential_threshold: u64,
+    /// The checksum of the block's bytes, for a miss of one block in a
+    /// cache that deduplicates. A policy that remembers misses keys them by
+    /// content then: clones reading the same bytes at their own addresses
+    /// (or from bases that differ in name only) miss the same block, and
+    /// it is hot on its second miss by any of them.
+    pub content: Option<u32>,
 }
 
 /// Decides whether blocks read from a backend enter the cache.
@@ -152,9 +158,17 @@ impl AdmissionPolicy for AdmitAll {
     }
 }
 
+/// Marks a hot filter's key as content: addresses have bit 63 clear
+/// (a disk number below 128 in the top byte; a larger one only makes a
+/// rare false second miss, which admits one block early).
+const CONTENT_KEY: u64 = 1 << 63;
+
 impl AdmissionPolicy for HotFilter {
     fn admits(&mut self, miss: &ReadMiss) -> bool {
-        self.missed((u64::from(miss.disk) << 56) ^ miss.first_block)
+        self.missed(match miss.content {
+            Some(checksum) => CONTENT_KEY | u64::from(checksum),
+            None => (u64::from(miss.disk) << 56) ^ miss.first_block,
+        })
     }
 }
 
@@ -326,6 +340,7 @@ mod policy_tests {
             first_block,
             blocks: 1,
             sequential_threshold: 3 * crate::layout::BLOCK,
+            content: None,
         }
     }
 
@@ -344,5 +359,23 @@ mod policy_tests {
             .collect();
         assert_eq!(seq, vec![true, true, false, false]);
         assert!(a.policy(Admission::SequentialBypass).admits(&miss(1, 2)));
+    }
+
+    #[test]
+    fn hot_content_is_hot_on_its_second_miss_by_any_disk_at_any_address() {
+        let mut a = Admissions::new(1024);
+        let hot = a.policy(Admission::Hot);
+        let with = |disk, block, crc| ReadMiss {
+            content: Some(crc),
+            ..miss(disk, block)
+        };
+        assert!(!hot.admits(&with(0, 5, 0xabcd)));
+        assert!(hot.admits(&with(3, 900, 0xabcd)), "same bytes elsewhere");
+        assert!(
+            !hot.admits(&with(0, 5, 0x1234)),
+            "other bytes, same address"
+        );
+        assert!(!hot.admits(&miss(0, 7)), "addresses and contents apart");
+        assert!(!hot.admits(&with(1, 7, 7)));
     }
 }

@@ -11,7 +11,7 @@ mod common;
 use common::{cache_on, disk_as, drain_only_config};
 use std::sync::Arc;
 use vdcache_backend::{Backend, MemBackend};
-use vdcache_cache::{CacheConfig, Dedup, FlashCache, WriteMode};
+use vdcache_cache::{Admission, CacheConfig, Dedup, FlashCache, WriteMode};
 use vdcache_image::{DiskId, ImageFormat, MemFiles, VirtualDisk};
 
 const BLOCK: usize = 4096;
@@ -673,6 +673,90 @@ fn a_write_of_one_repeated_block_enters_flash_once() {
     assert!(read_block(&rig.disks[0], 200) == content(5));
 }
 
+/// Bytes the disks' misses and writes put into flash, counted when they
+/// are placed (the device counts staged blocks later).
+fn promoted(rig: &Rig) -> u64 {
+    rig.cache.report().total.flash_bytes_written
+}
+
+/// Hot admission in a cache that deduplicates keys misses by content: bytes
+/// one clone missed enter flash on another clone's miss of them at any
+/// address, and a miss of bytes flash holds shares them, admitted or not.
+/// Without dedup a miss is keyed by its address, as before.
+#[test]
+fn hot_admission_in_a_deduplicating_cache_counts_misses_of_the_same_bytes_by_any_clone() {
+    const RUN: u64 = 16;
+    let files = MemFiles::new();
+    // Clone 1 holds the bytes 200 blocks further on; clones 0 and 2 at 0.
+    let mut image = vec![0u8; IMAGE_BYTES];
+    let mut moved = vec![0u8; IMAGE_BYTES];
+    for n in 0..RUN {
+        let (at, there) = (n as usize * BLOCK, (200 + n) as usize * BLOCK);
+        image[at..at + BLOCK].copy_from_slice(&content(n + 100));
+        moved[there..there + BLOCK].copy_from_slice(&content(n + 100));
+    }
+    files.insert(&name(0), image.clone());
+    files.insert(&name(1), moved);
+    files.insert(&name(2), image);
+    let device = Arc::new(MemBackend::fixed("cache", 32 << 20));
+    let mut cfg = config(WriteMode::WriteBack, Dedup::On);
+    cfg.default_policy.admission = Admission::Hot;
+    let cache = cache_on(&device, &cfg, true);
+    let rig = Rig::attach(files, device, cache, 3, cfg);
+    let mut buf = vec![0u8; RUN as usize * BLOCK];
+    let read = |disk: usize, at: u64, buf: &mut [u8]| {
+        rig.disks[disk].read(at * BLOCK as u64, buf).expect("read");
+        for n in 0..RUN as usize {
+            assert!(buf[n * BLOCK..(n + 1) * BLOCK] == content(n as u64 + 100)[..]);
+        }
+    };
+    let start = promoted(&rig);
+    read(0, 0, &mut buf);
+    assert!(
+        promoted(&rig) - start < BLOCK as u64,
+        "a first miss is not admitted"
+    );
+    read(1, 200, &mut buf);
+    let admitted = promoted(&rig) - start;
+    assert!(
+        admitted >= RUN * BLOCK as u64,
+        "the second miss of the same bytes, by another clone at another address, is admitted: {admitted} bytes"
+    );
+    assert_eq!(rig.shared(), 0);
+    read(2, 0, &mut buf);
+    read(0, 0, &mut buf);
+    assert_eq!(rig.shared(), 2 * RUN, "later misses share the block");
+    assert!(promoted(&rig) - start - admitted < RUN * BLOCK as u64);
+    let hits = rig.cache.report().total.read_hit_blocks;
+    for disk in [0, 2] {
+        read(disk, 0, &mut buf);
+    }
+    read(1, 200, &mut buf);
+    assert_eq!(rig.cache.report().total.read_hit_blocks - hits, 3 * RUN);
+    rig.cache.audit_regions().expect("regions");
+
+    // Without dedup the content is unknown: clone 1's miss is its first.
+    let files = MemFiles::new();
+    for i in 0..2 {
+        files.insert(&name(i), vec![7u8; IMAGE_BYTES]);
+    }
+    let device = Arc::new(MemBackend::fixed("cache", 32 << 20));
+    let mut cfg = config(WriteMode::WriteBack, Dedup::Off);
+    cfg.default_policy.admission = Admission::Hot;
+    let cache = cache_on(&device, &cfg, true);
+    let rig = Rig::attach(files, device, cache, 2, cfg);
+    let start = promoted(&rig);
+    for disk in [0, 1] {
+        rig.disks[disk].read(0, &mut buf).expect("read");
+    }
+    assert!(promoted(&rig) - start < BLOCK as u64);
+    rig.disks[1].read(0, &mut buf).expect("read");
+    assert!(
+        promoted(&rig) - start >= RUN * BLOCK as u64,
+        "its own second miss"
+    );
+}
+
 /// The checkpoint room check admits a share while every free block could
 /// still take an address in a line of its own. Blocks that shared a line
 /// with a shared block (8 bytes each) and are then replaced by blocks in
@@ -706,7 +790,7 @@ fn eviction_keeps_the_map_within_the_checkpoint_when_shared_lines_outlive_their_
         write_block(d, line * 16, &shared);
         write_block(d, line * 16 + 1, &neighbour(lines));
         lines += 1;
-        if lines % 64 == 0 {
+        if lines.is_multiple_of(64) {
             // Keeps the shared block's region recent, so eviction takes
             // the neighbours.
             assert!(read_block(&rig.disks[0], 0) == shared);
@@ -720,7 +804,7 @@ fn eviction_keeps_the_map_within_the_checkpoint_when_shared_lines_outlive_their_
     for i in 0..own_lines {
         let d = &rig.disks[(i % disks as u64) as usize];
         write_block(d, (first_own + i / disks as u64) * 16, &alone(i));
-        if i % 64 == 0 {
+        if i.is_multiple_of(64) {
             assert!(read_block(&rig.disks[0], 0) == shared);
             let d = rig.cache.report().dedup.expect("dedup");
             fullest = fullest.max(d.checkpoint_map_bytes);

@@ -99,6 +99,15 @@ pub struct Args {
     /// the --dedup mode); --dedup-verify makes "on" verify.
     #[arg(long, value_delimiter = ',', value_name = "off,on", requires = "sweep")]
     sweep_dedup: Option<Vec<String>>,
+    /// --sweep: admission policies each policy and dedup mode runs with,
+    /// e.g. all,hot (default: the --admission policy).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "all,hot",
+        requires = "sweep"
+    )]
+    sweep_admission: Option<Vec<String>>,
     /// --sweep: output directory.
     #[arg(long, default_value = "results/replay")]
     out: PathBuf,
@@ -325,6 +334,13 @@ fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8
         percents,
         policies,
         dedups: dedup_modes(a)?.1,
+        admissions: a
+            .sweep_admission
+            .iter()
+            .flatten()
+            .map(|v| v.trim().parse::<Admission>().map_err(anyhow::Error::msg))
+            .collect::<Result<Vec<_>>>()
+            .context("--sweep-admission")?,
     };
     let bar = progress_bar("sweep");
     let reports = sweep(&a.trace, format, &opts, &mut |p| {

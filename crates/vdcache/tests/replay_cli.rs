@@ -243,15 +243,17 @@ fn bad_input_is_refused_with_a_clear_message() {
     // What a replay cannot do as asked is refused, not changed silently.
     let e = err(&["replay", &trace, "--cache-size", "0", "--dedup", "on"]);
     assert!(e.contains("--dedup on needs a cache"), "{e}");
-    let usage = Command::new(env!("CARGO_BIN_EXE_vdcache"))
-        .args(["replay", &trace, "--sweep-sizes", "10"])
-        .output()
-        .expect("run vdcache");
-    let e = String::from_utf8_lossy(&usage.stderr);
-    assert!(
-        usage.status.code() == Some(2) && e.contains("--sweep"),
-        "{e}"
-    );
+    for (option, value) in [("--sweep-sizes", "10"), ("--sweep-admission", "hot")] {
+        let usage = Command::new(env!("CARGO_BIN_EXE_vdcache"))
+            .args(["replay", &trace, option, value])
+            .output()
+            .expect("run vdcache");
+        let e = String::from_utf8_lossy(&usage.stderr);
+        assert!(
+            usage.status.code() == Some(2) && e.contains("--sweep"),
+            "{option}: {e}"
+        );
+    }
     let e = err(&["replay", &trace, "--sweep", "--sweep-sizes", "1e9"]);
     assert!(
         e.contains("--sweep-sizes") && e.contains("1000000000"),
@@ -361,6 +363,64 @@ fn dedup_on_a_clone_storm_shares_blocks_and_writes_less_flash() {
         "25",
     ]);
     assert!(text.contains("dedup           ratio"), "{text}");
+}
+
+/// `--sweep-admission`: each configuration once per admission policy, named
+/// in the table, the JSON and the plots. With dedup, hot admission keys
+/// misses by content, so the clones' misses of the same bytes promote them
+/// and the bytes read once stay out of flash.
+#[test]
+fn sweep_compares_admission_policies() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = generate_clones(dir.path());
+    let out = dir.path().join("sweep");
+    let text = ok(&[
+        "replay",
+        &trace,
+        "--sweep",
+        "--sweep-sizes",
+        "10",
+        "--sweep-policies",
+        "d-lru",
+        "--sweep-dedup",
+        "on",
+        "--sweep-admission",
+        "all,hot",
+        "--out",
+        &out.display().to_string(),
+    ]);
+    let admission_column: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("| d-lru"))
+        .filter_map(|l| l.split('|').map(str::trim).nth(3))
+        .collect();
+    assert_eq!(admission_column, ["all", "hot"], "{text}");
+    let rows = json(&std::fs::read_to_string(out.join("sweep.json")).expect("json"));
+    let rows = rows.as_array().expect("array");
+    assert_eq!(rows.len(), 2);
+    let (all, hot) = (&rows[0], &rows[1]);
+    assert_eq!(
+        (all["admission"].as_str(), hot["admission"].as_str()),
+        (Some("all"), Some("hot"))
+    );
+    assert!(
+        num(hot, &["flash_data_bytes_written"]) < num(all, &["flash_data_bytes_written"]),
+        "{all} {hot}"
+    );
+    assert!(num(hot, &["dedup", "blocks_shared"]) > 0.0, "{hot}");
+    let svg = std::fs::read_to_string(out.join("hit_ratio.svg")).expect("svg");
+    assert!(svg.contains("d-lru+dedup/hot"), "the plot names the series");
+    let e = err(&[
+        "replay",
+        &trace,
+        "--sweep",
+        "--sweep-admission",
+        "all,maybe",
+    ]);
+    assert!(
+        e.contains("--sweep-admission") && e.contains("maybe"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -5,6 +5,7 @@
 
 use super::metastore::overlay;
 use super::sharing::SharedCopy;
+use super::signatures::Checksummed;
 use super::{FlashCache, State};
 use crate::config::DiskPolicy;
 use crate::error::{CacheError, Result};
@@ -350,23 +351,48 @@ impl FlashCache {
         Ok(out)
     }
 
-    /// Whether the disk's policy admits a read miss of `blocks` blocks.
-    fn admits_read(
+    /// Which of blocks `first..first + n` (a run read from the backend)
+    /// the disk's policy admits, as runs `[start, end)`. A cache that
+    /// deduplicates asks block by block with each block's checksum
+    /// (`sums`), so a policy can key misses by content; other caches ask
+    /// once for the run.
+    fn admitted_runs(
         &self,
-        st: &mut State,
         policy: DiskPolicy,
         tag: IoTag,
-        first_block: u64,
-        blocks: u64,
-    ) -> bool {
-        st.admission
-            .policy(policy.admission)
-            .admits(&crate::admission::ReadMiss {
-                disk: tag.disk.0,
-                first_block,
-                blocks,
-                sequential_threshold: policy.sequential_threshold,
-            })
+        first: u64,
+        n: u64,
+        sums: &[Checksummed],
+    ) -> Vec<(u64, u64)> {
+        let miss = |first_block, blocks, content| crate::admission::ReadMiss {
+            disk: tag.disk.0,
+            first_block,
+            blocks,
+            sequential_threshold: policy.sequential_threshold,
+            content,
+        };
+        let mut st = self.lock();
+        let admission = st.admission.policy(policy.admission);
+        if sums.is_empty() {
+            return if admission.admits(&miss(first, n, None)) {
+                vec![(first, first + n)]
+            } else {
+                Vec::new()
+            };
+        }
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut sums = sums.iter().peekable();
+        for b in first..first + n {
+            let content = sums.next_if(|s| s.0 == b).map(|s| s.1);
+            if !admission.admits(&miss(b, 1, content)) {
+                continue;
+            }
+            match runs.last_mut() {
+                Some(run) if run.1 == b => run.1 = b + 1,
+                _ => runs.push((b, b + 1)),
+            }
+        }
+        runs
     }
 
     /// Admits blocks read from the backend, unless a write to them
@@ -382,21 +408,25 @@ impl FlashCache {
     ) -> Result<()> {
         for (first, data) in fetched {
             let n = data.len() as u64 / BLOCK;
-            {
-                let mut st = self.lock();
-                let table = tag.unit.is_some()
-                    && policy.cow == crate::config::CowMode::CowAware
-                    && matches!(tag.class, IoClass::Metadata(_));
-                if !table && !self.admits_read(&mut st, policy, tag, first, n) {
-                    continue;
-                }
-            }
             let sums = if matches!(tag.class, IoClass::Metadata(_)) {
                 Vec::new()
             } else {
                 self.read_checksums(first, &data)
             };
+            let table = tag.unit.is_some()
+                && policy.cow == crate::config::CowMode::CowAware
+                && matches!(tag.class, IoClass::Metadata(_));
+            let admitted = if table {
+                vec![(first, first + n)]
+            } else {
+                self.admitted_runs(policy, tag, first, n, &sums)
+            };
+            // Sharing a block flash holds writes nothing, so it needs no
+            // admission.
             let copies = self.dedup_copies(tag.disk, first * BLOCK, &[&data], &sums, &[])?;
+            if admitted.is_empty() && copies.is_empty() {
+                continue;
+            }
             // A write to these blocks still on its way to the backend is
             // not in the history yet, and the backend bytes this read got
             // may predate it: wait for it, so the staleness check sees it.
@@ -407,14 +437,21 @@ impl FlashCache {
                 .ranges
                 .lock(&[(id, first * BLOCK, (first + n) * BLOCK)]);
             let shared = self.promote_shared(id, tag, read_seq, &copies);
-            let mut at = first;
-            for c in shared.into_iter().chain([first + n]) {
-                if c > at {
-                    let part =
-                        &data[((at - first) * BLOCK) as usize..((c - first) * BLOCK) as usize];
-                    self.promote_run(id, tag, read_seq, at, part)?;
+            for (start, end) in admitted {
+                let mut at = start;
+                for c in shared
+                    .iter()
+                    .copied()
+                    .filter(|c| (start..end).contains(c))
+                    .chain([end])
+                {
+                    if c > at {
+                        let part =
+                            &data[((at - first) * BLOCK) as usize..((c - first) * BLOCK) as usize];
+                        self.promote_run(id, tag, read_seq, at, part)?;
+                    }
+                    at = c + 1;
                 }
-                at = c + 1;
             }
             self.remember_signatures(id, &sums);
         }

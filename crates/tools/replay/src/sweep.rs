@@ -3,15 +3,16 @@
 //! without dedup, scanned once; the results as a Markdown table, JSON, and
 //! plots (hit ratio and flash bytes written against cache size, as DASH
 //! Fig. 4; flash writes and backend traffic per configuration, as COWCache
-//! Fig. 15). A configuration is a policy and a dedup mode ("lru",
-//! "lru+dedup"). It must not alter a single replay's figures.
+//! Fig. 15). A configuration is a policy, a dedup mode and an admission
+//! policy ("lru", "lru+dedup", "d-lru+dedup/hot"). It must not alter a
+//! single replay's figures.
 
 use crate::replay::{
     CacheSize, Progress, ReplayError, ReplayOptions, ReplayReport, replay_scanned,
 };
 use crate::scan::scan_trace;
 use std::path::{Path, PathBuf};
-use vdcache_cache::{Dedup, Replacement};
+use vdcache_cache::{Admission, Dedup, Replacement};
 use vdcache_eval::Format;
 use vdcache_eval::report::{
     ReportError, fmt_f64, grouped_bar_plot, line_plot, markdown_table, write_json, write_text,
@@ -26,6 +27,8 @@ pub struct SweepOptions {
     pub policies: Vec<Replacement>,
     /// Dedup modes each policy runs with (e.g. off and on).
     pub dedups: Vec<Dedup>,
+    /// Admission policies each (policy, dedup mode) runs with.
+    pub admissions: Vec<Admission>,
 }
 
 /// The default sizes: 10% to 100% of the working set.
@@ -39,8 +42,8 @@ pub struct SweepProgress {
     pub inner: Progress,
 }
 
-/// Replays `path` once per (policy, dedup mode, size), in that order. No
-/// dedup modes: the base options' one.
+/// Replays `path` once per (policy, dedup mode, admission, size), in that
+/// order. No dedup modes or admissions: the base options' one.
 pub fn sweep(
     path: &Path,
     format: Option<Format>,
@@ -53,34 +56,56 @@ pub fn sweep(
     } else {
         opts.dedups.clone()
     };
-    let runs = opts.policies.len() * dedups.len() * opts.percents.len();
+    let admissions = if opts.admissions.is_empty() {
+        vec![opts.base.rig.policy.admission]
+    } else {
+        opts.admissions.clone()
+    };
+    let cells: Vec<(Replacement, Dedup, Admission, f64)> = opts
+        .policies
+        .iter()
+        .flat_map(|&policy| dedups.iter().map(move |&dedup| (policy, dedup)))
+        .flat_map(|(policy, dedup)| {
+            admissions
+                .iter()
+                .map(move |&admission| (policy, dedup, admission))
+        })
+        .flat_map(|(policy, dedup, admission)| {
+            opts.percents
+                .iter()
+                .map(move |&pct| (policy, dedup, admission, pct))
+        })
+        .collect();
+    let runs = cells.len();
     let mut out = Vec::with_capacity(runs);
-    for &policy in &opts.policies {
-        for &dedup in &dedups {
-            for &pct in &opts.percents {
-                let mut one = opts.base.clone();
-                one.rig.replacement = policy;
-                one.rig.dedup = dedup;
-                one.cache_size = CacheSize::PercentOfWorkingSet(pct);
-                let run = out.len();
-                let report = replay_scanned(path, format, &scan, &one, &mut |inner| {
-                    progress(SweepProgress { run, runs, inner })
-                })?;
-                out.push(report);
-            }
-        }
+    for (policy, dedup, admission, pct) in cells {
+        let mut one = opts.base.clone();
+        one.rig.replacement = policy;
+        one.rig.dedup = dedup;
+        one.rig.policy.admission = admission;
+        one.cache_size = CacheSize::PercentOfWorkingSet(pct);
+        let run = out.len();
+        let report = replay_scanned(path, format, &scan, &one, &mut |inner| {
+            progress(SweepProgress { run, runs, inner })
+        })?;
+        out.push(report);
     }
     Ok(out)
 }
 
 /// A report's configuration: its policy, "+dedup" (or "+dedup-verify")
-/// when it deduplicates.
+/// when it deduplicates, "/ADMISSION" when it admits other than all.
 pub fn config_label(r: &ReplayReport) -> String {
-    match r.dedup_mode {
-        "off" => r.policy.to_string(),
-        "on" => format!("{}+dedup", r.policy),
-        mode => format!("{}+dedup-{mode}", r.policy),
-    }
+    let dedup = match r.dedup_mode {
+        "off" => String::new(),
+        "on" => "+dedup".into(),
+        mode => format!("+dedup-{mode}"),
+    };
+    let admission = match r.admission {
+        "all" => String::new(),
+        other => format!("/{other}"),
+    };
+    format!("{}{dedup}{admission}", r.policy)
 }
 
 /// The configurations of `reports`, in order of first appearance.
@@ -104,6 +129,7 @@ pub fn sweep_table(reports: &[ReplayReport]) -> String {
     let headers = [
         "policy",
         "dedup",
+        "admission",
         "cache % WSS",
         "cache MiB",
         "read hit",
@@ -123,6 +149,7 @@ pub fn sweep_table(reports: &[ReplayReport]) -> String {
             vec![
                 r.policy.to_string(),
                 r.dedup_mode.to_string(),
+                r.admission.to_string(),
                 r.cache_percent_of_working_set
                     .map_or_else(|| "-".into(), |p| fmt_f64(p, 0)),
                 mib(r.cache_bytes),
