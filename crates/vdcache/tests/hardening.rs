@@ -534,3 +534,32 @@ fn dirty_data_of_an_image_not_served_is_named_and_does_not_block_the_stop() {
     server.stop_clean();
     a.s.finish();
 }
+
+/// An image replaced under a running server (another file moved over its
+/// path): the server goes on with the file it opened, and says so once,
+/// naming the path, instead of letting guests' writes vanish silently.
+#[test]
+fn an_image_replaced_while_served_is_named_in_a_warning() {
+    let r = Rig::new("moved", None);
+    let server = r.serve();
+    r.nbd_io(&["write -P 0x21 0 64k", "flush"]);
+    let other = r.s.path("other.qcow2");
+    qcow2(&r.s, &other, 16 * M, None);
+    std::fs::rename(&other, &r.img).expect("mv");
+    let warning = format!("{} was replaced or removed while being served", r.i());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !server.log_text().contains(&warning) {
+        assert!(
+            Instant::now() < deadline,
+            "no warning: {}",
+            server.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Still the file it opened: the guest reads what it wrote.
+    r.nbd_io(&["read -P 0x21 0 64k", "write -P 0x22 64k 64k", "flush"]);
+    std::thread::sleep(Duration::from_secs(6));
+    let log = server.stop_clean();
+    assert_eq!(log.matches(&warning).count(), 1, "{log}");
+    r.s.finish();
+}

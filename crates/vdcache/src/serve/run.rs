@@ -284,8 +284,10 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
             .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
             + vhost_requests.as_ref().map_or(0, |v| v.requests())
     };
-    let filler = idle_fill.then(|| Filler::start(daemon.clone(), server.clone(), other_requests));
+    let filler = idle_fill.then(|| start_filler(daemon.clone(), server.clone(), other_requests));
+    let watch = start_image_watch(&daemon);
     let signal = signals.forever().next();
+    watch.stop();
     if let Some(f) = filler {
         f.stop();
     }
@@ -333,55 +335,33 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     Ok(())
 }
 
-/// Fills partially valid clusters while the server is idle (no NBD or FUSE
-/// request in the last interval), a few at a time, so a busy guest never
-/// waits on it.
-struct Filler {
+/// A background thread calling a closure at a fixed interval until it is
+/// stopped.
+struct Ticker {
     /// Dropping it wakes the thread at once, so stopping never waits out
     /// the rest of an interval.
     stop: Option<std::sync::mpsc::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-const FILL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
-const FILL_BATCH: usize = 16;
-
-impl Filler {
+impl Ticker {
     fn start(
-        daemon: Arc<Daemon>,
-        server: Arc<Server>,
-        other_requests: impl Fn() -> u64 + Send + 'static,
-    ) -> Filler {
+        name: &str,
+        interval: std::time::Duration,
+        mut tick: impl FnMut() + Send + 'static,
+    ) -> Ticker {
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
-            .name("vdcache-filler".into())
+            .name(name.into())
             .spawn(move || {
-                let requests = |srv: &Server| {
-                    srv.stats()
-                        .exports
-                        .iter()
-                        .map(|e| e.io.requests)
-                        .sum::<u64>()
-                        + other_requests()
-                };
-                let mut last = requests(&server);
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-                    stopped.recv_timeout(FILL_INTERVAL)
+                    stopped.recv_timeout(interval)
                 {
-                    let now = requests(&server);
-                    if now != last {
-                        last = now;
-                        continue;
-                    }
-                    for d in &daemon.disks {
-                        if let Err(e) = d.disk.fill_partial(FILL_BATCH) {
-                            tracing::warn!("background fill of '{}': {e}", d.config.name);
-                        }
-                    }
+                    tick();
                 }
             })
             .ok();
-        Filler {
+        Ticker {
             stop: Some(stop),
             thread,
         }
@@ -393,6 +373,76 @@ impl Filler {
             let _ = t.join();
         }
     }
+}
+
+const FILL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+const FILL_BATCH: usize = 16;
+
+/// Fills partially valid clusters while the server is idle (no NBD or FUSE
+/// request in the last interval), a few at a time, so a busy guest never
+/// waits on it.
+fn start_filler(
+    daemon: Arc<Daemon>,
+    server: Arc<Server>,
+    other_requests: impl Fn() -> u64 + Send + 'static,
+) -> Ticker {
+    let requests = move |srv: &Server| {
+        srv.stats()
+            .exports
+            .iter()
+            .map(|e| e.io.requests)
+            .sum::<u64>()
+            + other_requests()
+    };
+    let mut last = requests(&server);
+    Ticker::start("vdcache-filler", FILL_INTERVAL, move || {
+        let now = requests(&server);
+        if now != last {
+            last = now;
+            return;
+        }
+        for d in &daemon.disks {
+            if let Err(e) = d.disk.fill_partial(FILL_BATCH) {
+                tracing::warn!("background fill of '{}': {e}", d.config.name);
+            }
+        }
+    })
+}
+
+const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The file behind an export's path: device and inode.
+fn file_at(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Warns, once per export, when the file at an export's image path is no
+/// longer the one the server opened (replaced by `mv`, `cp` to a new file,
+/// or removed): the server goes on with the file it opened, and what it
+/// writes from then on is not in the file at that path.
+fn start_image_watch(daemon: &Daemon) -> Ticker {
+    let mut watched: Vec<(String, PathBuf, (u64, u64))> = daemon
+        .disks
+        .iter()
+        .filter(|d| !vdcache_backend::is_nbd_uri(&d.config.image))
+        .filter_map(|d| {
+            let path = PathBuf::from(&d.config.image);
+            file_at(&path).map(|id| (d.config.name.clone(), path, id))
+        })
+        .collect();
+    Ticker::start("vdcache-image-watch", WATCH_INTERVAL, move || {
+        watched.retain(|(name, path, opened)| {
+            if file_at(path) == Some(*opened) {
+                return true;
+            }
+            tracing::warn!(
+                "export '{name}': {} was replaced or removed while being served; the server goes on with the file it opened, so what guests write from now on is not in the file at that path (stop the server before replacing an image)",
+                path.display()
+            );
+            false
+        });
+    })
 }
 
 /// The front ends other than NBD, started before any NBD socket listens.
