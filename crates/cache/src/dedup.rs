@@ -6,7 +6,8 @@
 //! block whose checksum the table knows, for a block that still holds
 //! bytes with that checksum, is fingerprinted (BLAKE3) and compared with
 //! that block's fingerprint, learned the first time the block is a
-//! candidate and kept beside the table. So a unique block costs a lookup
+//! candidate (its bytes, read then, are compared, and equal bytes give it
+//! the new block's fingerprint) and kept beside the table. So a unique block costs a lookup
 //! and no hash, and a duplicate is mapped onto the block holding its bytes
 //! (the index's reference counts do the rest) instead of written again.
 //!

@@ -150,13 +150,7 @@ impl FlashCache {
                     .read_at(&mut copy, self.layout.block_offset(c.cbn))
                     .map_err(CacheError::device("read a block to compare"))?;
                 read += 1;
-                let mut at = 0;
-                let same = blocks.slices(start, end).iter().all(|piece| {
-                    let eq = copy[at..at + piece.len()] == **piece;
-                    at += piece.len();
-                    eq
-                });
-                if !same {
+                if !blocks.equals(start, end, &copy) {
                     continue;
                 }
             }

@@ -183,8 +183,9 @@ impl FlashCache {
 
     /// The candidates (their regions pinned) whose block's fingerprint
     /// equals the write's block's; a block whose fingerprint is not known
-    /// yet is read and fingerprinted (and returned, to be learned). Also
-    /// how many blocks were read.
+    /// yet is read and compared byte by byte, and if equal learns the
+    /// write's block's fingerprint (returned, to be learned). Also how many
+    /// blocks were read.
     fn compare_fingerprints(
         &self,
         disk: DiskId,
@@ -220,9 +221,14 @@ impl FlashCache {
                     let Source::Signature { epoch } = c.source else {
                         continue;
                     };
-                    let fp = self.fingerprint_of(disk, &[&buf]);
-                    out.learned.push((Place { cbn: c.cbn, epoch }, fp));
-                    fp
+                    // The block is read anyway: comparing its bytes is
+                    // exact and cheaper than fingerprinting them, and equal
+                    // bytes have the write's block's fingerprint.
+                    if !blocks.equals(start, start + BLOCK as usize, &buf) {
+                        continue;
+                    }
+                    out.learned.push((Place { cbn: c.cbn, epoch }, new));
+                    new
                 }
             };
             if new == old {

@@ -42,6 +42,17 @@ impl<'a> Blocks<'a> {
         out
     }
 
+    /// Whether bytes `[start, end)` of the range are `bytes`.
+    pub(super) fn equals(&self, start: usize, end: usize, bytes: &[u8]) -> bool {
+        let mut at = 0;
+        bytes.len() == end - start
+            && self.slices(start, end).iter().all(|piece| {
+                let eq = bytes[at..at + piece.len()] == **piece;
+                at += piece.len();
+                eq
+            })
+    }
+
     pub(super) fn crc(&self, start: usize, end: usize) -> u32 {
         self.slices(start, end)
             .iter()
