@@ -365,19 +365,41 @@ fn dedup_on_a_clone_storm_shares_blocks_and_writes_less_flash() {
     assert!(text.contains("dedup           ratio"), "{text}");
 }
 
+/// A sweep of a small clone storm with `args`, its table on stdout and its
+/// files in `out`.
+struct CloneSweep {
+    _dir: tempfile::TempDir,
+    trace: String,
+    out: std::path::PathBuf,
+    text: String,
+}
+
+impl CloneSweep {
+    fn run(args: &[&str]) -> CloneSweep {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let trace = generate_clones(dir.path());
+        let out = dir.path().join("sweep");
+        let out_arg = out.display().to_string();
+        let mut all = vec!["replay", trace.as_str(), "--sweep"];
+        all.extend_from_slice(args);
+        all.extend(["--out", out_arg.as_str()]);
+        let text = ok(&all);
+        CloneSweep {
+            _dir: dir,
+            trace,
+            out,
+            text,
+        }
+    }
+}
+
 /// `--sweep-admission`: each configuration once per admission policy, named
 /// in the table, the JSON and the plots. With dedup, hot admission keys
 /// misses by content, so the clones' misses of the same bytes promote them
 /// and the bytes read once stay out of flash.
 #[test]
 fn sweep_compares_admission_policies() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let trace = generate_clones(dir.path());
-    let out = dir.path().join("sweep");
-    let text = ok(&[
-        "replay",
-        &trace,
-        "--sweep",
+    let sweep = CloneSweep::run(&[
         "--sweep-sizes",
         "10",
         "--sweep-policies",
@@ -386,9 +408,8 @@ fn sweep_compares_admission_policies() {
         "on",
         "--sweep-admission",
         "all,hot",
-        "--out",
-        &out.display().to_string(),
     ]);
+    let (trace, out, text) = (&sweep.trace, &sweep.out, &sweep.text);
     let admission_column: Vec<&str> = text
         .lines()
         .filter(|l| l.starts_with("| d-lru"))
@@ -410,13 +431,7 @@ fn sweep_compares_admission_policies() {
     assert!(num(hot, &["dedup", "blocks_shared"]) > 0.0, "{hot}");
     let svg = std::fs::read_to_string(out.join("hit_ratio.svg")).expect("svg");
     assert!(svg.contains("d-lru+dedup/hot"), "the plot names the series");
-    let e = err(&[
-        "replay",
-        &trace,
-        "--sweep",
-        "--sweep-admission",
-        "all,maybe",
-    ]);
+    let e = err(&["replay", trace, "--sweep", "--sweep-admission", "all,maybe"]);
     assert!(
         e.contains("--sweep-admission") && e.contains("maybe"),
         "{e}"
@@ -425,22 +440,15 @@ fn sweep_compares_admission_policies() {
 
 #[test]
 fn sweep_compares_dedup_off_and_on_across_cache_sizes() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let trace = generate_clones(dir.path());
-    let out = dir.path().join("sweep");
-    let text = ok(&[
-        "replay",
-        &trace,
-        "--sweep",
+    let sweep = CloneSweep::run(&[
         "--sweep-sizes",
         "10,50",
         "--sweep-policies",
         "lru",
         "--sweep-dedup",
         "off,on",
-        "--out",
-        &out.display().to_string(),
     ]);
+    let (out, text) = (&sweep.out, &sweep.text);
     let table: Vec<Vec<&str>> = text
         .lines()
         .filter(|l| l.starts_with("| lru"))
