@@ -25,8 +25,10 @@
 //! caller says whether an entry's block is still the one it names, and
 //! compares fingerprints or bytes).
 
+mod table;
+
 use crate::index::Cbn;
-use hashbrown::{HashMap, HashTable};
+use table::Table;
 
 /// The first 128 bits of a block's BLAKE3 digest. Two different blocks
 /// share it with probability 2^-128 per pair: for 2^32 cached blocks, about
@@ -46,7 +48,7 @@ pub fn fingerprint(pieces: &[&[u8]]) -> Fingerprint {
 }
 
 /// A cache block in its region's epoch: the bytes it held then.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Place {
     pub cbn: Cbn,
     pub epoch: u32,
@@ -72,20 +74,29 @@ pub struct DedupCounts {
     pub no_room: u64,
 }
 
+/// A fingerprint learned for a block in its region's epoch.
+#[derive(Debug, Clone, Copy, Default)]
+struct Learned {
+    place: Place,
+    fp: Fingerprint,
+}
+
 /// The signature table.
 #[derive(Debug, Default)]
 pub struct Signatures {
     /// Cache blocks, found by the checksum they carry.
-    by_crc: HashTable<Cbn>,
-    /// Fingerprints learned for blocks that were candidates.
-    learned: HashMap<Cbn, (u32, Fingerprint)>,
+    by_crc: Table<Cbn>,
+    /// Fingerprints learned for blocks that were candidates, by block.
+    learned: Table<Learned>,
     counts: DedupCounts,
 }
 
-/// The table's hash of a checksum: spread over all 64 bits (the table
-/// picks buckets with the low bits and filters probes with the high ones).
-fn hash(crc: u32) -> u64 {
-    u64::from(crc).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+/// The tables' hash of a checksum or a block number: spread over all 64
+/// bits (a table picks the slot with the high bits and tags it with the
+/// low ones).
+fn hash(key: u32) -> u64 {
+    let h = u64::from(key).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    h ^ (h >> 32)
 }
 
 impl Signatures {
@@ -105,9 +116,10 @@ impl Signatures {
         match self.by_crc.find_mut(hash(crc), |&c| crc_of(c) == Some(crc)) {
             Some(e) => *e = cbn,
             None => {
-                // Growing rehashes every entry by what its block carries now.
-                self.by_crc
-                    .insert_unique(hash(crc), cbn, |&c| hash(crc_of(c).unwrap_or(0)));
+                // Growing files every entry under what its block carries
+                // now, and drops those of freed blocks.
+                let rehash = |&c: &Cbn| crc_of(c).map(hash);
+                self.counts.stale += self.by_crc.insert(hash(crc), cbn, rehash) as u64;
             }
         }
     }
@@ -116,14 +128,25 @@ impl Signatures {
     /// that epoch.
     pub fn fingerprint(&self, place: Place) -> Option<Fingerprint> {
         self.learned
-            .get(&place.cbn)
-            .filter(|(epoch, _)| *epoch == place.epoch)
-            .map(|(_, fp)| *fp)
+            .find(hash(place.cbn), |l| l.place.cbn == place.cbn)
+            .filter(|l| l.place.epoch == place.epoch)
+            .map(|l| l.fp)
     }
 
     /// `place` holds bytes whose fingerprint is `fp`.
     pub fn learn(&mut self, place: Place, fp: Fingerprint) {
-        self.learned.insert(place.cbn, (place.epoch, fp));
+        let learned = Learned { place, fp };
+        match self
+            .learned
+            .find_mut(hash(place.cbn), |l| l.place.cbn == place.cbn)
+        {
+            Some(l) => *l = learned,
+            None => {
+                // Growing keeps them all: a sweep decides which still hold.
+                let rehash = |l: &Learned| Some(hash(l.place.cbn));
+                self.learned.insert(hash(place.cbn), learned, rehash);
+            }
+        }
     }
 
     /// Drops every stale entry once there are a quarter more entries than
@@ -140,22 +163,14 @@ impl Signatures {
     ) {
         let bound = live_blocks + live_blocks / 4 + 1024;
         if (self.by_crc.len() as u64) > bound {
-            let before = self.by_crc.len();
-            let blocks: Vec<Cbn> = self.by_crc.drain().collect();
-            self.by_crc.shrink_to_fit(|_| 0);
-            for cbn in blocks {
-                if let Some(crc) = crc_of(cbn) {
-                    self.remember(crc, cbn, &crc_of);
-                }
-            }
-            self.counts.stale += (before - self.by_crc.len()) as u64;
+            let stale = self.by_crc.rebuild(0, |&c| crc_of(c).map(hash));
+            self.counts.stale += stale as u64;
         }
         if (self.learned.len() as u64) > bound {
-            let before = self.learned.len();
-            self.learned
-                .retain(|&cbn, &mut (epoch, _)| holds(Place { cbn, epoch }));
-            self.counts.stale += (before - self.learned.len()) as u64;
-            self.learned.shrink_to_fit();
+            let stale = self
+                .learned
+                .rebuild(0, |l| holds(l.place).then(|| hash(l.place.cbn)));
+            self.counts.stale += stale as u64;
         }
     }
 
@@ -180,7 +195,7 @@ impl Signatures {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_crc.is_empty()
+        self.by_crc.len() == 0
     }
 
     /// Fingerprints learned.
@@ -192,12 +207,9 @@ impl Signatures {
         self.counts
     }
 
-    /// Bytes of memory the table holds (a control byte per slot).
+    /// Bytes of memory the table holds.
     pub fn memory_bytes(&self) -> u64 {
-        let by_crc = self.by_crc.capacity() * (std::mem::size_of::<Cbn>() + 1);
-        let learned =
-            self.learned.capacity() * (std::mem::size_of::<(Cbn, (u32, Fingerprint))>() + 1);
-        (by_crc + learned) as u64
+        self.by_crc.memory_bytes() + self.learned.memory_bytes()
     }
 }
 
