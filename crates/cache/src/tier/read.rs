@@ -446,9 +446,10 @@ impl FlashCache {
                     .chain([end])
                 {
                     if c > at {
-                        let part =
-                            &data[((at - first) * BLOCK) as usize..((c - first) * BLOCK) as usize];
-                        self.promote_run(id, tag, read_seq, at, part)?;
+                        let (from, to) = ((at - first) as usize, (c - first) as usize);
+                        let part = &data[from * BLOCK as usize..to * BLOCK as usize];
+                        let known = sums.get(from..to).unwrap_or_default();
+                        self.promote_run(id, tag, read_seq, at, part, known)?;
                     }
                     at = c + 1;
                 }
@@ -517,7 +518,8 @@ impl FlashCache {
     }
 
     /// Admits `data`, blocks from `first` of image `id`, into the
-    /// promotion stream.
+    /// promotion stream; `known`: the blocks' checksums when dedup has
+    /// computed them already (empty otherwise).
     fn promote_run(
         &self,
         id: u16,
@@ -525,6 +527,7 @@ impl FlashCache {
         read_seq: u64,
         first: u64,
         data: &[u8],
+        known: &[Checksummed],
     ) -> Result<()> {
         let counters = self.stats.disk(tag.disk);
         let n = data.len() as u64 / BLOCK;
@@ -550,10 +553,15 @@ impl FlashCache {
         }
         // Checksums before the lock: the state lock is held for the
         // index only.
-        let crcs: Vec<u32> = data[..(done * BLOCK) as usize]
-            .chunks(BLOCK as usize)
-            .map(crc32c::crc32c)
-            .collect();
+        let crcs: Vec<u32> =
+            if known.len() as u64 == n && known.first().is_some_and(|&(b, _)| b == first) {
+                known.iter().map(|&(_, crc)| crc).collect()
+            } else {
+                data[..(done * BLOCK) as usize]
+                    .chunks(BLOCK as usize)
+                    .map(crc32c::crc32c)
+                    .collect()
+            };
         let mut st = self.lock();
         if let Some(e) = failed {
             self.give_back(&mut st, &runs);

@@ -198,9 +198,25 @@ impl FlashCache {
         };
         let mut buf = vec![0u8; BLOCK as usize];
         let mut out = Compared::default();
+        // Cache blocks found equal to a block of this write, and where in
+        // the write that block is.
+        let mut found_at: Vec<(Cbn, usize)> = Vec::new();
         for (c, known) in candidates {
             let start = (c.block * BLOCK - off) as usize;
-            let new = self.fingerprint_of(disk, &blocks.slices(start, start + BLOCK as usize));
+            let end = start + BLOCK as usize;
+            // A later block matching the same cache block is compared in
+            // memory with the earlier one: no second fingerprint.
+            if let Some(&(_, earlier)) = found_at.iter().find(|(cbn, _)| *cbn == c.cbn) {
+                if blocks.equals(
+                    start,
+                    end,
+                    &blocks.slices(earlier, earlier + BLOCK as usize).concat(),
+                ) {
+                    out.found.push(*c);
+                }
+                continue;
+            }
+            let new = self.fingerprint_of(disk, &blocks.slices(start, end));
             // A block several of the write's blocks match is read once.
             let learned_here = out
                 .learned
@@ -224,7 +240,7 @@ impl FlashCache {
                     // The block is read anyway: comparing its bytes is
                     // exact and cheaper than fingerprinting them, and equal
                     // bytes have the write's block's fingerprint.
-                    if !blocks.equals(start, start + BLOCK as usize, &buf) {
+                    if !blocks.equals(start, end, &buf) {
                         continue;
                     }
                     out.learned.push((Place { cbn: c.cbn, epoch }, new));
@@ -233,6 +249,7 @@ impl FlashCache {
             };
             if new == old {
                 out.found.push(*c);
+                found_at.push((c.cbn, start));
             }
         }
         Ok(out)
