@@ -10,7 +10,8 @@ flash cache (--cache-size, big enough to hold every write, so nothing is
 evicted or written back while fio runs). fio's nbd engine is the guest:
 4 KiB random writes at queue depth --depth per clone, every block of the
 range written once (fio's random map), then the same blocks read back at
-the same depth. The clones run one after another (--parallel: all at once,
+the same depth (--flush: each clone's writes end with a guest flush, and
+its time includes it). The clones run one after another (--parallel: all at once,
 one fio process per clone), so each clone's writes can find the blocks of
 the clones before it. The base stays empty so every block entering flash is a
 guest write (dedup of base reads is the replay sweep's business).
@@ -48,7 +49,7 @@ the stop's seconds, warnings and errors in vdcache's log. Tables
 issue's checks and whether this run met them.
 
 Usage: bench/dedup_bench.py [--size-mib N] [--clones N] [--cache-size SIZE]
-                            [--delay MS] [--depth N] [--repeat N] [--parallel] [--quick]
+                            [--delay MS] [--depth N] [--repeat N] [--parallel] [--flush] [--quick]
                             [--label NAME] [--out DIR] [--vdcache PATH]
                             [--workdir DIR]
 """
@@ -104,9 +105,10 @@ def fio_args(a, rw, offset, seed):
     default scramble writes the offset and a timestamp into each buffer,
     which would defeat dedup): the same seed and queue depth give the same
     bytes at the same place of the range, whatever the timing."""
+    flush = ["--end_fsync=1"] if a.flush and rw == "randwrite" else []
     return [f"--rw={rw}", "--bs=4k", f"--iodepth={a.depth}", f"--size={a.size_mib}m", f"--offset={offset}",
             f"--randseed={seed}", "--random_generator=tausworthe64", "--refill_buffers=1",
-            "--scramble_buffers=0"]
+            "--scramble_buffers=0", *flush]
 
 
 def fio_cmd(name, uri, opts):
@@ -363,7 +365,9 @@ class Bench:
         what = ("the same content at a different offset" if phase == "duplicates" else "its own content")
         lines = [f"{a.clones} clones (one vdcache, one {a.cache_size} write-back cache, {a.clones} exports), each "
                  f"writing {a.size_mib} MiB of {what}: 4 KiB random writes, queue depth {a.depth}, clones "
-                 f"{'all at once' if a.parallel else 'one after another'}; then the same blocks read back. "
+                 f"{'all at once' if a.parallel else 'one after another'}"
+                 f"{', each ending with a flush (counted in its time)' if a.flush else ''}; then the same blocks "
+                 "read back. "
                  f"{a.repeat} repeat(s), the modes' order rotated each time. IOPS: guest I/Os over the fio runs' "
                  "seconds, median (and range) over the repeats; vs off: the median over the repeats of the ratio to "
                  "dedup off in the same repeat. vdcache CPU: its user + system time over the writes per guest write "
@@ -433,7 +437,8 @@ class Bench:
                 f"{a.image_bytes >> 20} MiB qcow2 base, a fresh delta per clone and cell",
                 f"- {a.clones} clones, {a.size_mib} MiB each, clone i at offset i * {a.size_mib // 2 + 1} MiB; "
                 f"guest: fio nbd engine, 4 KiB, queue depth {a.depth}, clones "
-                f"{'in parallel' if a.parallel else 'in sequence'}",
+                f"{'in parallel' if a.parallel else 'in sequence'}"
+                f"{', each clone ending its writes with a flush' if a.flush else ''}",
                 f"- vdcache serve --config: [cache] mode = writeback, size = {a.cache_size}, "
                 "sequential_write_cutoff = 0, dedup per cell",
                 f"- machine: {os.cpu_count()} CPUs, load at start {a.load}; {time.strftime('%Y-%m-%d %H:%M')}", ""]
@@ -486,6 +491,9 @@ def main():
     ap.add_argument("--depth", type=int, default=16, help="fio queue depth per clone")
     ap.add_argument("--repeat", type=int, help="cells per phase and mode, the modes' order rotated (default 3; quick 1)")
     ap.add_argument("--parallel", action="store_true", help="run the clones' fio jobs at once, not one after another")
+    ap.add_argument("--flush", action="store_true",
+                    help="end each clone's writes with a guest flush (fio end_fsync): its time counts making them "
+                         "durable, so the cache device's writes are paid in the run, not later by the kernel")
     ap.add_argument("--stop-timeout", type=int, default=1800, help="seconds vdcache's stop (write-back) may take")
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     ap.add_argument("--label", default="", help="name of the report (OUT/LABEL.md, .json; default dedup.md)")

@@ -433,8 +433,9 @@ fn print_stats(d: &serde_json::Value) {
     let exports = d["exports"].as_array().unwrap_or(&empty);
     let disks = d["disks"].as_array().unwrap_or(&empty);
     let cached = cache.and_then(|c| c["disks"].as_array()).unwrap_or(&empty);
+    let dedups = cache.is_some_and(|c| !c["dedup"].is_null());
     outln!(
-        "{:<16} {:>4} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7}",
+        "{:<16} {:>4} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7}",
         "EXPORT",
         "CONN",
         "REQUESTS",
@@ -443,6 +444,7 @@ fn print_stats(d: &serde_json::Value) {
         "HIT",
         "DIRTY",
         "FLASH-W",
+        "SAVED",
         "STORE-R",
         "STORE-W",
         "SYNCS",
@@ -465,8 +467,13 @@ fn print_stats(d: &serde_json::Value) {
             .as_f64()
             .map(|r| format!("{:.1}%", r * 100.0))
             .unwrap_or_else(|| "-".into());
+        let saved = if dedups {
+            human(n(&s["dedup_blocks_shared"]) * 4096)
+        } else {
+            "-".into()
+        };
         outln!(
-            "{:<16} {:>4} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7}",
+            "{:<16} {:>4} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7}",
             shown,
             n(&e["active_connections"]),
             n(&e["requests"]) + n(&disk["vhost_user"]["requests"]),
@@ -475,6 +482,7 @@ fn print_stats(d: &serde_json::Value) {
             pct(hits, hits + n(&s["read_miss_blocks"])),
             h(&s["dirty_bytes"]),
             h(&s["flash_bytes_written"]),
+            saved,
             h(&s["backend_bytes_read"]),
             h(&s["backend_bytes_written"]),
             n(&s["backend_syncs"]),
@@ -482,7 +490,7 @@ fn print_stats(d: &serde_json::Value) {
         );
     }
     outln!(
-        "CONN: open NBD connections; REQUESTS, READ/WRITTEN: what the NBD and vhost-user clients asked, read and wrote; HIT: 4 KiB blocks of reads served from flash; DIRTY: not yet written back; FLASH-W: written to the cache device; STORE-R/W, SYNCS: traffic to the image stores; L2-HIT: qcow2 mapping lookups served from memory"
+        "CONN: open NBD connections; REQUESTS, READ/WRITTEN: what the NBD and vhost-user clients asked, read and wrote; HIT: 4 KiB blocks of reads served from flash; DIRTY: not yet written back; FLASH-W: written to the cache device; SAVED: flash writes dedup saved (blocks that shared a block flash held; - without dedup); STORE-R/W, SYNCS: traffic to the image stores; L2-HIT: qcow2 mapping lookups served from memory"
     );
 }
 

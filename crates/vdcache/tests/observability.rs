@@ -127,6 +127,25 @@ fn histogram_count(scrape: &prometheus_parse::Scrape, export: &str, op: &str) ->
     }
 }
 
+/// The value of column `header` (10 wide, right-aligned under it) in the
+/// row of `export` of `vdcache stats`' table.
+fn column(text: &str, export: &str, header: &str) -> String {
+    let head = text
+        .lines()
+        .find(|l| l.starts_with("EXPORT"))
+        .unwrap_or_else(|| panic!("no table:\n{text}"));
+    let end = head.find(header).expect("a column") + header.len();
+    let row = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{export} ")))
+        .unwrap_or_else(|| panic!("no row for {export}:\n{text}"));
+    // Its columns are 10 wide.
+    row.get(end.saturating_sub(10)..end)
+        .unwrap_or("")
+        .trim()
+        .to_string()
+}
+
 #[test]
 fn metrics_stats_and_dashboard_agree() {
     let s = Scratch::new();
@@ -225,6 +244,7 @@ fn metrics_stats_and_dashboard_agree() {
     assert_eq!(cols[0], "vm1");
     assert_eq!(cols[1], "0", "no connection is open: {row}");
     assert_eq!(&cols[3..7], ["2", "MiB", "1", "MiB"], "{row}");
+    assert_eq!(column(&text, "vm1", "SAVED"), "-", "no dedup: {text}");
     assert!(
         text.contains("EXPORT") && text.contains("HIT: 4 KiB blocks"),
         "{text}"
@@ -586,6 +606,10 @@ fn stats_show_what_dedup_shares_between_exports() {
         "{text}"
     );
     assert!(text.contains("cached in "), "{text}");
+    // Per export: a's 1 MiB of one pattern shared 255 of its own blocks,
+    // b's all 256 of a's.
+    assert_eq!(column(&text, "a", "SAVED"), "1020 KiB", "{text}");
+    assert_eq!(column(&text, "b", "SAVED"), "1 MiB", "{text}");
     // 256 addresses of each export's image, 16 to a line: the map's
     // room in the checkpoint, as a share used.
     let dedup = &st["cache"]["dedup"];

@@ -91,12 +91,15 @@ pub struct Signatures {
     counts: DedupCounts,
 }
 
-/// The tables' hash of a checksum or a block number: spread over all 64
-/// bits (a table picks the slot with the high bits and tags it with the
-/// low ones).
+/// The tables' hash of a checksum or a block number: every bit of the
+/// key spread over all 64 (SplitMix64's finalizer; a table picks the group
+/// with the high bits and tags with the low ones). One multiplication
+/// alone left whole ranges of groups empty for keys with a pattern.
 fn hash(key: u32) -> u64 {
-    let h = u64::from(key).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    h ^ (h >> 32)
+    let mut x = u64::from(key);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 impl Signatures {
@@ -261,6 +264,20 @@ mod tests {
         assert_eq!((s.len(), s.counts().stale), (1999, 1));
         assert_eq!(s.find(0x5555_0000, carried(&crcs)), Some(5));
         assert_eq!(s.find(6, carried(&crcs)), None);
+    }
+
+    /// Keys with a pattern (here a multiplicative sequence, as a single
+    /// multiplicative hash would be) still fall evenly over the groups.
+    #[test]
+    fn patterned_keys_do_not_cluster() {
+        let mut t: Table<u32> = Table::default();
+        let key =
+            |k: u32| (u64::from(k).wrapping_mul(0x2545_f491_4f6c_dd1d)).rotate_left(17) as u32;
+        for k in 0..100_000u32 {
+            t.insert(hash(key(k)), k, |&e| Some(hash(key(e))));
+        }
+        let displaced = t.mean_displacement(|&e| hash(key(e)));
+        assert!(displaced < 0.25, "{displaced} groups from home on average");
     }
 
     #[test]

@@ -196,7 +196,8 @@ impl FlashCache {
         let blocks = Blocks {
             pieces: pieces.to_vec(),
         };
-        let mut buf = vec![0u8; BLOCK as usize];
+        // Only a candidate whose fingerprint is not known reads its block.
+        let mut buf = Vec::new();
         let mut out = Compared::default();
         // Cache blocks found equal to a block of this write, and where in
         // the write that block is.
@@ -226,6 +227,7 @@ impl FlashCache {
             let old = match known.or(learned_here) {
                 Some(fp) => fp,
                 None => {
+                    buf.resize(BLOCK as usize, 0);
                     self.device
                         .read_at(&mut buf, self.layout.block_offset(c.cbn))
                         .map_err(CacheError::device("read a block to fingerprint"))?;
