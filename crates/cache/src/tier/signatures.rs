@@ -251,7 +251,10 @@ impl FlashCache {
             };
             if new == old {
                 out.found.push(*c);
-                found_at.push((c.cbn, start));
+                // A one-block write (the common case) keeps no list.
+                if candidates.len() > 1 {
+                    found_at.push((c.cbn, start));
+                }
             }
         }
         Ok(out)
