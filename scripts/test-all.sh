@@ -11,9 +11,11 @@ for tool in qemu-img:qemu-utils qemu-io:qemu-utils qemu-nbd:qemu-utils \
             mkfs.ext4:e2fsprogs e2fsck:e2fsprogs filefrag:e2fsprogs losetup:mount; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
-# OpenSSL (TLS-PSK) is linked from the system.
+# OpenSSL (TLS-PSK) and zstd (qcow2's zstd compression) are linked from
+# the system.
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 pkg-config --exists openssl 2>/dev/null || missing+=(libssl-dev)
+pkg-config --exists libzstd 2>/dev/null || missing+=(libzstd-dev)
 # The VM tests: busybox and cpio build the guest's initramfs, debugfs reads
 # its files back (e2fsprogs, above).
 # Operator integration: libvirt's domain validator (and its xmllint), the

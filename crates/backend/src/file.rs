@@ -27,6 +27,9 @@ pub struct FileBackend {
     /// A regular file grows on writes past its end; a block device does
     /// not. Fixed at open: asking the kernel costs a statx per allocation.
     growable: bool,
+    /// A discard gives the blocks back and allocates them again (see
+    /// [`FileBackend::keeping_space`]).
+    keep_space: bool,
 }
 
 impl FileBackend {
@@ -53,28 +56,19 @@ impl FileBackend {
             file,
             name,
             growable,
+            keep_space: false,
         })
     }
-}
 
-/// Moves a fully written file `tmp` to `dest`, failing if `dest` exists,
-/// and makes the rename durable: a file appears under `dest` complete or
-/// not at all, and two processes racing to create it cannot replace each
-/// other's file.
-pub fn publish_new_file(tmp: &Path, dest: &Path) -> io::Result<()> {
-    rustix::fs::renameat_with(
-        rustix::fs::CWD,
-        tmp,
-        rustix::fs::CWD,
-        dest,
-        rustix::fs::RenameFlags::NOREPLACE,
-    )
-    .map_err(io::Error::from)?;
-    let dir = match dest.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    File::open(dir)?.sync_all()
+    /// A file whose space stays reserved (a cache file, allocated whole
+    /// when created): a discard still frees its blocks, so the file
+    /// system may trim them, but allocates them again at once, so no
+    /// other file can take the space and a later write never finds the
+    /// file system full.
+    pub fn keeping_space(mut self) -> FileBackend {
+        self.keep_space = self.growable;
+        self
+    }
 }
 
 impl Backend for FileBackend {
@@ -157,7 +151,12 @@ impl Backend for FileBackend {
             offset,
             len,
         )
-        .map_err(io::Error::from)
+        .map_err(io::Error::from)?;
+        if self.keep_space {
+            rustix::fs::fallocate(&self.file, FallocateFlags::KEEP_SIZE, offset, len)
+                .map_err(io::Error::from)?;
+        }
+        Ok(())
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {

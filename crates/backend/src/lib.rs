@@ -19,7 +19,7 @@ pub mod recording;
 mod sparse;
 mod store_name;
 
-pub use file::{FileBackend, FileOptions, publish_new_file};
+pub use file::{FileBackend, FileOptions};
 pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
 pub use nbd::{DEFAULT_RECONNECT_DELAY, NbdBackend, NbdOptions};

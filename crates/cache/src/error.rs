@@ -6,9 +6,13 @@ pub enum CacheError {
     #[error("not a vdcache cache device (no valid superblock)")]
     NotACache,
     #[error(
-        "{device} has no vdcache superblock but holds {what}; refusing to format it (nothing was changed). If it is not needed, pass --format-cache to overwrite it"
+        "{device} has no vdcache superblock but holds {what}; refusing to format it (nothing was changed)"
     )]
     NotBlank { device: String, what: String },
+    #[error(
+        "{device} is a cache that still holds data not written back of {images}; refusing to format it (nothing was changed): write that data back first with `vdcache recover --full --cache {device}`"
+    )]
+    HoldsDirty { device: String, images: String },
     #[error("cache device is corrupt: {0}")]
     Corrupt(String),
     #[error(
@@ -19,9 +23,23 @@ pub enum CacheError {
         what: String,
         affected: String,
     },
-    #[error("cache device {op} failed: {cause}")]
+    #[error(
+        "cache device {op} failed: {cause}{}",
+        full_hint(cause, "the cache device's file system")
+    )]
     Device {
         op: &'static str,
+        cause: std::io::Error,
+    },
+    /// An image's store (its file, its storage server) failed, not the
+    /// cache device.
+    #[error(
+        "{op} {image} failed: {cause}{}",
+        full_hint(cause, "the file system holding it")
+    )]
+    Store {
+        op: &'static str,
+        image: String,
         cause: std::io::Error,
     },
     #[error(
@@ -50,12 +68,35 @@ pub enum CacheError {
         "write-back gave up: {fault}; the dirty data stays in the cache and is written back once the storage server is reachable"
     )]
     Unreachable { fault: vdcache_backend::StoreFault },
+    #[error(
+        "write-back failed {rounds} times in a row, last: {last}; the dirty data stays safe in the cache and is written back once the cause is fixed (a later flush, a restart or `vdcache recover --full` tries again)"
+    )]
+    WriteBackFailing { rounds: u64, last: String },
 }
 
 impl CacheError {
     /// Maps an I/O error of the cache device, naming the operation.
     pub fn device(op: &'static str) -> impl FnOnce(std::io::Error) -> CacheError {
         move |cause| CacheError::Device { op, cause }
+    }
+
+    /// Maps an I/O error of an image's store, naming the operation and
+    /// the image.
+    pub fn store(
+        op: &'static str,
+        store: &dyn vdcache_backend::Backend,
+    ) -> impl FnOnce(std::io::Error) -> CacheError {
+        let image = store.name().to_string();
+        move |cause| CacheError::Store { op, image, cause }
+    }
+}
+
+/// " (WHERE is full)" when `cause` says a file system or quota is full.
+fn full_hint(cause: &std::io::Error, place: &str) -> String {
+    match cause.kind() {
+        std::io::ErrorKind::StorageFull => format!(" ({place} is full)"),
+        std::io::ErrorKind::QuotaExceeded => format!(" ({place} is over its quota)"),
+        _ => String::new(),
     }
 }
 
@@ -66,7 +107,7 @@ impl CacheError {
     pub fn unreachable_store(&self) -> Option<&vdcache_backend::StoreFault> {
         let cause = match self {
             CacheError::Unreachable { fault } => return Some(fault),
-            CacheError::Device { cause, .. } => cause,
+            CacheError::Device { cause, .. } | CacheError::Store { cause, .. } => cause,
             _ => return None,
         };
         vdcache_backend::StoreFault::find(cause)

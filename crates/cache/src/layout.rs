@@ -23,6 +23,11 @@ pub const DEFAULT_REGION: u64 = 2 << 20;
 pub const MIN_DEVICE: u64 = 16 << 20;
 
 const MAGIC: &[u8; 8] = b"VDCACHE1";
+
+/// Whether `head` (a device's first bytes) starts like a cache's superblock.
+pub fn is_cache_magic(head: &[u8]) -> bool {
+    head.starts_with(MAGIC)
+}
 /// 3: regions end with a summary block (regions of 64 blocks or more).
 /// 4: partially valid blocks may have valid 512-byte sectors (journal
 /// entry 9, and a field of partially valid lines in checkpoints).
@@ -371,6 +376,16 @@ impl Superblock {
             )));
         }
         Ok(sb)
+    }
+
+    /// The superblock, or its copy when the first one is damaged, without
+    /// writing anything (for a look at a device another process may own).
+    pub fn peek(device: &dyn Backend) -> Option<Superblock> {
+        let len = device.len().ok()?;
+        read_at(device, 0)
+            .and_then(|b| Superblock::decode(&b))
+            .ok()
+            .or_else(|| backup_of(device, len))
     }
 
     /// Writes the superblock and its copy (not synced).

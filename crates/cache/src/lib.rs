@@ -33,4 +33,6 @@ pub use error::{CacheError, Result};
 pub use guest_journal::JournalCounts;
 pub use region::Replacement;
 pub use stats::{DeviceStats, DiskStats};
-pub use tier::{CacheReport, DedupReport, FlashCache, ImageReport, RecoveryReport, ShareReport};
+pub use tier::{
+    CacheReport, DedupReport, DeviceContent, FlashCache, ImageReport, RecoveryReport, ShareReport,
+};

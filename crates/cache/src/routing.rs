@@ -24,9 +24,12 @@ pub(crate) const BYPASS_MEAN_REQUEST: u64 = 32 << 10;
 pub(crate) enum Keep {
     Nothing,
     Everything,
-    /// Everything but copy-on-write filler, and metadata written as zeros
-    /// (a table just created: the COW layer knows it is empty without
-    /// reading it, so a flash copy would only cost flash writes).
+    /// Everything but copy-on-write filler, metadata written as zeros (a
+    /// table just created: the COW layer knows it is empty without reading
+    /// it, so a flash copy would only cost flash writes), and metadata
+    /// journal records (read only to recover from a crash; a copy would
+    /// cost flash writes, and dropping it durably a cache device sync,
+    /// when the next record takes its place).
     NotFiller,
 }
 

@@ -48,6 +48,10 @@ pub enum Verdict {
     Advanced,
     /// Not the recorded image; the reason, in words.
     Different(String),
+    /// The recorded image, made usable without this cache since (`vdcache
+    /// recover --without-cache`): whatever the cache holds of it was given
+    /// up by the operator.
+    Abandoned,
 }
 
 impl ImageIdentity {
@@ -97,6 +101,9 @@ fn compare_marks(found: &MarkIdentity, rec: &MarkIdentity, cache_id: &[u8; 16]) 
             vdcache_qcow2::cache_mark::hex(&rec.image_id)
         ));
     }
+    if found.cache_id == vdcache_qcow2::cache_mark::NO_CACHE {
+        return Verdict::Abandoned;
+    }
     if found.cache_id != *cache_id {
         return Verdict::Different("another vdcache cache served it since this one did".into());
     }
@@ -112,7 +119,7 @@ fn compare_marks(found: &MarkIdentity, rec: &MarkIdentity, cache_id: &[u8; 16]) 
         Verdict::Advanced
     } else {
         Verdict::Different(format!(
-            "it is a copy from another time (generation {}, recorded {}): restored from a backup?",
+            "it is a copy from another time (generation {}, recorded {}), perhaps restored from a backup",
             found.generation, rec.generation
         ))
     }

@@ -19,12 +19,31 @@ pub enum HostError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot size cache {} to {size} bytes", path.display())]
+    #[error(
+        "cannot allocate cache {} of {size} bytes{}",
+        path.display(),
+        free.map(|f| format!(" (its file system has {f} bytes free): give a smaller --cache-size or another file system")).unwrap_or_default()
+    )]
     Resize {
         path: PathBuf,
         size: u64,
+        free: Option<u64>,
         #[source]
         source: std::io::Error,
+    },
+    #[error(
+        "{} holds {what}; vdcache formats only its own caches (and block devices given to it), so nothing was changed. Name another path for the cache",
+        path.display()
+    )]
+    FormatRefused { path: PathBuf, what: String },
+    #[error(
+        "cache {}: it has no vdcache superblock but holds {what}; nothing was changed: {hint}",
+        path.display()
+    )]
+    NotACache {
+        path: PathBuf,
+        what: String,
+        hint: &'static str,
     },
     #[error("cannot format cache {}", path.display())]
     Format {

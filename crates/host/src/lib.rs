@@ -24,7 +24,10 @@ pub mod recovery;
 #[cfg(any(test, feature = "deliberate-bugs"))]
 pub mod testing;
 
-pub use device::{open_cache_file, open_device, open_for_serving, remove_created_cache};
+pub use device::{
+    abandon_cache, check_formattable, open_cache_file, open_device, open_for_serving,
+    remove_created_cache,
+};
 pub use error::{HostError, ImageRecoveryError, Result};
 pub use recovery::{FullRecovery, recover_full, recover_full_at};
 pub use vdcache_image::StoreOpener;

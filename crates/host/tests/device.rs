@@ -84,26 +84,55 @@ fn a_file_holding_something_else_is_refused_unchanged() {
     let content = vec![0x5a_u8; 16 * MIB as usize];
     std::fs::write(&path, &content).expect("write");
     let e = open_cache_file(&path, None, CacheConfig::default(), false).expect_err("not blank");
-    let canonical = std::fs::canonicalize(&path).expect("canonical");
     assert_eq!(
         chain(&e),
         format!(
-            "cache {}: {} has no vdcache superblock but holds data that is not a vdcache cache; refusing to format it (nothing was changed). If it is not needed, pass --format-cache to overwrite it",
+            "cache {}: it has no vdcache superblock but holds data that is not a vdcache cache; nothing was changed: name another path for the cache",
             path.display(),
-            canonical.display()
         )
     );
+    // Nor with --format-cache: a regular file that is not a cache is not
+    // vdcache's to format.
+    let e = open_cache_file(&path, None, CacheConfig::default(), true).expect_err("not ours");
+    assert!(matches!(e, HostError::FormatRefused { .. }), "{e:?}");
     assert!(std::fs::read(&path).expect("read") == content);
+    // A qcow2 image, whatever else it holds.
+    let mut image = content.clone();
+    image[..4].copy_from_slice(b"QFI\xfb");
+    std::fs::write(&path, &image).expect("write");
+    let e = open_cache_file(&path, None, CacheConfig::default(), true).expect_err("an image");
+    assert!(chain(&e).contains("a qcow2 image"), "{}", chain(&e));
+    assert!(std::fs::read(&path).expect("read") == image);
+}
+
+/// A new, clean, closed cache of 64 MiB at `path`.
+fn clean_cache(path: &std::path::Path) {
+    let (cache, _) =
+        open_cache_file(path, Some(64 * MIB), CacheConfig::default(), false).expect("create");
+    cache.shutdown(false).expect("shutdown");
+}
+
+#[test]
+fn format_cache_formats_a_cache_only_without_dirty_data() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("cache.img");
+    clean_cache(&path);
+    // A clean cache is formatted again (a new id).
+    let id = |p: &std::path::Path| std::fs::read(p).expect("read")[16..32].to_vec();
+    let before = id(&path);
+    let (cache, created) =
+        open_cache_file(&path, None, CacheConfig::default(), true).expect("format a clean cache");
+    assert!(!created);
+    cache.shutdown(false).expect("shutdown");
+    drop(cache);
+    assert_ne!(id(&path), before, "not formatted");
 }
 
 #[test]
 fn full_recovery_of_an_empty_cache_writes_nothing_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("cache.img");
-    let (cache, _) =
-        open_cache_file(&path, Some(64 * MIB), CacheConfig::default(), false).expect("create");
-    cache.shutdown(false).expect("shutdown");
-    drop(cache);
+    clean_cache(&path);
     let done = recover_full_at(&path, &FullRecovery::default()).expect("recover");
     assert!(done.is_empty(), "{done:?}");
     let missing = dir.path().join("absent.img");

@@ -141,6 +141,14 @@ impl MemFiles {
             .get(name)
             .cloned()
     }
+
+    /// Removes an image, handing back its store.
+    pub fn remove(&self, name: &str) -> Option<Arc<MemBackend>> {
+        self.files
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name)
+    }
 }
 
 impl StoreOpener for MemFiles {
@@ -364,9 +372,12 @@ fn open_layer(
         None => ImageFormat::Raw,
     };
     if format == ImageFormat::Raw {
+        // Whole sectors, as QEMU sees a raw file: a partial last sector
+        // reads as zeros past the end of the file.
         let size = io
             .len(&handle)
-            .map_err(|e| ImageError::io(name, "stat", e))?;
+            .map_err(|e| ImageError::io(name, "stat", e))?
+            .next_multiple_of(crate::SECTOR);
         return Ok((Layer::Raw(RawImage { handle, size }), None));
     }
     let (header, _) = qimage::read_header(&handle, &**io, opts.disk)?;

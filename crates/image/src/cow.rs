@@ -296,7 +296,7 @@ impl VirtualDisk {
                 self.complete_invalid_edges(img, &mut p, h)?;
             }
             if !matches!(p.target, Target::InPlace(_)) {
-                l.mark_dirty_for_lazy_refcounts()?;
+                l.mark_dirty_before_change()?;
                 l.ensure_l2_writable(cluster)?;
                 let alloc = match p.target {
                     Target::Reuse(_) => old_alloc_mask(&old, all) | touched,

@@ -119,7 +119,7 @@ fn layout(cluster_size: u64, order: u32, l1_entries: u64) -> (u64, u64, u64) {
 /// existing file is replaced, as qemu-img does).
 pub fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<()> {
     let size = match (opts.size, &opts.backing) {
-        (Some(s), _) => s,
+        (Some(s), _) => whole_sectors(path, s)?,
         (None, Some((name, fmt))) => backing_size(path, name, *fmt)?,
         (None, None) => {
             return Err(invalid(
@@ -273,11 +273,22 @@ fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
     f.flush().map_err(|e| ImageError::io(&name, "sync", e))
 }
 
-/// Creates a raw image of `size` bytes (sparse).
-pub fn create_raw(path: &Path, size: u64) -> Result<()> {
+/// A size asked for, rounded up to whole sectors as qemu-img rounds it
+/// (QEMU sees a disk as whole sectors; a size between them would be read
+/// differently by each).
+fn whole_sectors(path: &Path, size: u64) -> Result<u64> {
+    size.checked_next_multiple_of(crate::SECTOR)
+        .ok_or_else(|| invalid(path, format!("size {size} is too large")))
+}
+
+/// Creates a raw image of `size` bytes (sparse), rounded up to whole
+/// sectors; returns the size made.
+pub fn create_raw(path: &Path, size: u64) -> Result<u64> {
+    let size = whole_sectors(path, size)?;
     let name = path.display().to_string();
     let f = open_for_create(path)?;
     f.set_len(size)
         .map_err(|e| ImageError::io(&name, "resize", e))?;
-    f.flush().map_err(|e| ImageError::io(&name, "sync", e))
+    f.flush().map_err(|e| ImageError::io(&name, "sync", e))?;
+    Ok(size)
 }

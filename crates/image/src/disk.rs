@@ -673,7 +673,7 @@ impl VirtualDisk {
         let mut fallback: Vec<(u64, u64)> = Vec::new();
         {
             let mut l = img.lock();
-            l.mark_dirty_for_lazy_refcounts()?;
+            l.mark_dirty_before_change()?;
             let cs = g.cluster_size();
             let mut pos = aligned_start;
             while pos < aligned_end {
@@ -790,7 +790,7 @@ impl VirtualDisk {
             end_byte / cs
         };
         let mut l = img.lock();
-        l.mark_dirty_for_lazy_refcounts()?;
+        l.mark_dirty_before_change()?;
         for cluster in first..end {
             let old = l.l2_entry(cluster)?;
             let had_storage = !released(&old, &L2Mapping::UNALLOCATED, &g).is_empty();

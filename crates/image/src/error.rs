@@ -55,6 +55,10 @@ pub enum ImageError {
     )]
     CacheReplaced { image: String, cache: String },
     #[error(
+        "{image}: the cache {cache} that holds its newest data is still there and intact, so that data is not lost; nothing was changed. Write it back with `vdcache recover --full --cache {cache}` (or serve the image with that cache). To give that data up anyway, move the cache file away first"
+    )]
+    CacheStillThere { image: String, cache: String },
+    #[error(
         "a write acknowledged before its copy-on-write completed was lost ({cause}); every flush of this disk fails until it is closed (its other writes are flushed regardless)"
     )]
     DeferredWriteLost { cause: String },

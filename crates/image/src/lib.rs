@@ -22,6 +22,9 @@ pub mod meta_cache;
 pub mod qimage;
 mod range_lock;
 
+/// The unit of a disk's size, as QEMU counts it: a disk is whole sectors.
+pub const SECTOR: u64 = 512;
+
 pub use chain::{
     ImageFormat, JournalMode, LocalFiles, MemFiles, OpenOptions, StoreOpener, Stores, open_chain,
 };

@@ -36,6 +36,11 @@ const FIXED_BYTES: usize = 4 + 8 + 16 + 16 + 2;
 /// only advice for messages).
 pub const MAX_CACHE_PATH: usize = SLOT_BYTES - FIXED_BYTES - 4;
 
+/// The cache id of a mark written when an image was made usable without
+/// the cache that held its newest data (`vdcache recover --without-cache`):
+/// no cache holds data of it, and what one still holds was given up.
+pub const NO_CACHE: [u8; 16] = [0; 16];
+
 /// What vdcache records in an image it serves through a flash cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheMark {

@@ -37,15 +37,18 @@ fn check(a: &Args) -> Result<u8> {
     // Like qemu-img check, an image whose backing chain cannot be opened
     // (missing file, loop, unsafe format) cannot be checked; and one that
     // a writer holds is in use, whatever else is wrong with it.
-    drop(open_chain(
-        &a.file,
-        &OpenOptions {
-            read_only: true,
-            force_share: a.force_share,
-            for_check: true,
-            ..OpenOptions::default()
-        },
-    )?);
+    drop(
+        open_chain(
+            &a.file,
+            &OpenOptions {
+                read_only: true,
+                force_share: a.force_share,
+                for_check: true,
+                ..OpenOptions::default()
+            },
+        )
+        .map_err(|e| crate::cmd_info::force_share_hint(e, "check"))?,
+    );
     let open = |writable: bool| {
         open_chain(
             &a.file,

@@ -100,7 +100,7 @@ pub fn run(a: Args) -> Result<u8> {
                 bail!("raw images cannot have a backing file");
             }
             let size = size.context("raw images need a size")?;
-            create_raw(&a.file, size)?;
+            let size = create_raw(&a.file, size)?;
             outln!("created {}: raw, {}", a.file.display(), size_text(size));
         }
         "qcow2" => {

@@ -16,6 +16,7 @@ use vdcache_image::{
     CreateOptions, DiskId, HostIo, ImageFormat, Layer, MetaCacheConfig, OpenOptions, VirtualDisk,
     create_qcow2, open_chain,
 };
+use vdcache_ownership::OwnedDir;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -91,36 +92,52 @@ fn verify(disk: &VirtualDisk, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// The demo's own files: in a directory of the user's, the demo writes
+/// only these (and its marker), and only where it finds nothing else.
+const DEMO_FILES: [&str; 4] = [BASE, DELTA, CACHE, SOCKET];
+const BASE: &str = "base.qcow2";
+const DELTA: &str = "delta.qcow2";
+const CACHE: &str = "flash.cache";
+const SOCKET: &str = "demo.sock";
+const MARKER: &str = ".vdcache-demo";
+
 pub fn run(a: Args) -> Result<u8> {
     let keep = a.dir.is_some();
-    let dir = a.dir.unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("vdcache-demo-{}", std::process::id()))
-    });
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let result = demo(&dir);
-    let (files, bytes) = dir_size(&dir);
+    let dir = match &a.dir {
+        Some(d) => OwnedDir::claim(
+            d,
+            MARKER,
+            "This directory holds the files of `vdcache demo`, which may replace them on its next run.\n",
+            &DEMO_FILES,
+        )
+        .context("vdcache demo --dir")?,
+        None => OwnedDir::fresh_temp("vdcache-demo")?,
+    };
+    let result = demo(dir.path());
+    let (files, bytes) = dir_size(dir.path());
     if keep || result.is_err() {
         outln!(
-            "files kept in {}: {files} files, {} on disk{} (remove them with: rm -r {})",
-            dir.display(),
+            "files kept in {}: {files} files, {} on disk{} (remove them with: {})",
+            dir.path().display(),
             human(bytes),
             if result.is_err() {
                 ", for a look at what failed"
             } else {
                 ""
             },
-            dir.display()
+            removal_command(&dir)
         );
     } else {
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => outln!(
+        let path = dir.path().to_path_buf();
+        match dir.remove_if_created() {
+            Ok(_) => outln!(
                 "removed the demo's {files} files ({}) from {}; run `vdcache demo --dir DIR` to keep them",
                 human(bytes),
-                dir.display()
+                path.display()
             ),
             Err(e) => outln!(
                 "could not remove {} ({e}); it holds {} you may delete",
-                dir.display(),
+                path.display(),
                 human(bytes)
             ),
         }
@@ -135,6 +152,24 @@ pub fn run(a: Args) -> Result<u8> {
     outln!("  vdcache stats --socket vm.sock");
     outln!("(README.md, \"Serving a VM's disk\", walks through it, QEMU and libvirt included.)");
     Ok(0)
+}
+
+/// How to remove what the demo left: the whole directory if the demo made
+/// it, else only its own files.
+fn removal_command(dir: &OwnedDir) -> String {
+    let quote = |p: &Path| format!("'{}'", p.display().to_string().replace('\'', "'\\''"));
+    if dir.created() {
+        return format!("rm -r {}", quote(dir.path()));
+    }
+    let mut names: Vec<String> = DEMO_FILES
+        .iter()
+        .chain(&[MARKER])
+        .map(|f| dir.path().join(f))
+        .filter(|p| p.exists())
+        .map(|p| quote(&p))
+        .collect();
+    names.insert(0, "rm".into());
+    names.join(" ")
 }
 
 /// Files under `dir` and the bytes they take on disk (sparse files count
@@ -152,9 +187,9 @@ fn dir_size(dir: &Path) -> (u64, u64) {
 
 fn demo(dir: &Path) -> Result<()> {
     let dir = dir.to_path_buf();
-    let base = dir.join("base.qcow2");
-    let delta = dir.join("delta.qcow2");
-    let cache_file = dir.join("flash.cache");
+    let base = dir.join(BASE);
+    let delta = dir.join(DELTA);
+    let cache_file = dir.join(CACHE);
     outln!("1. base image {} (64 MiB of data)", base.display());
     create_qcow2(
         &base,
@@ -179,7 +214,7 @@ fn demo(dir: &Path) -> Result<()> {
     create_qcow2(
         &delta,
         &CreateOptions {
-            backing: Some(("base.qcow2".into(), ImageFormat::Qcow2)),
+            backing: Some((BASE.into(), ImageFormat::Qcow2)),
             ..CreateOptions::default()
         },
     )?;
@@ -258,7 +293,7 @@ fn serve_and_read(dir: &Path, disk: &VirtualDisk) -> Result<()> {
     if !probe.status.success() {
         return Ok(());
     }
-    let sock = dir.join("demo.sock");
+    let sock = dir.join(SOCKET);
     let export = Arc::new(DiskExport {
         disk: Arc::new(shared_view(disk)?),
         latency: None,

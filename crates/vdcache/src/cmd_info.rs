@@ -127,7 +127,7 @@ fn describe(layer: &Layer) -> ImageInfo {
             ImageInfo {
                 filename: q.name().to_string(),
                 format: ImageFormat::Qcow2.name(),
-                virtual_size: h.size,
+                virtual_size: q.virtual_size(),
                 actual_size: actual_size(q.name()),
                 cluster_size: Some(h.cluster_size()),
                 backing_filename: h.backing_file.clone(),
@@ -254,7 +254,8 @@ pub fn run(a: Args) -> Result<u8> {
             inspect: true,
             ..OpenOptions::default()
         },
-    )?;
+    )
+    .map_err(|e| force_share_hint(e, "info"))?;
     let chain: Vec<ImageInfo> = disk.layers().iter().map(describe).collect();
     if a.json {
         #[derive(Serialize)]
@@ -278,4 +279,20 @@ pub fn run(a: Args) -> Result<u8> {
         }
     }
     Ok(0)
+}
+
+/// An image another process writes (a server, a VM) is refused, as
+/// qemu-img refuses it; the error says how to look anyway.
+pub fn force_share_hint(e: vdcache_image::ImageError, command: &str) -> anyhow::Error {
+    let in_use = matches!(
+        e,
+        vdcache_image::ImageError::Lock(vdcache_backend::LockError::Conflict { .. })
+    );
+    if in_use {
+        anyhow::anyhow!(
+            "{e}; `vdcache {command} -U` reads it anyway without the lock, as qemu-img -U does (what it shows may change while it is written)"
+        )
+    } else {
+        e.into()
+    }
 }

@@ -7,7 +7,7 @@ use crate::size::parse_size;
 use anyhow::{Context, Result, bail};
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use vdcache_cache::{Admission, CowMode, Dedup, DiskPolicy, Replacement, WriteMode};
 use vdcache_eval::Format;
 use vdcache_eval::cost::DeviceProfile;
@@ -284,19 +284,50 @@ fn note_grown_cache(r: &ReplayReport, asked: &CacheSize) {
     }
 }
 
+/// A trace is read twice (scanned, then replayed): a pipe or device
+/// (`/dev/stdin`) is first copied to a temporary file, removed when the
+/// returned guard drops.
+fn rereadable(path: &Path) -> Result<Option<tempfile::TempPath>> {
+    let meta = std::fs::metadata(path).with_context(|| format!("trace {}", path.display()))?;
+    if meta.is_file() {
+        return Ok(None);
+    }
+    let mut input = File::open(path).with_context(|| format!("trace {}", path.display()))?;
+    let mut copy = tempfile::Builder::new()
+        .prefix(".vdcache-trace-")
+        .tempfile()
+        .context("a temporary copy of the trace")?;
+    let bytes = std::io::copy(&mut input, copy.as_file_mut()).with_context(|| {
+        format!(
+            "copying trace {} to {}",
+            path.display(),
+            copy.path().display()
+        )
+    })?;
+    tracing::info!(
+        "trace {} is not a regular file: {bytes} bytes copied to a temporary file to be read twice",
+        path.display()
+    );
+    Ok(Some(copy.into_temp_path()))
+}
+
 pub fn run(a: Args) -> Result<u8> {
     let (format, opts) = options(&a)?;
+    let copy = rereadable(&a.trace)?;
+    let trace = copy.as_deref().unwrap_or(&a.trace);
     if a.sweep {
-        return run_sweep(&a, format, opts);
+        return run_sweep(&a, trace, format, opts);
     }
     let bar = progress_bar("replay");
-    let report = replay_file(&a.trace, format, &opts, &mut |p| {
+    let report = replay_file(trace, format, &opts, &mut |p| {
         if let Some(b) = &bar {
             b.set_length(p.total);
             b.set_position(p.done);
         }
     })
     .with_context(|| format!("replay {}", a.trace.display()))?;
+    let mut report = report;
+    report.trace = a.trace.display().to_string();
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -309,7 +340,7 @@ pub fn run(a: Args) -> Result<u8> {
     Ok(0)
 }
 
-fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8> {
+fn run_sweep(a: &Args, trace: &Path, format: Option<Format>, base: ReplayOptions) -> Result<u8> {
     let policies = a
         .sweep_policies
         .iter()
@@ -343,7 +374,7 @@ fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8
             .context("--sweep-admission")?,
     };
     let bar = progress_bar("sweep");
-    let reports = sweep(&a.trace, format, &opts, &mut |p| {
+    let reports = sweep(trace, format, &opts, &mut |p| {
         if let Some(b) = &bar {
             b.set_message(format!("run {}/{}", p.run + 1, p.runs));
             b.set_length(p.inner.total);
@@ -351,6 +382,10 @@ fn run_sweep(a: &Args, format: Option<Format>, base: ReplayOptions) -> Result<u8
         }
     })
     .with_context(|| format!("sweep {}", a.trace.display()))?;
+    let mut reports = reports;
+    for r in &mut reports {
+        r.trace = a.trace.display().to_string();
+    }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -505,6 +540,10 @@ pub struct GenArgs {
     disks: Option<u32>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Replace OUT if it exists and holds something (a pipe or a device,
+    /// such as /dev/stdout, is always written as it is).
+    #[arg(long)]
+    force: bool,
 }
 
 pub fn generate(a: GenArgs) -> Result<u8> {
@@ -543,45 +582,31 @@ pub fn generate(a: GenArgs) -> Result<u8> {
         spec.disks = d;
     }
     spec.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
-    // Written under a temporary name and renamed once complete, so an
-    // interrupted run never leaves a truncated trace under the name asked.
-    let file_name = a
-        .out
-        .file_name()
-        .with_context(|| format!("{} is not a file name", a.out.display()))?;
-    let partial = a
-        .out
-        .with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
-    let file =
-        File::create(&partial).with_context(|| format!("cannot create {}", partial.display()))?;
+    // A file appears under its name only once complete (an interrupted
+    // run leaves no truncated trace); a pipe or device is written as the
+    // trace is made.
+    let mut output = vdcache_ownership::Output::create(&a.out, a.force)?;
     let name = a.out.display().to_string();
-    let out: Box<dyn Write> = if name.ends_with(".gz") {
-        Box::new(flate2::write::GzEncoder::new(
-            BufWriter::new(file),
-            flate2::Compression::fast(),
-        ))
+    let generate = |w: &mut dyn Write| {
+        write_workload(&spec, format, &WriterOptions::default(), BufWriter::new(w))
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", a.out.display()))
+    };
+    let summary = if name.ends_with(".gz") {
+        let mut enc = flate2::write::GzEncoder::new(&mut output, flate2::Compression::fast());
+        let s = generate(&mut enc)?;
+        enc.finish()?;
+        s
     } else if name.ends_with(".zst") {
-        Box::new(zstd::stream::write::Encoder::new(BufWriter::new(file), 3)?.auto_finish())
+        let mut enc = zstd::stream::write::Encoder::new(&mut output, 3)?;
+        let s = generate(&mut enc)?;
+        enc.finish()?;
+        s
     } else {
-        Box::new(BufWriter::new(file))
+        generate(&mut output)?
     };
-    let summary = write_workload(
-        &spec,
-        format,
-        &WriterOptions::default(),
-        BufWriter::new(out),
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))
-    .with_context(|| format!("writing {}", a.out.display()));
-    let summary = match summary {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = std::fs::remove_file(&partial);
-            return Err(e);
-        }
-    };
-    std::fs::rename(&partial, &a.out)
-        .with_context(|| format!("cannot rename {} to {}", partial.display(), a.out.display()))?;
+    output
+        .commit()
+        .with_context(|| format!("writing {}", a.out.display()))?;
     errln!(
         "wrote {} requests to {} ({}{} the format cannot express were skipped)",
         summary.written,

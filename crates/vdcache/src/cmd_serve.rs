@@ -131,8 +131,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
     /// The image's per-disk metadata journal (one store sync per guest
-    /// flush): on (without a cache, or with a writethrough or writearound
-    /// one), off, or auto (the default: off for now, see docs/internals.md).
+    /// flush), without a cache or with a writethrough or writearound one:
+    /// auto (the default: on where the image can carry one), on (refuse an
+    /// image that cannot), or off.
     #[arg(long, value_name = "auto|on|off", conflicts_with = "config")]
     metadata_journal: Option<String>,
     /// With the metadata journal and no cache: write zeros ahead of
@@ -143,6 +144,9 @@ pub struct ServeArgs {
     preallocate: bool,
     #[command(flatten)]
     meta: crate::meta_args::MetaCacheArgs,
+    /// The disk to serve: the top image of a qcow2 chain (or a raw image),
+    /// a file or an NBD URI of a storage server (nbd://HOST/EXPORT,
+    /// nbd+unix:///EXPORT?socket=PATH).
     image: Option<String>,
 }
 
@@ -334,7 +338,8 @@ pub fn stats(a: StatsArgs) -> Result<u8> {
             }
         }
         shown += 1;
-        if a.count.is_some_and(|n| shown >= n) {
+        // Nobody reads any more (`| head`, a full device): main reports it.
+        if a.count.is_some_and(|n| shown >= n) || crate::output::stdout_failed() {
             return Ok(0);
         }
         std::thread::sleep(std::time::Duration::from_secs_f64(every));
@@ -665,7 +670,7 @@ fn apply_metadata_journal(image: &std::path::Path) -> Result<u8> {
 }
 
 fn abandon(image: &std::path::Path) -> Result<u8> {
-    match vdcache_image::abandon_cache(image)? {
+    match vdcache_host::abandon_cache(image)? {
         None => outln!(
             "{} does not need a cache; nothing was changed",
             image.display()

@@ -216,9 +216,9 @@ pub struct ExportConfig {
     pub share_min: Option<String>,
     pub share_max: Option<String>,
     pub share_weight: Option<f64>,
-    /// The per-disk metadata journal of the top image: on (without a
-    /// cache, or with a writethrough or writearound one), off, or auto (the
-    /// default: off for now).
+    /// The per-disk metadata journal of the top image, without a cache or
+    /// with a writethrough or writearound one: auto (the default: on where
+    /// the image can carry one), on, or off.
     pub metadata_journal: Option<String>,
     /// With the metadata journal and no cache: write zeros ahead of
     /// allocation (adaptive preallocation). Default false.
@@ -416,13 +416,23 @@ impl ServerConfig {
                 }
             }
         }
-        if let Some(m) = &self.server.metrics
-            && m.parse::<std::net::SocketAddr>().is_err()
-            && !m.contains(':')
-        {
-            bail!(
-                "the metrics address ([server] metrics, --metrics) must be HOST:PORT, such as 127.0.0.1:9187, not '{m}'"
-            );
+        for (what, example, addr) in [
+            (
+                "the metrics address ([server] metrics, --metrics)",
+                "127.0.0.1:9187",
+                &self.server.metrics,
+            ),
+            (
+                "the TCP address ([server] tcp, --tcp)",
+                "127.0.0.1:10809",
+                &self.server.tcp,
+            ),
+        ] {
+            if let Some(a) = addr {
+                check_host_port(a).with_context(|| {
+                    format!("{what} must be HOST:PORT, such as {example}, not '{a}'")
+                })?;
+            }
         }
         if self.server.socket.is_none()
             && self.server.tcp.is_none()
@@ -455,7 +465,8 @@ impl ServerConfig {
             ("workers", l.workers),
         ] {
             if v == Some(0) {
-                bail!("[server] {key} must be at least 1");
+                let flag = if key == "workers" { " (--workers)" } else { "" };
+                bail!("[server] {key}{flag} must be at least 1");
             }
         }
         if let Some(t) = l.handshake_timeout
@@ -484,6 +495,22 @@ impl ServerConfig {
         }
         Ok(())
     }
+}
+
+/// A listening address: HOST:PORT (an IPv6 host in brackets).
+fn check_host_port(addr: &str) -> Result<()> {
+    if addr.parse::<std::net::SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        bail!("the port is missing");
+    };
+    if host.is_empty() || host.contains(':') && !host.starts_with('[') {
+        bail!("the host is missing or an IPv6 address is not in brackets");
+    }
+    port.parse::<u16>()
+        .map(|_| ())
+        .map_err(|_| anyhow::anyhow!("'{port}' is not a port number"))
 }
 
 impl ServerConfig {

@@ -111,6 +111,11 @@ fn main() -> ExitCode {
         Command::Completions(a) => cmd_docs::completions(a),
         Command::Man(a) => cmd_docs::man(a),
     };
+    let result = result.and_then(|code| match output::failure() {
+        // Output that never arrived is a failure, whatever the command did.
+        Some(why) if code == 0 => Err(anyhow::anyhow!(why)),
+        _ => Ok(code),
+    });
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {

@@ -3,41 +3,59 @@
 //! `println!` panics when stdout is a closed pipe (`vdcache info | head`)
 //! or a closed descriptor. A command may be half way through storage work
 //! when that happens (a repair, a conversion), and aborting it there would
-//! leave the work half done; so output errors are swallowed: the first one
-//! stops further output to that stream, and the command finishes its work
-//! and exits with the code it would have had.
+//! leave the work half done; so the first output error stops further
+//! output to that stream and is remembered: the command finishes its work,
+//! and `main` then exits non-zero (see [`failure`]), as a command whose
+//! output was lost must. Loops that only print (`stats --watch`) ask
+//! [`stdout_failed`] and stop.
 //!
-//! Must not: decide exit codes or format anything; callers print through
-//! the macros `outln!`, `out!`, `errln!` and `err!`.
+//! Must not: format anything; callers print through the macros `outln!`,
+//! `out!`, `errln!` and `err!`.
 
 use std::fmt::Arguments;
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
-static STDOUT_GONE: AtomicBool = AtomicBool::new(false);
-static STDERR_GONE: AtomicBool = AtomicBool::new(false);
+/// The first error writing to each stream, once there was one.
+static STDOUT_ERROR: OnceLock<String> = OnceLock::new();
+static STDERR_ERROR: OnceLock<String> = OnceLock::new();
 
-fn emit(gone: &AtomicBool, w: &mut dyn Write, args: Arguments<'_>, newline: bool) {
-    if gone.load(Ordering::Relaxed) {
+fn emit(gone: &OnceLock<String>, w: &mut dyn Write, args: Arguments<'_>, newline: bool) {
+    if gone.get().is_some() {
         return;
     }
     let r = w
         .write_fmt(args)
         .and_then(|()| if newline { w.write_all(b"\n") } else { Ok(()) })
         .and_then(|()| w.flush());
-    if r.is_err() {
-        gone.store(true, Ordering::Relaxed);
+    if let Err(e) = r {
+        let _ = gone.set(e.to_string());
+    }
+}
+
+/// Whether writing to stdout failed (a closed pipe, a full device).
+pub fn stdout_failed() -> bool {
+    STDOUT_ERROR.get().is_some()
+}
+
+/// What went wrong writing standard output or error, if anything did:
+/// the command's exit status must then say it failed.
+pub fn failure() -> Option<String> {
+    match (STDOUT_ERROR.get(), STDERR_ERROR.get()) {
+        (Some(e), _) => Some(format!("writing to standard output failed: {e}")),
+        (None, Some(e)) => Some(format!("writing to standard error failed: {e}")),
+        (None, None) => None,
     }
 }
 
 /// Writes to stdout; errors (a closed pipe) silence stdout for good.
 pub fn stdout(args: Arguments<'_>, newline: bool) {
-    emit(&STDOUT_GONE, &mut std::io::stdout().lock(), args, newline);
+    emit(&STDOUT_ERROR, &mut std::io::stdout().lock(), args, newline);
 }
 
 /// Writes to stderr; errors silence stderr for good.
 pub fn stderr(args: Arguments<'_>, newline: bool) {
-    emit(&STDERR_GONE, &mut std::io::stderr().lock(), args, newline);
+    emit(&STDERR_ERROR, &mut std::io::stderr().lock(), args, newline);
 }
 
 /// `println!` that survives a closed stdout.

@@ -9,6 +9,9 @@ pub fn parse_size(s: &str) -> Result<u64> {
     if t.is_empty() {
         bail!("empty size");
     }
+    if t.starts_with('-') {
+        bail!("invalid size '{s}': a size cannot be negative");
+    }
     if let Some(hex) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
         return u64::from_str_radix(hex, 16)
             .with_context(|| format!("invalid hexadecimal size '{s}'"));

@@ -163,7 +163,7 @@ fn failing_paths_say_each_cause_once_in_words() {
                 &not_cache_s,
                 &img_s,
             ],
-            "--format-cache",
+            "name another path",
         ),
         case(&["serve", "--socket", &sock_s, &held_s], "in use"),
         case(

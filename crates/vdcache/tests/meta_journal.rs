@@ -4,7 +4,7 @@
 //! check` is clean and `qemu-img compare` finds it equal to a reference
 //! written by qemu-io alone. Through a writethrough cache the journal
 //! survives kill -9 the same way; with a writeback cache it is refused,
-//! and `auto` leaves it off for now. A stream of copy-on-write writes is
+//! and `auto` (the default) turns it on where it helps. A stream of copy-on-write writes is
 //! acknowledged before its filler is copied (deferred copy-on-write), and
 //! what a flush covered survives kill -9, a flush sent on another NBD
 //! connection too.
@@ -136,12 +136,19 @@ fn the_journal_serves_through_a_writethrough_cache_and_is_refused_with_writeback
         refused.contains("needs no journal with a writeback cache"),
         "{refused}"
     );
-    let auto = cached("writethrough", "auto");
-    let auto: Vec<&str> = auto.iter().map(String::as_str).collect();
-    let server = serve(&s, &sock, &auto);
-    let st = stats(&s, &sock);
-    assert!(st["disks"][0]["metadata_journal"].is_null(), "{st:#}");
-    server.stop_clean();
+    // `auto` journals a writethrough disk; `off` does not.
+    for (journal, on) in [("auto", true), ("off", false)] {
+        let args = cached("writethrough", journal);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let server = serve(&s, &sock, &args);
+        let st = stats(&s, &sock);
+        assert_eq!(
+            st["disks"][0]["metadata_journal"].is_object(),
+            on,
+            "{journal}: {st:#}"
+        );
+        server.stop_clean();
+    }
 
     let on = cached("writethrough", "on");
     let on: Vec<&str> = on.iter().map(String::as_str).collect();
@@ -211,9 +218,13 @@ fn preallocation_is_opt_in_and_trimmed_by_a_clean_stop() {
     );
 
     let image = delta.to_str().unwrap();
-    let refused = serving::serve_refused(&s, &sock, &["--preallocate", image]);
+    let refused = serving::serve_refused(
+        &s,
+        &sock,
+        &["--preallocate", "--metadata-journal", "off", image],
+    );
     assert!(
-        refused.contains("preallocate needs metadata_journal"),
+        refused.contains("preallocate needs the metadata journal"),
         "{refused}"
     );
     let cache = s.path("flash.cache");

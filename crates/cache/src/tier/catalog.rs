@@ -155,7 +155,24 @@ impl FlashCache {
             Verdict::Different(reason) => {
                 let name = rec.name.clone();
                 drop(st);
-                return self.replace_stale_image(id, name, reason, image, disk, found);
+                if self.holds_newer_of(&self.lock(), id) {
+                    return Err(CacheError::WrongImage {
+                        name,
+                        reason,
+                        cache: self.device.name().to_string(),
+                    });
+                }
+                tracing::warn!(image = %name, %reason, "image changed since it was cached; dropping its cached blocks");
+                return self.forget_image(id, name, image, disk, found);
+            }
+            Verdict::Abandoned => {
+                let name = rec.name.clone();
+                drop(st);
+                tracing::warn!(
+                    image = %name,
+                    "the image was made usable without this cache (`vdcache recover --without-cache`): what the cache still held of it is given up"
+                );
+                return self.forget_image(id, name, image, disk, found);
             }
         }
         let rec = &mut st.catalog.images[id as usize];
@@ -194,27 +211,34 @@ impl FlashCache {
         Ok(id)
     }
 
-    /// A file now under a recorded name is not the recorded file. Refuse
-    /// when the cache holds data the old file lacked; otherwise forget
-    /// what was cached for it.
-    fn replace_stale_image(
+    /// Forgets everything the cache holds of image `id` (dirty blocks,
+    /// metadata sectors and lost blocks included: the caller decided they
+    /// are not wanted) and binds the name to the file found now.
+    fn forget_image(
         &self,
         id: u16,
         name: String,
-        reason: String,
         image: &ImageHandle,
         disk: DiskId,
         found: &ImageIdentity,
     ) -> Result<u16> {
         let mut st = self.lock();
-        if self.holds_newer_of(&st, id) {
-            return Err(CacheError::WrongImage {
-                name,
-                reason,
-                cache: self.device.name().to_string(),
+        self.drop_sectors(&mut st, id, 0, u64::MAX);
+        let lost: Vec<(u64, u8)> = st
+            .integrity
+            .unreadable
+            .iter()
+            .copied()
+            .filter(|&(key, _)| crate::index::key_image(key) == id)
+            .collect();
+        for (key, slot) in lost {
+            st.integrity.unreadable.remove(&(key, slot));
+            st.journal.push(&Entry::Lost {
+                key,
+                slot,
+                lost: false,
             });
         }
-        tracing::warn!(image = %name, %reason, "image changed since it was cached; dropping its cached blocks");
         let lines: Vec<u64> = st
             .index
             .lines()

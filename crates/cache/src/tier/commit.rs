@@ -74,7 +74,7 @@ impl FlashCache {
                 bump(&self.stats.disk(m.disk).backend_syncs, 1);
                 Ok(())
             })
-            .map_err(CacheError::device("sync backend"))
+            .map_err(CacheError::store("sync", &*m.backend))
     }
 
     /// Writes pending journal entries and syncs the cache device, under the
@@ -187,14 +187,9 @@ impl FlashCache {
                 Ok(())
             }
             FlushKind::Durable => {
-                if let Some(id) = id {
-                    bump(
-                        &self
-                            .stats
-                            .disk(st.catalog.images[id as usize].disk)
-                            .guest_flushes,
-                        1,
-                    );
+                let disk = id.map(|id| st.catalog.images[id as usize].disk);
+                if let Some(disk) = disk {
+                    bump(&self.stats.disk(disk).guest_flushes, 1);
                 }
                 self.commit_unlocked(st, Unsynced::All)
             }

@@ -202,7 +202,7 @@ impl FlashCache {
         for (_, backend, disk) in targets {
             backend
                 .flush()
-                .map_err(CacheError::device("sync backend"))?;
+                .map_err(CacheError::store("sync", &**backend))?;
             bump(&self.stats.disk(*disk).backend_syncs, 1);
         }
         Ok(Copied {
@@ -310,7 +310,7 @@ impl FlashCache {
                 let began = Instant::now();
                 backend
                     .write_at(bytes, run[start].pos)
-                    .map_err(CacheError::device("write back"))?;
+                    .map_err(CacheError::store("write back to", &**backend))?;
                 timing.push((bytes.len(), began.elapsed()));
                 bump(&counters.backend_bytes_written, bytes.len() as u64);
                 bump(&counters.writeback_requests, 1);

@@ -521,7 +521,7 @@ impl FlashCache {
             let bufs: Vec<&[u8]> = idx.iter().map(|&i| &*batch[i].2).collect();
             backend
                 .write_vectored_at(&bufs, *off)
-                .map_err(CacheError::device("write metadata back"))?;
+                .map_err(CacheError::store("write metadata back to", &**backend))?;
             bump(
                 &self.stats.disk(*disk).backend_bytes_written,
                 idx.len() as u64 * SECTOR,
@@ -532,7 +532,7 @@ impl FlashCache {
             if let Some(Some((backend, disk))) = targets.get(*img as usize) {
                 backend
                     .flush()
-                    .map_err(CacheError::device("sync backend"))?;
+                    .map_err(CacheError::store("sync", &**backend))?;
                 bump(&self.stats.disk(*disk).backend_syncs, 1);
             }
         }

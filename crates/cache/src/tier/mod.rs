@@ -56,7 +56,7 @@ mod partial;
 mod ranges;
 mod read;
 mod recover;
-pub use recover::RecoveryReport;
+pub use recover::{DeviceContent, RecoveryReport};
 mod report;
 pub use report::{CacheReport, DedupReport, ImageReport, ShareReport};
 mod sharing;
@@ -276,6 +276,11 @@ impl FlashCache {
     /// Sets the policy of one disk.
     pub fn set_policy(&self, disk: DiskId, policy: DiskPolicy) {
         self.lock().catalog.policies.insert(disk.0, policy);
+    }
+
+    /// The policy `disk` is served with.
+    pub fn policy(&self, disk: DiskId) -> DiskPolicy {
+        self.lock().catalog.policy(disk, self.config.default_policy)
     }
 
     /// Sets `disk`'s share of flash (see `crate::shares`; effective only

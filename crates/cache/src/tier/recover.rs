@@ -143,6 +143,57 @@ impl FlashCache {
         }
     }
 
+    /// Formats `device` whatever cache it held, as `--format-cache` asks:
+    /// a cache that opens and still holds dirty data is refused (its
+    /// images need it; `recover --full` writes it back first), a clean one
+    /// or one too damaged to open is formatted. Whether the device may be
+    /// formatted at all (what else it holds) is the caller's to check.
+    pub fn format_over(device: BackendRef, config: CacheConfig) -> Result<Arc<FlashCache>> {
+        match Self::open(device.clone(), config.clone()) {
+            Ok(old) => {
+                let dirty: Vec<String> = old
+                    .images()
+                    .into_iter()
+                    .filter(|(_, d)| *d > 0)
+                    .map(|(name, _)| name)
+                    .collect();
+                old.shutdown(true)?;
+                drop(old);
+                if !dirty.is_empty() {
+                    return Err(CacheError::HoldsDirty {
+                        device: device.name().to_string(),
+                        images: dirty.join(", "),
+                    });
+                }
+            }
+            Err(e @ CacheError::ForeignHost { .. }) => return Err(e),
+            Err(e) => tracing::warn!(
+                "formatting {} over a cache that does not open: {e}",
+                device.name()
+            ),
+        }
+        Self::format(device, config)
+    }
+
+    /// What `device` holds, for a caller deciding whether to format it.
+    pub fn probe_content(device: &dyn vdcache_backend::Backend) -> Result<DeviceContent> {
+        if Superblock::read(device).is_ok() {
+            return Ok(DeviceContent::Cache);
+        }
+        let mut magic = [0u8; 8];
+        device
+            .read_at(&mut magic, 0)
+            .map_err(CacheError::device("read"))?;
+        if crate::layout::is_cache_magic(&magic) {
+            return Ok(DeviceContent::DamagedCache);
+        }
+        Ok(match blank_state(device)? {
+            Blank::Empty | Blank::FormatCutShort => DeviceContent::Blank,
+            Blank::Holds(_) if has_stray_checkpoint(device)? => DeviceContent::DamagedCache,
+            Blank::Holds(_) => DeviceContent::Other,
+        })
+    }
+
     /// Images the cache knows, with dirty bytes each.
     pub fn images(&self) -> Vec<(String, u64)> {
         let st = self.lock();
@@ -181,6 +232,19 @@ impl FlashCache {
             .filter_map(|id| st.catalog.images.get(id as usize).map(|r| r.name.clone()))
             .collect()
     }
+}
+
+/// What a device holds, as far as formatting it is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceContent {
+    /// A cache that opens (its superblock, or its copy, verifies).
+    Cache,
+    /// What is left of a cache: its magic or a checkpoint, no superblock.
+    DamagedCache,
+    /// Nothing (zeros), or what a format cut short left.
+    Blank,
+    /// Something else.
+    Other,
 }
 
 /// What a device without a valid superblock holds.
@@ -225,6 +289,18 @@ fn blank_state(device: &dyn vdcache_backend::Backend) -> Result<Blank> {
         return Ok(Blank::Empty);
     }
     Ok(Blank::Holds("data that is not a vdcache cache".into()))
+}
+
+/// Whether a checkpoint of a cache lies where a device of this size
+/// would keep one.
+fn has_stray_checkpoint(device: &dyn vdcache_backend::Backend) -> Result<bool> {
+    let len = device.len().map_err(CacheError::device("stat"))?;
+    for layout in Layout::candidates(len, BLOCK) {
+        if journal::stray_checkpoint_generation(device, &layout)?.is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Whether the device holds exactly what [`FlashCache::format`] writes

@@ -22,7 +22,7 @@ use crate::routing::Keep;
 use crate::stats::bump;
 use std::time::{Duration, Instant};
 use vdcache_contract::WriteSegment;
-use vdcache_contract::{ImageHandle, IoClass, IoTag};
+use vdcache_contract::{ImageHandle, IoClass, IoTag, MetaTable};
 use vdcache_qcow2::HostOffset;
 
 /// How long a write over a dirty block waits for flash room before it
@@ -57,11 +57,11 @@ fn cacheable_ranges(off: u64, segments: &[WriteSegment<'_>], keep: Keep) -> Vec<
         let wanted = match keep {
             Keep::Nothing => false,
             Keep::Everything => true,
-            Keep::NotFiller => {
-                s.tag.class != IoClass::CowFill
-                    && !(matches!(s.tag.class, IoClass::Metadata(_))
-                        && s.data.iter().all(|&b| b == 0))
-            }
+            Keep::NotFiller => match s.tag.class {
+                IoClass::CowFill | IoClass::Metadata(MetaTable::Journal) => false,
+                IoClass::Metadata(_) => s.data.iter().any(|&b| b != 0),
+                IoClass::GuestData | IoClass::Reclaim => true,
+            },
         };
         if wanted {
             match out.last_mut() {
@@ -131,7 +131,7 @@ impl FlashCache {
         image
             .backend
             .write_vectored_at(&bufs, off)
-            .map_err(CacheError::device("write backend"))?;
+            .map_err(CacheError::store("write", &*image.backend))?;
         drop(foreground);
         self.clear_lost(id, off, len);
         bump(&self.stats.disk(tag.disk).backend_bytes_written, len);

@@ -52,21 +52,42 @@ pub(crate) struct Wakeup {
     pending: Mutex<bool>,
     cv: Condvar,
     failures: Mutex<Failures>,
+    /// Drains begun so far: a new one makes a thread that backed off
+    /// after failures retry at once and at short intervals again.
+    drains: std::sync::atomic::AtomicU64,
 }
 
-/// Failed write-back rounds so far, and whether the last one failed
-/// because a storage server stayed unreachable.
+/// Failed write-back rounds so far, whether the last one failed because
+/// a storage server stayed unreachable, and what it said.
 #[derive(Debug, Default)]
 struct Failures {
     rounds: u64,
     unreachable: Option<StoreFault>,
+    last: String,
 }
 
+/// Failed rounds after which a drain gives up (about 4 s of retries at
+/// the thread's growing pauses): a full file system or a failing store
+/// does not heal by itself, and a flush or a stop must answer.
+const DRAIN_GIVE_UP_ROUNDS: u64 = 3;
+
 impl Wakeup {
-    fn record_failure(&self, unreachable: Option<StoreFault>) {
+    fn record_failure(&self, e: &CacheError) {
         let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         f.rounds += 1;
-        f.unreachable = unreachable;
+        f.unreachable = e.unreachable_store().cloned();
+        f.last = e.to_string();
+    }
+
+    /// The error a drain that began after `seen` failed rounds gives up
+    /// with, once enough rounds failed since.
+    fn give_up_since(&self, seen: u64) -> Option<CacheError> {
+        let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        let failed = f.rounds.saturating_sub(seen);
+        (failed >= DRAIN_GIVE_UP_ROUNDS).then(|| CacheError::WriteBackFailing {
+            rounds: failed,
+            last: f.last.clone(),
+        })
     }
 
     fn failed_rounds(&self) -> u64 {
@@ -81,6 +102,12 @@ impl Wakeup {
     fn unreachable_since(&self, seen: u64) -> Option<StoreFault> {
         let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         (f.rounds > seen).then(|| f.unreachable.clone()).flatten()
+    }
+
+    /// A drain begins: retry now, and soon again if that fails.
+    fn drain_begins(&self) {
+        self.drains.fetch_add(1, Ordering::SeqCst);
+        self.notify();
     }
 
     pub(crate) fn notify(&self) {
@@ -112,9 +139,16 @@ pub(super) fn start(cache: &Arc<FlashCache>) {
 fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
     let mut cursor = 0u64;
     // Consecutive failed rounds: a backend that keeps failing is retried
-    // at growing intervals (0.5 s doubling to 8 s; a drain wakes it).
+    // at growing intervals (0.5 s doubling to 8 s; a drain wakes it and
+    // starts over, so it gives up within seconds).
     let mut failed = 0u32;
+    let mut drains = wake.drains.load(Ordering::SeqCst);
     loop {
+        let now = wake.drains.load(Ordering::SeqCst);
+        if now != drains {
+            drains = now;
+            failed = 0;
+        }
         // Hold the cache only while working: when its last user drops it,
         // the device is closed at once and this thread ends at its next wake.
         let idle = {
@@ -146,7 +180,7 @@ fn run(weak: Weak<FlashCache>, wake: Arc<Wakeup>) {
                     // Under the state lock, so a drain between its check
                     // and its wait cannot miss it.
                     let _st = cache.lock();
-                    wake.record_failure(e.unreachable_store().cloned());
+                    wake.record_failure(&e);
                     cache.progress.notify_all();
                     true
                 }
@@ -300,9 +334,11 @@ impl FlashCache {
     /// Gives up with [`CacheError::Unreachable`] when a write-back round
     /// fails because a storage server stayed away for its whole reconnect
     /// delay (its requests then fail at once): waiting longer would make a
-    /// stop hang for as long as the server is gone. The dirty data stays
-    /// in the cache. Other failures (a flush reporting writes that a
-    /// dropped connection may have lost) are retried.
+    /// stop hang for as long as the server is gone. Other failures (a
+    /// flush reporting writes that a dropped connection may have lost) are
+    /// retried a few times, then given up with
+    /// [`CacheError::WriteBackFailing`] (a full file system does not heal
+    /// by itself). Either way the dirty data stays in the cache.
     pub fn drain(&self) -> Result<()> {
         self.drain_with(false)
     }
@@ -329,7 +365,7 @@ impl FlashCache {
 
     fn drain_locked<'a>(&'a self, mut st: std::sync::MutexGuard<'a, super::State>) -> Result<()> {
         let seen = self.wake.failed_rounds();
-        self.wake.notify();
+        self.wake.drain_begins();
         while st.open_dirty() {
             if self.thread.lock().map(|t| t.is_none()).unwrap_or(true) {
                 // No write-back thread (stopped): do it here.
@@ -348,6 +384,9 @@ impl FlashCache {
             }
             if let Some(fault) = self.wake.unreachable_since(seen) {
                 return Err(CacheError::Unreachable { fault });
+            }
+            if let Some(e) = self.wake.give_up_since(seen) {
+                return Err(e);
             }
             let (guard, timeout) = self
                 .progress

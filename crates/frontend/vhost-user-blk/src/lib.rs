@@ -20,13 +20,15 @@ pub mod request;
 
 use device::{Backend, Counters, Device};
 use request::BlockDevice;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::net::Shutdown;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use vdcache_image::VirtualDisk;
 use vdcache_image::disk::ZeroFlags;
+use vdcache_ownership::OwnedSocket;
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
@@ -43,10 +45,8 @@ pub struct VhostUserBlkExport {
 /// Why the front end could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum VhostUserBlkError {
-    #[error("vhost-user-blk socket {0} is in use by a running server")]
-    InUse(PathBuf),
-    #[error("cannot listen on vhost-user-blk socket {path}: {cause}")]
-    Listen { path: PathBuf, cause: String },
+    #[error("vhost-user-blk socket: {0}")]
+    Socket(#[from] vdcache_ownership::OwnershipError),
     #[error("cannot start the vhost-user-blk thread for {path}: {cause}")]
     Thread {
         path: PathBuf,
@@ -92,7 +92,10 @@ pub struct VhostUserBlkServer {
 
 struct Serving {
     name: String,
-    socket: PathBuf,
+    /// Removed at the stop, if still the socket bound here.
+    socket: OwnedSocket,
+    /// The listening socket again: shutting it down wakes the accept.
+    waker: Option<UnixListener>,
     stop: Arc<AtomicBool>,
     connection: Arc<Mutex<Option<ShutdownHandle>>>,
     counters: Arc<Counters>,
@@ -141,10 +144,6 @@ impl BlockDevice for DiskDevice {
 }
 
 /// Whether a server accepts connections on `path` now.
-fn socket_in_use(path: &Path) -> bool {
-    UnixStream::connect(path).is_ok()
-}
-
 impl VhostUserBlkServer {
     /// Listens on every export's socket; QEMU may connect at once.
     pub fn start(
@@ -192,14 +191,14 @@ impl Drop for VhostUserBlkServer {
 
 impl Serving {
     fn start(e: VhostUserBlkExport) -> Result<Serving, VhostUserBlkError> {
-        if socket_in_use(&e.socket) {
-            return Err(VhostUserBlkError::InUse(e.socket));
-        }
-        let listen_err = |cause: String| VhostUserBlkError::Listen {
-            path: e.socket.clone(),
-            cause,
-        };
-        let listener = Listener::new(&e.socket, true).map_err(|c| listen_err(c.to_string()))?;
+        let (listener, socket) = OwnedSocket::bind(&e.socket)?;
+        let waker = listener
+            .try_clone()
+            .map_err(|cause| VhostUserBlkError::Thread {
+                path: e.socket.clone(),
+                cause,
+            })?;
+        let listener = Listener::from(listener);
         let counters = Arc::new(Counters::default());
         let id = if e.name.is_empty() {
             b"vdcache".to_vec()
@@ -230,7 +229,8 @@ impl Serving {
         };
         Ok(Serving {
             name: e.name,
-            socket: e.socket,
+            socket,
+            waker: Some(waker),
             stop,
             connection,
             counters,
@@ -248,18 +248,22 @@ impl Serving {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        match connected {
-            Some(handle) => handle.shutdown(),
-            // The thread waits in accept: a connection of our own wakes it.
-            None => drop(UnixStream::connect(&self.socket)),
+        if let Some(handle) = connected {
+            handle.shutdown();
+        }
+        // The thread may wait in accept: shutting the listening socket
+        // down makes that accept (and any later one) fail at once, whoever
+        // holds the socket's path now. std offers shutdown(2) on streams
+        // only; on a listening socket it does the same.
+        if let Some(w) = self.waker.take() {
+            let _ = UnixStream::from(std::os::fd::OwnedFd::from(w)).shutdown(Shutdown::Both);
         }
         if thread.join().is_err() {
             tracing::error!(
                 "the vhost-user-blk thread of {} panicked",
-                self.socket.display()
+                self.socket.path().display()
             );
         }
-        let _ = std::fs::remove_file(&self.socket);
     }
 }
 
@@ -290,6 +294,9 @@ fn serve_connections(
             };
         backend.0.start_connection();
         if let Err(e) = daemon.start(&mut listener) {
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
             tracing::error!("vhost-user-blk {label}: accepting a connection: {e}");
             return;
         }

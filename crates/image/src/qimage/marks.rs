@@ -327,9 +327,15 @@ fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
 
 /// Makes an image file usable without the cache that held its newest
 /// data (a cache that is lost): the in-cache and coherent bits are
-/// cleared, whatever the cache held is given up. Returns the cache the
-/// mark named, or `None` if the image was not marked.
-pub fn abandon_cache(path: &std::path::Path) -> Result<Option<String>> {
+/// cleared, whatever the cache held is given up. Refused while the cache
+/// the mark names is still there (`cache_present` says whether the cache
+/// at the mark's path is the one it names): its data is not lost, and
+/// full recovery writes it back. Returns the cache the mark named, or
+/// `None` if the image was not marked.
+pub fn abandon_cache(
+    path: &std::path::Path,
+    cache_present: impl FnOnce(&CacheMark) -> bool,
+) -> Result<Option<String>> {
     use crate::chain::StoreOpener;
     let name = path.display().to_string();
     let backend =
@@ -348,10 +354,49 @@ pub fn abandon_cache(path: &std::path::Path) -> Result<Option<String>> {
     if !identity::in_cache(&header) {
         return Ok(None);
     }
+    if let Some(mark) = header
+        .extensions
+        .cache_mark
+        .as_ref()
+        .and_then(|m| m.current())
+        && cache_present(mark)
+    {
+        return Err(ImageError::CacheStillThere {
+            image: name,
+            cache: mark.cache_path.clone(),
+        });
+    }
     let incompatible = header.incompatible_features & !incompatible::IN_CACHE;
     let autoclear = header.autoclear_features & !autoclear::CACHE_COHERENT;
     let store = &handle.backend;
     let io = |e| ImageError::io(&name, "write the header", e);
+    // A mark naming no cache tells the cache, should it come back, that
+    // its data of this image was given up (it drops it rather than refuse
+    // the image for holding data the file lacks).
+    let mut first = vec![0u8; 1 << header.cluster_bits];
+    store
+        .read_at(&mut first, 0)
+        .map_err(|e| ImageError::io(&name, "read the header", e))?;
+    if let (Ok(Some(at)), Some(old)) = (
+        header::cache_mark_offset(&first, &header),
+        header
+            .extensions
+            .cache_mark
+            .as_ref()
+            .and_then(|m| m.current()),
+    ) {
+        let given_up = CacheMark {
+            generation: old.generation + 1,
+            cache_id: vdcache_qcow2::cache_mark::NO_CACHE,
+            ..old.clone()
+        };
+        store
+            .write_at(
+                &given_up.encode_slot(),
+                at + (given_up.slot() * SLOT_BYTES) as u64,
+            )
+            .map_err(io)?;
+    }
     store
         .write_at(
             &incompatible.to_be_bytes(),

@@ -415,8 +415,10 @@ impl Qcow2Image {
         &self.geometry
     }
 
+    /// The size guests see: whole 512-byte sectors, as QEMU counts them (a
+    /// header size between sectors is rounded down, as QEMU does).
     pub fn virtual_size(&self) -> u64 {
-        self.size
+        self.size & !(crate::SECTOR - 1)
     }
 
     pub fn handle(&self) -> &ImageHandle {

@@ -275,10 +275,14 @@ impl Locked<'_> {
         Ok(())
     }
 
-    /// Sets the dirty bit before the first metadata change when lazy
-    /// refcounts are on.
-    pub(crate) fn mark_dirty_for_lazy_refcounts(&mut self) -> Result<()> {
-        if self.img.lazy_refcounts && !self.m.dirty_on_disk {
+    /// Sets the dirty bit before the session's first metadata change
+    /// (version 3 images): a crash may then leave refcounts that are too
+    /// high (a cluster allocated whose L2 entry never landed: a leak), or,
+    /// with lazy refcounts, too low, and the next writable open (vdcache's
+    /// or QEMU's) rebuilds them before anything else. A clean close clears
+    /// it. A journaled image needs none: its journal names what to redo.
+    pub(crate) fn mark_dirty_before_change(&mut self) -> Result<()> {
+        if !self.m.dirty_on_disk && self.m.header.version >= 3 && !self.journaling() {
             self.set_dirty_bit(true)?;
         }
         Ok(())

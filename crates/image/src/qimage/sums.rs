@@ -19,7 +19,7 @@ use vdcache_qcow2::meta_journal::{CHECKSUM_BYTES, Entry};
 const PIECE: u64 = 4096;
 /// The unit a piece can be cut at: whole sectors, the unit writes land
 /// (and tear) in.
-const SECTOR: u64 = 512;
+use crate::SECTOR;
 
 /// A record's checksum of a piece of data.
 pub(crate) type Sum = [u8; CHECKSUM_BYTES];

@@ -23,9 +23,20 @@ fn tiny_cache(slice: Option<u64>) -> MetaCacheConfig {
 }
 
 /// Sweeps `target` with `default_budget` states per seed (a quarter in
-/// debug builds); asserts no violation and, with the default budget, that
-/// at least three quarters of it were distinct states.
+/// debug builds); asserts no violation, no leaked cluster after the
+/// recovering open and a clean close (a version 3 image is marked dirty
+/// before its first change, and repaired when it opens dirty), and, with
+/// the default budget, that at least three quarters of it were distinct
+/// states.
 fn sweep(target: &Qcow2Target, base: RunConfig, default_budget: usize) {
+    let leaks = sweep_leaking(target, base, default_budget);
+    assert_eq!(leaks, 0, "crash states left leaked clusters after recovery");
+}
+
+/// [`sweep`] for an image that cannot be marked dirty (version 2, as QEMU
+/// leaves it): leaks are counted, not refused. Returns the states with
+/// leaks.
+fn sweep_leaking(target: &Qcow2Target, base: RunConfig, default_budget: usize) -> usize {
     let default_budget = if cfg!(debug_assertions) {
         default_budget / 4
     } else {
@@ -51,6 +62,7 @@ fn sweep(target: &Qcow2Target, base: RunConfig, default_budget: usize) {
             "only {states} distinct states for a budget of {budget} x {seeds}"
         );
     }
+    reports.iter().map(|r| r.states_with_leaks).sum()
 }
 
 fn config(seed: u64) -> RunConfig {
@@ -174,7 +186,7 @@ fn version2_over_raw_backing() {
         },
     )
     .with_backing(Backing::Raw);
-    sweep(&target, config(0x02), 400);
+    sweep_leaking(&target, config(0x02), 400);
 }
 
 #[test]

@@ -34,6 +34,10 @@ pub enum ReplayError {
     },
     #[error("the trace has no read or write requests")]
     Empty,
+    #[error(
+        "the trace changed while it was replayed: {scanned} records when it was scanned, {replayed} when replayed (a trace is read twice; give a file that stays as it is)"
+    )]
+    Changed { scanned: u64, replayed: u64 },
 }
 
 /// How big the cache is.
@@ -233,6 +237,12 @@ pub fn replay_scanned(
         done: scan.records,
         total: scan.records,
     });
+    if run.records != scan.records {
+        return Err(ReplayError::Changed {
+            scanned: scan.records,
+            replayed: run.records,
+        });
+    }
     run.close_interval(&rig, run.last_time_ns);
     let mut report = run.report(&rig, path, format_name, scan, started);
     if let CacheSize::PercentOfWorkingSet(p) = opts.cache_size {

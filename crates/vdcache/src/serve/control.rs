@@ -5,12 +5,12 @@
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
+use vdcache_ownership::OwnedSocket;
 
 /// What a client asks.
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -53,26 +53,15 @@ pub trait Handler: Send + Sync {
 
 /// A listening control socket and its thread.
 pub struct ControlServer {
-    path: PathBuf,
+    /// Removed after the thread ends, if still the socket bound here.
+    socket: Option<OwnedSocket>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl ControlServer {
     pub fn start(path: &Path, handler: Arc<dyn Handler>) -> Result<ControlServer> {
-        if path.exists() {
-            if UnixStream::connect(path).is_ok() {
-                bail!(
-                    "control socket {} is in use by a running server",
-                    path.display()
-                );
-            }
-            std::fs::remove_file(path)
-                .with_context(|| format!("cannot remove stale {}", path.display()))?;
-        }
-        let listener = UnixListener::bind(path)
-            .with_context(|| format!("cannot listen on {}", path.display()))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        let (listener, socket) = OwnedSocket::bind(path).context("control socket")?;
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
@@ -80,7 +69,7 @@ impl ControlServer {
             .name("vdcache-control".into())
             .spawn(move || serve(listener, handler, s))?;
         Ok(ControlServer {
-            path: path.to_path_buf(),
+            socket: Some(socket),
             stop,
             thread: Some(thread),
         })
@@ -93,7 +82,7 @@ impl Drop for ControlServer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        drop(self.socket.take());
     }
 }
 

@@ -183,13 +183,18 @@ fn disk_policy(e: &ExportConfig, default: DiskPolicy) -> Result<DiskPolicy> {
     Ok(p)
 }
 
-/// The metadata journal an export's top image gets: only when asked for
-/// (`auto` stays off until the journal has soaked longer), without a
-/// cache or through a writethrough or writearound one. In writeback mode a
-/// guest flush costs the store no sync, so there is nothing to save.
+/// The metadata journal an export's top image gets: without a cache or
+/// through a writethrough or writearound one, where a guest flush would
+/// otherwise cost the store up to four syncs. `auto` (the default) journals
+/// an image that can carry one (version 3) and serves the others without;
+/// `on` refuses those. In writeback mode a guest flush costs the store no
+/// sync, so there is nothing to save.
 fn journal_mode(e: &ExportConfig, cached: Option<WriteMode>) -> Result<JournalMode> {
     Ok(match (e.metadata_journal()?, cached) {
-        (MetadataJournal::Off | MetadataJournal::Auto, _) => JournalMode::Off,
+        (MetadataJournal::Off, _) | (MetadataJournal::Auto, Some(WriteMode::WriteBack)) => {
+            JournalMode::Off
+        }
+        (MetadataJournal::Auto, _) => JournalMode::IfPossible,
         (MetadataJournal::On, Some(WriteMode::WriteBack)) => anyhow::bail!(
             "export '{}': metadata_journal = \"on\" needs no journal with a writeback cache (a guest flush costs the store no sync there); use it without a cache or with --cache-mode writethrough or writearound",
             e.name
@@ -204,9 +209,9 @@ fn preallocation(e: &ExportConfig, cached: Option<WriteMode>) -> Result<bool> {
     if e.preallocate != Some(true) {
         return Ok(false);
     }
-    if e.metadata_journal()? != MetadataJournal::On {
+    if e.metadata_journal()? == MetadataJournal::Off {
         anyhow::bail!(
-            "export '{}': preallocate needs metadata_journal = \"on\" (--metadata-journal on): zeros are written ahead of allocation only for a journaled disk",
+            "export '{}': preallocate needs the metadata journal (metadata_journal = \"auto\" or \"on\"): zeros are written ahead of allocation only for a journaled disk",
             e.name
         );
     }
@@ -592,10 +597,18 @@ fn create_journal_file(j: &ExportConfig, size: &str) -> Result<()> {
             m.len()
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let f = std::fs::File::create_new(path)
-                .with_context(|| format!("creating {}", path.display()))?;
-            f.set_len(bytes)
-                .with_context(|| format!("sizing {}", path.display()))?;
+            // Removed again if it cannot take its size: a refused start
+            // leaves nothing it made.
+            let (f, created) = vdcache_ownership::CreatedFile::create_new(path)
+                .with_context(|| format!("export '{}'", j.name))?;
+            f.set_len(bytes).with_context(|| {
+                format!(
+                    "export '{}': cannot size {} to journal_size {size}",
+                    j.name,
+                    path.display()
+                )
+            })?;
+            created.keep();
             Ok(())
         }
         Err(e) => Err(e).with_context(|| format!("export '{}': {}", j.name, path.display())),

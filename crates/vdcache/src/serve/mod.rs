@@ -7,4 +7,5 @@ pub mod control;
 pub mod daemon;
 pub mod export;
 pub mod metrics;
+pub mod preflight;
 pub mod run;

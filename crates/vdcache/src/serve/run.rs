@@ -226,6 +226,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
         .context("installing signal handlers")?;
     let access = socket_access(&cfg)?;
+    super::preflight::check(&cfg)?;
     let daemon = Arc::new(Daemon::build(&cfg, format_cache)?);
     let limits = limits(&cfg)?;
     let mut builder = Server::builder().limits(limits);
@@ -287,6 +288,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     let filler = idle_fill.then(|| start_filler(daemon.clone(), server.clone(), other_requests));
     let watch = start_image_watch(&daemon);
     let signal = signals.forever().next();
+    impatient(signals);
     watch.stop();
     if let Some(f) = filler {
         f.stop();
@@ -310,11 +312,7 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         let r = c.report();
         (r.dirty_bytes - r.held_bytes, r.held_bytes)
     });
-    let stopped = daemon.stop();
-    if let Some(p) = &cfg.server.socket {
-        let _ = std::fs::remove_file(p);
-    }
-    stopped?;
+    daemon.stop()?;
     unmounted?;
     match (dirty_before, daemon.keep_dirty) {
         (Some((dirty, 0)), false) => tracing::info!(
@@ -333,6 +331,23 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         (None, _) => tracing::info!("stopped cleanly"),
     }
     Ok(())
+}
+
+/// A second SIGINT or SIGTERM during the stop ends the process at once:
+/// what was flushed is safe as after a crash (the next start recovers it),
+/// and an operator who asks twice must not wait for a stop that writes
+/// back to slow or failing storage.
+fn impatient(mut signals: signal_hook::iterator::Signals) {
+    let _ = std::thread::Builder::new()
+        .name("vdcache-signals".into())
+        .spawn(move || {
+            if signals.forever().next().is_some() {
+                tracing::error!(
+                    "second signal: exiting now without finishing the stop; flushed data is safe (the next start recovers it, as after a crash)"
+                );
+                std::process::exit(1);
+            }
+        });
 }
 
 /// A background thread calling a closure at a fixed interval until it is
@@ -417,27 +432,40 @@ fn file_at(path: &std::path::Path) -> Option<(u64, u64)> {
     std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
-/// Warns, once per export, when the file at an export's image path is no
-/// longer the one the server opened (replaced by `mv`, `cp` to a new file,
-/// or removed): the server goes on with the file it opened, and what it
-/// writes from then on is not in the file at that path.
+/// Warns, once per file, when the file at an export's image path or at the
+/// cache's path is no longer the one the server opened (replaced by `mv`,
+/// `cp` to a new file, or removed): the server goes on with the file it
+/// opened, and what it writes from then on is not in the file at that path.
 fn start_image_watch(daemon: &Daemon) -> Ticker {
-    let mut watched: Vec<(String, PathBuf, (u64, u64))> = daemon
+    let images = daemon
         .disks
         .iter()
         .filter(|d| !vdcache_backend::is_nbd_uri(&d.config.image))
-        .filter_map(|d| {
-            let path = PathBuf::from(&d.config.image);
-            file_at(&path).map(|id| (d.config.name.clone(), path, id))
-        })
+        .map(|d| {
+            (
+                format!("export '{}'", d.config.name),
+                PathBuf::from(&d.config.image),
+                "what guests write from now on is not in the file at that path (stop the server before replacing an image)",
+            )
+        });
+    let cache = daemon.cache_path.iter().map(|p| {
+        (
+            "the cache".to_string(),
+            p.clone(),
+            "its dirty data lives on in the file the server has open, out of reach of anything else: stop the server cleanly now (it writes the data back), and never remove a cache that is in use",
+        )
+    });
+    let mut watched: Vec<(String, PathBuf, &str, (u64, u64))> = images
+        .chain(cache)
+        .filter_map(|(what, path, advice)| file_at(&path).map(|id| (what, path, advice, id)))
         .collect();
     Ticker::start("vdcache-image-watch", WATCH_INTERVAL, move || {
-        watched.retain(|(name, path, opened)| {
+        watched.retain(|(what, path, advice, opened)| {
             if file_at(path) == Some(*opened) {
                 return true;
             }
             tracing::warn!(
-                "export '{name}': {} was replaced or removed while being served; the server goes on with the file it opened, so what guests write from now on is not in the file at that path (stop the server before replacing an image)",
+                "{what}: {} was replaced or removed while being served; the server goes on with the file it opened, so {advice}",
                 path.display()
             );
             false
@@ -551,9 +579,9 @@ fn log_serving(cfg: &ServerConfig, daemon: &Daemon) {
                 "read-write"
             },
             match (&daemon.cache, d.config.no_cache) {
-                (Some(_), false) => ", through the cache",
-                (Some(_), true) => ", not cached",
-                (None, _) => "",
+                (Some(c), false) => format!(", through the cache ({})", c.policy(d.id).mode.name()),
+                (Some(_), true) => ", not cached".into(),
+                (None, _) => String::new(),
             },
             crate::size::human(d.disk.size())
         );

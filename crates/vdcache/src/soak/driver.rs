@@ -113,8 +113,6 @@ pub struct ModeReport {
     pub injected_faults: u64,
     /// `qemu-img check` of the delta after the clean stop.
     pub leaked_clusters: u64,
-    /// Leaks are reported but not a failure (`nocache` without the journal).
-    pub leaks_allowed: bool,
     pub image_corrupt: bool,
     /// Sectors of the delta, read by qemu-img after the clean stop, that
     /// matched the record exactly.
@@ -127,13 +125,10 @@ pub struct ModeReport {
 impl ModeReport {
     /// A lost or damaged write, or an image `qemu-img check` does not pass
     /// cleanly after the clean stop (leaks included: a clean stop leaves
-    /// the images as qemu-img check wants them, crashes or not; except
-    /// without a cache or the metadata journal, where nothing tells the
-    /// next open that a crash came, and a crash leaks as it does in QEMU).
+    /// the images as qemu-img check wants them, crashes or not, since an
+    /// image is marked dirty, or journaled, before its metadata changes).
     pub fn failed(&self) -> bool {
-        self.violations > 0
-            || self.image_corrupt
-            || (self.leaked_clusters > 0 && !self.leaks_allowed)
+        self.violations > 0 || self.image_corrupt || self.leaked_clusters > 0
     }
 }
 
@@ -528,14 +523,6 @@ fn inject_fault(shared: &Shared, socket: &Path) -> Result<Option<Vec<u64>>> {
     Ok(Some(sectors))
 }
 
-/// Whether `vdcache serve` arguments turn the metadata journal on.
-fn journal_on(serve_args: &[String]) -> bool {
-    serve_args.iter().any(|a| a == "--metadata-journal=on")
-        || serve_args
-            .windows(2)
-            .any(|w| w[0] == "--metadata-journal" && w[1] == "on")
-}
-
 /// Runs `cfg.cycles` kill -9 cycles in cache mode `mode`, in
 /// `cfg.dir/mode`.
 pub fn run_mode(cfg: &Config, mode: &str, index: u64) -> Result<ModeReport> {
@@ -576,7 +563,6 @@ pub fn run_mode(cfg: &Config, mode: &str, index: u64) -> Result<ModeReport> {
         mode: mode.to_string(),
         dir: dir.clone(),
         server_command: spec.command_line(),
-        leaks_allowed: mode == "nocache" && !journal_on(&cfg.serve_args),
         ..ModeReport::default()
     };
     let mut cycle = Cycle {
@@ -790,11 +776,6 @@ pub fn print_report(out: &mut impl Write, r: &ModeReport) -> std::io::Result<()>
             r.final_sectors_matched,
             if r.image_corrupt {
                 "CORRUPT".to_string()
-            } else if r.leaked_clusters > 0 && r.leaks_allowed {
-                format!(
-                    "{} leaked clusters (crashes without a cache or the journal leak, as in QEMU)",
-                    r.leaked_clusters
-                )
             } else if r.leaked_clusters > 0 {
                 format!("{} leaked clusters", r.leaked_clusters)
             } else {

@@ -7,7 +7,8 @@
 //! the reaper thread that enforces it), the server-wide budget of buffered
 //! payload bytes, the shutdown sequence (stop accepting, stop reading new
 //! requests, let in-flight requests finish, wait for every connection
-//! thread), socket file creation (mode 0600) and removal.
+//! thread), the listening sockets (bound and removed through
+//! `vdcache-ownership`: mode 0600, never over a file of someone else's).
 //! Must not: parse protocol messages (see `handshake` and `conn`), touch
 //! export data, evict a connection that finished its handshake, or install
 //! signal handlers (the binary owns signals and calls
@@ -20,11 +21,9 @@ mod outbox;
 mod payloads;
 
 use std::collections::HashMap;
-use std::fs;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,6 +38,7 @@ use crate::export::Export;
 use vdcache_nbd_proto::proto;
 use vdcache_nbd_proto::tls::TlsServerConfig;
 use vdcache_nbd_proto::transport::{PeerId, Socket};
+use vdcache_ownership::{OwnedSocket, OwnershipError};
 
 /// Errors of building or starting a server.
 #[derive(Debug, Error)]
@@ -49,6 +49,8 @@ pub enum ServerError {
     AddressInUse { path: PathBuf },
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: String, source: io::Error },
+    #[error(transparent)]
+    Socket(OwnershipError),
     #[error("the server is shutting down")]
     ShuttingDown,
     #[error("I/O error: {0}")]
@@ -272,7 +274,8 @@ pub(crate) struct ConnInfo {
 struct Listener {
     thread: Option<JoinHandle<()>>,
     wake: OwnedFd,
-    unix_path: Option<(PathBuf, u64, u64)>,
+    /// Removed (if still ours) when the listener stops.
+    socket: Option<OwnedSocket>,
 }
 
 pub(crate) struct ServerInner {
@@ -829,14 +832,12 @@ impl Server {
         if self.inner.stopping.load(Ordering::SeqCst) {
             return Err(ServerError::ShuttingDown);
         }
-        remove_stale_socket(path)?;
-        let listener = bind_unix_private(path)?;
+        let (listener, owned) = OwnedSocket::bind(path).map_err(|e| match e {
+            OwnershipError::InUse { path } => ServerError::AddressInUse { path },
+            other => ServerError::Socket(other),
+        })?;
         listener.set_nonblocking(true)?;
-        let meta = fs::metadata(path)?;
-        self.start_listener(
-            ListenerSocket::Unix(listener),
-            Some((path.to_path_buf(), meta.dev(), meta.ino())),
-        )?;
+        self.start_listener(ListenerSocket::Unix(listener), Some(owned))?;
         info!("nbd: listening on unix socket {}", path.display());
         Ok(())
     }
@@ -877,7 +878,7 @@ impl Server {
     fn start_listener(
         &self,
         listener: ListenerSocket,
-        unix_path: Option<(PathBuf, u64, u64)>,
+        socket: Option<OwnedSocket>,
     ) -> Result<(), ServerError> {
         self.inner.start_reaper();
         let (wake_r, wake_w) =
@@ -889,7 +890,7 @@ impl Server {
         lock(&self.inner.listeners).push(Listener {
             thread: Some(thread),
             wake: wake_w,
-            unix_path,
+            socket,
         });
         Ok(())
     }
@@ -1020,15 +1021,7 @@ fn shutdown(inner: &Arc<ServerInner>) {
         if let Some(t) = l.thread.take() {
             let _ = t.join();
         }
-        if let Some((path, dev, ino)) = &l.unix_path {
-            // Remove the socket file only if it is still ours.
-            if let Ok(m) = fs::symlink_metadata(path)
-                && m.dev() == *dev
-                && m.ino() == *ino
-            {
-                let _ = fs::remove_file(path);
-            }
-        }
+        drop(l.socket.take());
     }
     // 2. Stop reading new requests; in-flight ones finish and get replies.
     {
@@ -1066,85 +1059,6 @@ fn shutdown(inner: &Arc<ServerInner>) {
     inner.conn_threads.wait_for_none();
     *done = true;
     info!("nbd: server stopped");
-}
-
-/// Removes `path` if it is a socket nobody listens on; refuses otherwise.
-fn remove_stale_socket(path: &Path) -> Result<(), ServerError> {
-    let meta = match fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e.into()),
-    };
-    if !meta.file_type().is_socket() {
-        return Err(ServerError::Listen {
-            addr: path.display().to_string(),
-            source: io::Error::new(io::ErrorKind::AlreadyExists, "exists and is not a socket"),
-        });
-    }
-    match UnixStream::connect(path) {
-        Ok(_) => Err(ServerError::AddressInUse {
-            path: path.to_path_buf(),
-        }),
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            debug!("nbd: removing stale socket {}", path.display());
-            fs::remove_file(path)?;
-            Ok(())
-        }
-        Err(e) => Err(ServerError::Listen {
-            addr: path.display().to_string(),
-            source: e,
-        }),
-    }
-}
-
-/// Binds a listening socket at `path` that is never reachable with a mode
-/// wider than 0600: it is bound inside a fresh 0700 directory next to
-/// `path`, chmod'ed, then hard-linked into place.
-fn bind_unix_private(path: &Path) -> Result<UnixListener, ServerError> {
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    if path.file_name().is_none() {
-        return Err(ServerError::Listen {
-            addr: path.display().to_string(),
-            source: io::Error::new(io::ErrorKind::InvalidInput, "no file name"),
-        });
-    }
-    let listen_err = |e: io::Error| ServerError::Listen {
-        addr: path.display().to_string(),
-        source: e,
-    };
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    // Short names: the temporary path must fit in sun_path too.
-    let dir = parent.join(format!(
-        ".nb{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    ));
-    fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .map_err(listen_err)?;
-    let tmp = dir.join("s");
-    let result = (|| {
-        let l = UnixListener::bind(&tmp)?;
-        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o600))?;
-        // A hard link never replaces an existing file, unlike rename: a
-        // server that bound `path` meanwhile is left alone.
-        fs::hard_link(&tmp, path)?;
-        Ok::<_, io::Error>(l)
-    })();
-    let _ = fs::remove_file(&tmp);
-    let _ = fs::remove_dir(&dir);
-    if let Err(e) = &result
-        && e.kind() == io::ErrorKind::AlreadyExists
-    {
-        return Err(ServerError::AddressInUse {
-            path: path.to_path_buf(),
-        });
-    }
-    result.map_err(listen_err)
 }
 
 #[cfg(test)]
