@@ -41,15 +41,6 @@ impl Buffers {
             .map_or_else(Vec::new, |i| self.free.swap_remove(i))
     }
 
-    /// `len` zero bytes (as a fresh `vec![0; len]` would hold, so a read
-    /// that skips some of them shows the same as before reuse).
-    pub(crate) fn zeroed(&mut self, len: usize) -> Vec<u8> {
-        let mut buf = self.take(len);
-        buf.clear();
-        buf.resize(len, 0);
-        buf
-    }
-
     /// A buffer of `len` bytes for a read that fills all of them (a
     /// backend's `read_at`): the bytes it held are left in place (only
     /// growth is zeroed), since zeroing megabytes first cost as much as
@@ -61,7 +52,7 @@ impl Buffers {
     }
 
     /// A copy of `bytes`.
-    fn copy_of(&mut self, bytes: &[u8]) -> Vec<u8> {
+    pub(crate) fn copy_of(&mut self, bytes: &[u8]) -> Vec<u8> {
         let mut buf = self.take(bytes.len());
         buf.clear();
         buf.extend_from_slice(bytes);
@@ -107,14 +98,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buffers_come_back_zeroed_or_copied_and_stores_are_reclaimed() {
+    fn buffers_come_back_copied_and_stores_are_reclaimed() {
         let mut bufs = Buffers::default();
-        let mut a = bufs.zeroed(100);
+        let mut a = bufs.for_overwrite(100);
         a.fill(7);
         bufs.give(a);
-        // Reused, yet zeroed like a fresh one.
-        let b = bufs.zeroed(50);
-        assert_eq!(b, vec![0; 50]);
+        // Reused: a copy holds exactly what it copied.
+        let b = bufs.copy_of(&[1; 50]);
+        assert_eq!(b, vec![1; 50]);
         assert!(b.capacity() >= 100);
         bufs.give(b);
         let files = MemFiles::new();

@@ -36,7 +36,8 @@ pub(crate) struct Outcome {
 type LayerBytes = Vec<(String, Vec<u8>)>;
 
 fn read_all(disk: &VirtualDisk, bufs: &mut Buffers) -> Result<Vec<u8>, String> {
-    let mut buf = bufs.zeroed(disk.size() as usize);
+    // A read fills every byte it is given (zeros where nothing is mapped).
+    let mut buf = bufs.for_overwrite(disk.size() as usize);
     match disk.read(0, &mut buf) {
         Ok(()) => Ok(buf),
         Err(e) => {
@@ -46,17 +47,24 @@ fn read_all(disk: &VirtualDisk, bufs: &mut Buffers) -> Result<Vec<u8>, String> {
     }
 }
 
-/// Copies every layer's file contents, top first, into reused buffers.
-fn layer_bytes(disk: &VirtualDisk, bufs: &mut Buffers) -> Result<LayerBytes, String> {
+/// The closed layers' file contents, top first, taken out of `files`
+/// (moved when the recovered disk, now dropped, held the last other
+/// reference to a store; copied otherwise).
+fn take_layers(
+    files: &MemFiles,
+    names: &[String],
+    bufs: &mut Buffers,
+) -> Result<LayerBytes, String> {
     let mut layers = Vec::new();
-    for l in disk.layers() {
-        let b = &l.handle().backend;
-        let len = b.len().map_err(|e| format!("{}: {e}", l.name()))?;
-        // `read_at` fills every byte (zeros past the end).
-        let mut buf = bufs.for_overwrite(len as usize);
-        b.read_at(&mut buf, 0)
-            .map_err(|e| format!("{}: {e}", l.name()))?;
-        layers.push((l.name().to_string(), buf));
+    for name in names {
+        let store = files
+            .remove(name)
+            .ok_or_else(|| format!("{name}: not among the crash state's files"))?;
+        let bytes = match Arc::try_unwrap(store) {
+            Ok(store) => store.into_data(),
+            Err(shared) => bufs.copy_of(&shared.snapshot()),
+        };
+        layers.push((name.clone(), bytes));
     }
     Ok(layers)
 }
@@ -72,7 +80,16 @@ pub(crate) fn check_state(
 ) -> Outcome {
     let mut out = Outcome::default();
     let files = bufs.mem_files(state);
-    let checked = recover_and_check(target, guest, state, view, &files, bufs, &mut out);
+    let checked = recover_and_check(target, guest, state, view, &files, bufs, &mut out).and_then(
+        |(recovered, names)| match take_layers(&files, &names, bufs) {
+            Ok(layers) => Some((recovered, layers)),
+            Err(e) => {
+                out.violations.push(ViolationKind::ReopenFailed(e));
+                bufs.give(recovered);
+                None
+            }
+        },
+    );
     // The recovered disk is gone: its stores' buffers come back.
     bufs.reclaim(files, state.devices.iter().map(|d| d.name.as_str()));
     let Some((recovered, layers)) = checked else {
@@ -102,7 +119,7 @@ pub(crate) fn check_state(
 
 /// Recovers through the target from `files`, reads the whole disk and
 /// judges it, closes it and checks the top image. Returns what recovery
-/// read and the closed layers' bytes, or `None` when a violation ends the
+/// read and the closed layers' names, or `None` when a violation ends the
 /// check. The recovered disk is dropped on return.
 fn recover_and_check(
     target: &dyn CrashTarget,
@@ -112,7 +129,7 @@ fn recover_and_check(
     files: &Arc<MemFiles>,
     bufs: &mut Buffers,
     out: &mut Outcome,
-) -> Option<(Vec<u8>, LayerBytes)> {
+) -> Option<(Vec<u8>, Vec<String>)> {
     let disk = match target.recover_from(state, files.clone()) {
         Ok(d) => d,
         Err(e) => {
@@ -157,13 +174,10 @@ fn recover_and_check(
                 .push(ViolationKind::CheckFailed(e.to_string())),
         }
     }
-    match layer_bytes(&disk, bufs) {
-        Ok(layers) => Some((recovered, layers)),
-        Err(e) => {
-            out.violations.push(ViolationKind::ReopenFailed(e));
-            None
-        }
-    }
+    Some((
+        recovered,
+        disk.layers().iter().map(|l| l.name().to_string()).collect(),
+    ))
 }
 
 /// Opens the closed images on their own (no target, read-only) and
