@@ -257,6 +257,10 @@ pub struct CacheConfig {
     /// Test only: persist index records before the data they describe and
     /// trust them on replay, to prove the crash harness catches it.
     pub test_index_before_data: bool,
+    /// Test only: a journal batch that failed to be written loses its
+    /// entries (a later flush then succeeds without them), to prove the
+    /// crash harness catches a flush trusted after a failed write.
+    pub test_forget_failed_batches: bool,
     /// Deduplicate blocks entering flash, across every disk of the cache.
     pub dedup: Dedup,
     /// Test only: fingerprints keep one byte of the hash, so different
@@ -289,6 +293,7 @@ impl Default for CacheConfig {
             host: None,
             salvage: false,
             test_index_before_data: false,
+            test_forget_failed_batches: false,
             dedup: Dedup::Off,
             test_weak_fingerprints: false,
             shares: false,

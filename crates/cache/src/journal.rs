@@ -555,34 +555,35 @@ impl JournalWriter {
                 "a journal batch of {total} bytes exceeds half the metadata zone"
             )));
         }
-        let payload: Vec<u8> = if due == self.pending.len() {
-            std::mem::take(&mut self.pending)
+        let payload = &self.pending[..due];
+        let pos = if self.pos + total > self.capacity {
+            0
         } else {
-            self.pending.drain(..due).collect()
+            self.pos
         };
-        self.consumed += due as u64;
-        if self.pos + total > self.capacity {
-            self.pos = 0;
-        }
         let frame = Frame {
             magic: BATCH_MAGIC,
             tag: self.tag,
             seq: self.next_seq,
-            pos: self.pos,
+            pos,
             len: payload.len() as u32,
-            payload_crc: crc32c::crc32c(&payload),
+            payload_crc: crc32c::crc32c(payload),
             durable_below: self.durable_below,
             checkpoint: self.checkpoint,
         };
         let mut buf = Vec::with_capacity(total as usize);
         buf.extend_from_slice(&frame.encode());
-        buf.extend_from_slice(&payload);
+        buf.extend_from_slice(payload);
         buf.resize(total as usize, 0);
+        // A batch that failed to be written keeps its entries pending: the
+        // next commit writes them, so no flush succeeds without them.
         device
-            .write_at(&buf, self.offset + self.pos)
+            .write_at(&buf, self.offset + pos)
             .map_err(CacheError::device("write journal"))?;
+        self.pending.drain(..due);
+        self.consumed += due as u64;
         self.next_seq += 1;
-        self.pos += total;
+        self.pos = pos + total;
         self.since_started += used;
         self.since_durable += used;
         Ok(true)
@@ -911,6 +912,36 @@ mod tests {
         w.push(&Entry::Unmap { key: 5, slot: 0 });
         assert!(w.write_pending_through(&dev, through).unwrap());
         assert_eq!(w.pending_bytes(), w.pushed() as usize - through as usize);
+    }
+
+    #[test]
+    fn a_batch_that_failed_to_be_written_keeps_its_entries_pending() {
+        let (dev, l, uuid) = setup();
+        let dev = std::sync::Arc::new(dev);
+        let (mut w, mark) = after_checkpoint_5(&l, &uuid);
+        let full = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let flag = full.clone();
+        let failing =
+            vdcache_backend::inject::HookedBackend::new(dev.clone()).on_write(move || {
+                match flag.load(std::sync::atomic::Ordering::SeqCst) {
+                    true => Err(std::io::Error::from_raw_os_error(28)),
+                    false => Ok(()),
+                }
+            });
+        w.push(&Entry::Unmap { key: 1, slot: 0 });
+        assert!(w.write_pending(&failing).is_err());
+        full.store(false, std::sync::atomic::Ordering::SeqCst);
+        w.push(&Entry::Unmap { key: 2, slot: 0 });
+        assert!(w.write_pending(&failing).unwrap());
+        let JournalTail { batches, .. } = read_batches(&*dev, &l, &uuid, mark).unwrap();
+        let entries: Vec<Vec<Entry>> = batches.iter().map(|b| decode_entries(b).unwrap()).collect();
+        assert_eq!(
+            entries,
+            [vec![
+                Entry::Unmap { key: 1, slot: 0 },
+                Entry::Unmap { key: 2, slot: 0 }
+            ]]
+        );
     }
 
     #[test]

@@ -48,6 +48,10 @@ pub struct DiskCounters {
     /// Journal copies the log named for an in-place write whose bytes
     /// turned out to differ (nothing shared).
     pub journal_copy_mismatches: AtomicU64,
+    /// Reads whose blocks could not be admitted into flash (the device
+    /// failed the write, as when its file system is full): served from the
+    /// image all the same.
+    pub promotions_failed: AtomicU64,
     /// 4 KiB blocks (written, or read and promoted) mapped onto a cache
     /// block with the same content instead of written to flash (dedup).
     pub dedup_blocks_shared: AtomicU64,
@@ -82,6 +86,7 @@ pub struct DiskStats {
     pub writeback_filled_bytes: u64,
     pub journal_copies_shared: u64,
     pub journal_copy_mismatches: u64,
+    pub promotions_failed: u64,
     pub dedup_blocks_shared: u64,
     pub hash_nanos: u64,
     pub hashed_blocks: u64,
@@ -122,6 +127,7 @@ impl DiskStats {
         self.writeback_filled_bytes += o.writeback_filled_bytes;
         self.journal_copies_shared += o.journal_copies_shared;
         self.journal_copy_mismatches += o.journal_copy_mismatches;
+        self.promotions_failed += o.promotions_failed;
         self.dedup_blocks_shared += o.dedup_blocks_shared;
         self.hash_nanos += o.hash_nanos;
         self.hashed_blocks += o.hashed_blocks;
@@ -165,6 +171,7 @@ impl DiskCounters {
             writeback_filled_bytes: l(&self.writeback_filled_bytes),
             journal_copies_shared: l(&self.journal_copies_shared),
             journal_copy_mismatches: l(&self.journal_copy_mismatches),
+            promotions_failed: l(&self.promotions_failed),
             dedup_blocks_shared: l(&self.dedup_blocks_shared),
             hash_nanos: l(&self.hash_nanos),
             hashed_blocks: l(&self.hashed_blocks),
@@ -305,14 +312,18 @@ impl vdcache_backend::Backend for CountedDevice {
         self.inner.read_at(buf, offset)
     }
 
+    /// Counts what was written, not what was tried: a full device fails
+    /// writes that staging retries at every sync.
     fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)?;
         self.count_write(offset, buf.len() as u64);
-        self.inner.write_at(buf, offset)
+        Ok(())
     }
 
     fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> std::io::Result<()> {
+        self.inner.write_vectored_at(bufs, offset)?;
         self.count_write(offset, bufs.iter().map(|b| b.len() as u64).sum());
-        self.inner.write_vectored_at(bufs, offset)
+        Ok(())
     }
 
     fn flush(&self) -> std::io::Result<()> {

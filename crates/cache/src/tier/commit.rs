@@ -81,11 +81,11 @@ impl FlashCache {
     /// lock: for commits something else must wait for (a write that
     /// bypasses the log, reclaiming space, stopping).
     pub(crate) fn commit(&self, st: &mut State) -> Result<()> {
-        st.ledger.uncommitted_dirty = false;
         let started_before = self.write_commit(st)?;
         self.device
             .flush()
             .map_err(CacheError::device("sync cache device"))?;
+        st.ledger.uncommitted_dirty = false;
         self.group_sync.note_durable(st.journal.next_seq);
         if self.inline_checkpoint_due(started_before) {
             self.finish_checkpoint(st)?;

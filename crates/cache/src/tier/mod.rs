@@ -238,9 +238,17 @@ impl std::fmt::Debug for FlashCache {
 /// there; the text is the cache's own.
 fn host_err(e: CacheError) -> HostError {
     match e {
-        // The device's or the store's own error: ENOSPC, store faults and
-        // errnos stay as they were.
-        CacheError::Device { cause, .. } => HostError::from(cause),
+        // The cache device's own error, named as such (the layers above
+        // name the image): a full device stays ENOSPC, anything else EIO.
+        CacheError::Device { op, cause } => {
+            let full = cause.kind() == std::io::ErrorKind::StorageFull;
+            let named = std::io::Error::other(CacheError::Device { op, cause }.to_string());
+            if full {
+                HostError::NoSpace(named)
+            } else {
+                HostError::Io(named)
+            }
+        }
         // Keeps the typed fault, so the layers above can tell it.
         CacheError::Unreachable { fault } => HostError::from(fault),
         e @ (CacheError::NotACache

@@ -13,7 +13,8 @@ use crate::index::{Cbn, line_key};
 use crate::journal::Entry;
 use crate::layout::{BLOCK, LINE_BLOCKS};
 use crate::region::Stream;
-use crate::stats::bump;
+use crate::stats::{DiskCounters, bump};
+use std::sync::atomic::Ordering;
 use vdcache_contract::{HostOffset, ImageHandle, IoClass, IoTag};
 
 /// Copies the part of `data` (starting at byte `data_at` of the image)
@@ -192,8 +193,10 @@ impl FlashCache {
             let fetched = self.read_misses(image, &misses, off, buf, &counters)?;
             // Copy-on-write filler has no locality of its own.
             let cow_aware = policy.cow == crate::config::CowMode::CowAware;
-            if !(cow_aware && tag.class == IoClass::CowFill) {
-                self.promote(id, tag, policy, read_seq, fetched)?;
+            if !(cow_aware && tag.class == IoClass::CowFill)
+                && let Err(e) = self.promote(id, tag, policy, read_seq, fetched)
+            {
+                self.promotion_failed(&counters, &image.name, &e);
             }
         }
         overlay(&sectors, off, buf);
@@ -393,6 +396,20 @@ impl FlashCache {
             }
         }
         runs
+    }
+
+    /// A read's blocks could not be admitted: the read has its bytes from
+    /// the image, so it succeeds; the failure is counted, and logged at
+    /// the 1st, 2nd, 4th, 8th... time (a full device fails every one).
+    fn promotion_failed(&self, counters: &DiskCounters, image: &str, e: &CacheError) {
+        let n = counters.promotions_failed.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!(
+                image,
+                failures = n,
+                "caching a read failed ({e}); reads are served from the image meanwhile"
+            );
+        }
     }
 
     /// Admits blocks read from the backend, unless a write to them

@@ -15,8 +15,10 @@
 use crate::check::first_difference;
 use crate::error::BoxError;
 use crate::target::{CrashTarget, Qcow2Target, RecordingFiles, mem_files};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use vdcache_backend::BackendRef;
+use vdcache_backend::inject::HookedBackend;
 use vdcache_backend::recording::CrashState;
 use vdcache_cache::{CacheConfig, FlashCache};
 use vdcache_host::FullRecovery;
@@ -57,13 +59,27 @@ pub fn open_raw_disk(
 /// Name of the cache device among the recorded devices.
 pub const CACHE_DEVICE: &str = "cache.dev";
 
+/// Writes to the cache device that fail with ENOSPC during a live run, as
+/// when the file system holding a cache file fills up and space returns:
+/// `calls` write calls from the `first` (counted from 0 over the run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FullDevice {
+    pub first: u64,
+    pub calls: u64,
+}
+
 /// Images of a [`Qcow2Target`] served through a flash cache.
 pub struct CacheTarget {
     pub images: Qcow2Target,
     pub config: CacheConfig,
     pub device_bytes: usize,
+    /// Device writes that fail in the live run (the workload then needs
+    /// [`crate::WorkloadConfig::retries`]).
+    pub full: Option<FullDevice>,
     /// The cache the live workload runs through, and how often it was opened.
     live: Mutex<(Option<Arc<FlashCache>>, u32)>,
+    /// Write calls to the cache device in the live run so far.
+    device_writes: Arc<AtomicU64>,
 }
 
 impl CacheTarget {
@@ -72,8 +88,40 @@ impl CacheTarget {
             images,
             config,
             device_bytes,
+            full: None,
             live: Mutex::new((None, 0)),
+            device_writes: Arc::default(),
         }
+    }
+
+    /// The same target with device writes failing as `full` says.
+    pub fn with_full_device(self, full: FullDevice) -> CacheTarget {
+        CacheTarget {
+            full: Some(full),
+            ..self
+        }
+    }
+
+    /// Write calls the cache device took in the last live run (failed
+    /// ones included): where a [`FullDevice`] window can start.
+    pub fn device_writes(&self) -> u64 {
+        self.device_writes.load(Ordering::SeqCst)
+    }
+
+    /// The recorded cache device, as the live run sees it: its writes are
+    /// counted, and fail with ENOSPC inside the [`FullDevice`] window.
+    fn live_device(&self, files: &RecordingFiles) -> Result<BackendRef, BoxError> {
+        let dev: BackendRef = files.get(CACHE_DEVICE).ok_or("no cache device")?;
+        let (writes, full) = (self.device_writes.clone(), self.full);
+        Ok(Arc::new(HookedBackend::new(dev).on_write(move || {
+            let n = writes.fetch_add(1, Ordering::SeqCst);
+            match full {
+                Some(f) if (f.first..f.first + f.calls).contains(&n) => {
+                    Err(std::io::Error::from_raw_os_error(28))
+                }
+                _ => Ok(()),
+            }
+        })))
     }
 
     /// What the cache the live workload ran through reports (none before
@@ -122,6 +170,7 @@ impl CrashTarget for CacheTarget {
             c.shutdown(true)?;
         }
         self.images.create(files)?;
+        self.device_writes.store(0, Ordering::SeqCst);
         let dev: BackendRef = files.insert_fixed(CACHE_DEVICE, self.device_bytes);
         let cache = FlashCache::format(dev, self.config.clone())?;
         cache.shutdown(true)?;
@@ -141,8 +190,7 @@ impl CrashTarget for CacheTarget {
         let cache = match &live.0 {
             Some(c) => c.clone(),
             None => {
-                let dev: BackendRef = files.get(CACHE_DEVICE).ok_or("no cache device")?;
-                let c = FlashCache::open(dev, self.config.clone())?;
+                let c = FlashCache::open(self.live_device(files)?, self.config.clone())?;
                 live.0 = Some(c.clone());
                 c
             }

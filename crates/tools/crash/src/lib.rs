@@ -41,7 +41,7 @@ pub mod target;
 pub mod workload;
 
 pub use broken::{Breakage, BrokenIo};
-pub use cache_target::{CACHE_DEVICE, CacheTarget, open_raw_disk, open_raw_through};
+pub use cache_target::{CACHE_DEVICE, CacheTarget, FullDevice, open_raw_disk, open_raw_through};
 pub use error::{BoxError, HarnessError};
 pub use harness::{
     Report, RunConfig, SEEDS_ENV, STATES_ENV, Violation, ViolationKind, qemu_img_available,

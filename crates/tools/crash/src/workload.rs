@@ -38,6 +38,12 @@ pub struct WorkloadConfig {
     /// many patterns, so the same bytes land at many addresses (for a
     /// deduplicating cache); zero: every write's bytes are its own.
     pub duplicate_patterns: u32,
+    /// Times an op that fails is tried again before the run fails: for
+    /// targets whose storage fails for a while (a full file system), as a
+    /// guest retries a failed request. An op counts once it succeeded;
+    /// crash points during its failed tries find it in flight. Zero: the
+    /// first failure fails the run.
+    pub retries: u32,
 }
 
 impl Default for WorkloadConfig {
@@ -53,6 +59,18 @@ impl Default for WorkloadConfig {
             hot_percent: 70,
             max_len: None,
             duplicate_patterns: 0,
+            retries: 0,
+        }
+    }
+}
+
+/// Runs `attempt` until it succeeds, at most `retries` times more.
+fn retrying<T, E>(retries: u32, mut attempt: impl FnMut() -> Result<T, E>) -> Result<T, E> {
+    let mut left = retries;
+    loop {
+        match attempt() {
+            Err(_) if left > 0 => left -= 1,
+            done => return done,
         }
     }
 }
@@ -247,7 +265,7 @@ pub fn run_workload(
                 } else {
                     fill_from_patterns(&mut op_rng, cfg, off, &mut data);
                 }
-                disk.write(off, &data, p.fua)
+                retrying(cfg.retries, || disk.write(off, &data, p.fua))
                     .map_err(|e| fail(i, desc.clone(), e))?;
                 model.apply(i, off, &data);
             }
@@ -256,12 +274,12 @@ pub fn run_workload(
                     may_unmap,
                     fua: p.fua,
                 };
-                disk.write_zeroes(off, len, flags)
+                retrying(cfg.retries, || disk.write_zeroes(off, len, flags))
                     .map_err(|e| fail(i, desc.clone(), e))?;
                 model.apply(i, off, &vec![0u8; len as usize]);
             }
             GuestOpKind::Discard => {
-                disk.discard(off, len)
+                retrying(cfg.retries, || disk.discard(off, len))
                     .map_err(|e| fail(i, desc.clone(), e))?;
                 // What a discard leaves is the target's business (zeros
                 // or the old bytes, per sector); learn it by reading.
@@ -269,7 +287,7 @@ pub fn run_workload(
                 let b = (off + len).div_ceil(SECTOR) * SECTOR;
                 let b = b.min(size);
                 let mut now = vec![0u8; (b - a) as usize];
-                disk.read(a, &mut now)
+                retrying(cfg.retries, || disk.read(a, &mut now))
                     .map_err(|e| fail(i, format!("read after {desc}"), e))?;
                 for (n, (got, old)) in now
                     .chunks(SECTOR as usize)
@@ -291,7 +309,7 @@ pub fn run_workload(
             }
             GuestOpKind::Read => {
                 let mut buf = vec![0u8; len as usize];
-                disk.read(off, &mut buf)
+                retrying(cfg.retries, || disk.read(off, &mut buf))
                     .map_err(|e| fail(i, desc.clone(), e))?;
                 let want = &model.current()[off as usize..(off + len) as usize];
                 if let Some(d) = buf.iter().zip(want).position(|(a, b)| a != b) {
@@ -302,13 +320,17 @@ pub fn run_workload(
                     ));
                 }
             }
-            GuestOpKind::Flush => disk.flush().map_err(|e| fail(i, desc.clone(), e))?,
-            GuestOpKind::Reopen => {
-                disk.close().map_err(|e| fail(i, desc.clone(), e))?;
-                drop(disk);
-                disk = open(files)?;
+            GuestOpKind::Flush => {
+                retrying(cfg.retries, || disk.flush()).map_err(|e| fail(i, desc.clone(), e))?
             }
-            GuestOpKind::Close => disk.close().map_err(|e| fail(i, desc.clone(), e))?,
+            GuestOpKind::Reopen => {
+                retrying(cfg.retries, || disk.close()).map_err(|e| fail(i, desc.clone(), e))?;
+                drop(disk);
+                disk = retrying(cfg.retries, || open(files))?;
+            }
+            GuestOpKind::Close => {
+                retrying(cfg.retries, || disk.close()).map_err(|e| fail(i, desc.clone(), e))?
+            }
         }
         op.end = log.len();
         ops.push(op);

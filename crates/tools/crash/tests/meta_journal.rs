@@ -20,13 +20,14 @@ use vdcache_crash::{
 use vdcache_image::{CreateOptions, JournalMode, MetaCacheConfig};
 
 const MIB: u64 = 1 << 20;
-/// States per workload seed in a release run; four seeds for each of
-/// four engine configurations make over 10,000 states per CI run.
+/// States per workload seed in a release run; two seeds for each of four
+/// engine configurations make over 5,000 states per CI run (the README's
+/// long sweep runs many more).
 const BUDGET: usize = 900;
-const SEEDS: u64 = 4;
+const SEEDS: u64 = 2;
 /// Distinct states each configuration must reach (some of a budget are
 /// duplicates).
-const MIN_STATES: usize = 2800;
+const MIN_STATES: usize = 1400;
 
 fn run_config(seed: u64) -> RunConfig {
     RunConfig {
