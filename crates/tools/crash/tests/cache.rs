@@ -154,7 +154,7 @@ fn dedup_shared_blocks_through_crashes() {
 /// ENOSPC, the window placed at `WINDOWS` points spread over a run's
 /// writes; the guest retries what failed. Every flush that succeeds must
 /// cover every write before it, whatever failed meanwhile.
-const WINDOWS: u64 = 6;
+const WINDOWS: u64 = 5;
 const CALLS: u64 = 4;
 
 fn full_device_sweeps(config: &CacheConfig, states: usize) -> usize {
@@ -190,7 +190,7 @@ fn full_device_sweeps(config: &CacheConfig, states: usize) -> usize {
 fn a_device_that_fills_up_for_a_while_loses_no_flushed_write() {
     for mode in [WriteMode::WriteBack, WriteMode::WriteThrough] {
         let c = cache_config(mode, Admission::All, Replacement::Lru);
-        assert_eq!(full_device_sweeps(&c, 60), 0, "{mode:?}");
+        assert_eq!(full_device_sweeps(&c, 40), 0, "{mode:?}");
     }
 }
 
@@ -199,7 +199,7 @@ fn a_flush_trusted_after_a_failed_journal_write_is_caught() {
     let mut c = cache_config(WriteMode::WriteBack, Admission::All, Replacement::Lru);
     c.test_forget_failed_batches = true;
     assert!(
-        full_device_sweeps(&c, 60) > 0,
+        full_device_sweeps(&c, 40) > 0,
         "forgetting a failed journal batch's entries must produce violations"
     );
 }

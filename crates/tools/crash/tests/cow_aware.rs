@@ -82,8 +82,8 @@ fn clean(t: &CacheTarget, seed: u64, states: usize) -> usize {
 #[test]
 fn decoupled_cow_and_sector_metadata_in_writeback() {
     let t = target("cow-wb", cache_config(WriteMode::WriteBack));
-    let n = clean(&t, 0xc0a1, 800);
-    assert!(n >= budget(800) / 2, "only {n} distinct states");
+    let n = clean(&t, 0xc0a1, 450);
+    assert!(n >= budget(450) / 2, "only {n} distinct states");
 }
 
 #[test]
@@ -93,13 +93,13 @@ fn journal_buffer_written_between_flushes() {
     c.high_watermark = 0.1;
     c.low_watermark = 0.05;
     let t = target("cow-wb-journal", c);
-    let n = clean(&t, 0xc0a2, 700);
-    assert!(n >= budget(700) / 2, "only {n} distinct states");
+    let n = clean(&t, 0xc0a2, 400);
+    assert!(n >= budget(400) / 2, "only {n} distinct states");
 }
 
 #[test]
 fn writethrough_never_admits_filler() {
     let t = target("cow-wt", cache_config(WriteMode::WriteThrough));
-    let n = clean(&t, 0xc0a3, 500);
-    assert!(n >= budget(500) / 2, "only {n} distinct states");
+    let n = clean(&t, 0xc0a3, 300);
+    assert!(n >= budget(300) / 2, "only {n} distinct states");
 }
