@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates the generated part of the committed seed corpora (the files
 # named gen-*) with the project's own writers: `vdcache trace-gen` for the
-# traces, `vdcache create` and `vdcache io` for the qcow2 images. The other
+# traces, `vdcache create` and `vdcache io` for the qcow2 images, and the
+# vhost-user target's bounded test for its seeds. The other
 # seeds are written by hand and kept as they are. The output is the same on
 # every run, so a diff after running this means a writer changed.
 #
@@ -53,4 +54,9 @@ image v2.qcow2 cluster_size=512,compat=0.10 "write -P 7 300k 1k"
 image refcount1.qcow2 cluster_size=512,refcount_bits=1 "write -P 8 100k 1k"
 image lazy-zstd.qcow2 cluster_size=1024,lazy_refcounts=on,compression_type=zstd,refcount_bits=64 "write -P 1 4k 2k"
 image extended-l2.qcow2 cluster_size=16k,extended_l2=on "write -P 3 2k 1k" "write -z 20k 4k"
+
+# The vhost-user seeds (all of fuzz/corpus/vhost_user): rings and messages
+# laid out by the target's bounded test, which writes them when asked to.
+quiet env VDCACHE_WRITE_SEEDS=1 cargo test --release -p vdcache-vhost-user-blk \
+  --test fuzz_bounded the_committed_seeds_are_the_built_ones_and_pass
 du -sh "$c" >&2

@@ -4,7 +4,9 @@
 //! for the trace readers, the server configuration, the NBD server's
 //! handshake and requests, the NBD client's replies and the qcow2
 //! structure parsers. The image open-and-read target has its own bounded test
-//! (crates/image/tests/fuzz_bounded.rs); here only its seeds are replayed.
+//! (crates/image/tests/fuzz_bounded.rs), and so has the vhost-user target
+//! (crates/frontend/vhost-user-blk/tests/fuzz_bounded.rs); here only the
+//! image seeds are replayed.
 
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
@@ -66,6 +68,7 @@ fn every_target_has_a_small_seed_corpus() {
         "nbd_request",
         "nbd_reply",
         "jbd2",
+        "vhost_user",
     ] {
         assert!(names.iter().any(|n| n == t), "no fuzz target {t}");
     }

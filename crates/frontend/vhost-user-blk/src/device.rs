@@ -6,11 +6,14 @@
 //! Owns: feature negotiation, the config space bytes, the guest memory
 //! table of the current connection, and the per-queue loop (notification
 //! suppression with EVENT_IDX). Must not: keep guest memory across
-//! connections (a reconnecting QEMU sends a new table) or let a request
-//! error stop a queue (the guest gets IOERR and the queue goes on).
+//! connections (a reconnecting QEMU sends a new table), let a request
+//! error stop a queue (the guest gets IOERR and the queue goes on), or
+//! loop on a ring the guest broke (`ring` stops that queue alone).
 
+use crate::failure_log::FailureLog;
 use crate::inflight::{InOrder, Job, Pool};
 use crate::request::{self, BlockDevice, Kind, MAX_SEGMENTS, SECTOR};
+use crate::ring::{self, RingFault, Stops};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,15 +25,14 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
-use virtio_queue::QueueT;
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
 };
 
 /// Requests of one queue carried out at once (worker threads per queue).
-const WORKERS_PER_QUEUE: usize = 8;
+pub const WORKERS_PER_QUEUE: usize = 8;
 /// How long stopping a queue waits for its requests in flight.
 const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 
@@ -111,6 +113,13 @@ pub struct Device {
     mem: Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
     pub(crate) counters: Arc<Counters>,
     in_order: InOrder,
+    /// Queues stopped for a ring the guest broke.
+    pub(crate) stops: Stops,
+    failures: FailureLog,
+    workers_per_queue: usize,
+    /// The connection is ending: queue loops return to their thread's
+    /// event loop (which ends it) even while the guest keeps posting.
+    closing: AtomicBool,
     /// The current connection's workers (started by its first request).
     pool: Mutex<Option<Pool>>,
 }
@@ -120,27 +129,48 @@ pub struct Device {
 pub struct Backend(pub(crate) Arc<Device>);
 
 impl Device {
+    /// A device of `queues` queues, each carrying out up to
+    /// `workers_per_queue` requests at once.
     pub fn new(
         name: String,
         disk: Arc<dyn BlockDevice + Send + Sync>,
         queues: usize,
+        workers_per_queue: usize,
         counters: Arc<Counters>,
     ) -> Device {
+        let queues = queues.max(1);
         Device {
             name,
             disk,
-            queues: queues.max(1),
+            queues,
             event_idx: AtomicBool::new(false),
             mem: Mutex::new(None),
             counters,
-            in_order: InOrder::new(queues.max(1)),
+            in_order: InOrder::new(queues),
+            stops: Stops::new(queues),
+            failures: FailureLog::default(),
+            workers_per_queue: workers_per_queue.max(1),
+            closing: AtomicBool::new(false),
             pool: Mutex::new(None),
         }
     }
 
-    /// A new connection: its queues start numbering afresh.
+    /// A new connection: its queues start numbering afresh, and none is
+    /// stopped.
     pub fn start_connection(&self) {
         self.in_order.reset();
+        self.stops.restart_all();
+        self.closing.store(false, Ordering::SeqCst);
+    }
+
+    /// The connection ended (or is being shut): no queue loop takes
+    /// another request, so that its thread can be joined.
+    pub fn end_connection(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+    }
+
+    fn closing(&self) -> bool {
+        self.closing.load(Ordering::SeqCst)
     }
 
     /// After a connection ended (its queue threads joined): lets every
@@ -163,18 +193,39 @@ impl Device {
             Ok(kind) => self.counters.count(&kind),
             Err(e) => {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(export = %self.name, "vhost-user-blk request failed: {e}");
+                self.failures.note(&self.name, &e);
             }
         }
-        if self
+        match self
             .in_order
             .complete(job.queue, job.seq, head, len, &job.vring)
         {
-            let event_idx = self.event_idx.load(Ordering::Relaxed);
-            let notify = !event_idx || job.vring.needs_notification().unwrap_or(true);
-            if notify && let Err(e) = job.vring.signal_used_queue() {
-                tracing::warn!(export = %self.name, "vhost-user-blk: cannot notify the guest: {e}");
+            Ok(false) => {}
+            Ok(true) => {
+                let event_idx = self.event_idx.load(Ordering::Relaxed);
+                let notify = !event_idx || job.vring.needs_notification().unwrap_or(true);
+                if notify && let Err(e) = job.vring.signal_used_queue() {
+                    tracing::warn!(export = %self.name, "vhost-user-blk: cannot notify the guest: {e}");
+                }
             }
+            Err(e) => self.stop_queue(job.queue, job.epoch, &RingFault::used(&job.vring, e)),
+        }
+    }
+
+    /// Waits until every request taken from `queue` was completed (false:
+    /// not within the time a stop waits).
+    pub(crate) fn wait_idle(&self, queue: usize) -> bool {
+        self.in_order.wait_idle(queue, STOP_WAIT)
+    }
+
+    /// Stops `queue` for `fault` (unless restarted since `epoch`), with
+    /// one log line.
+    fn stop_queue(&self, queue: usize, epoch: u64, fault: &RingFault) {
+        if self.stops.stop(queue, epoch) {
+            tracing::error!(
+                export = %self.name,
+                "vhost-user-blk: queue {queue} stopped until the guest resets the device: {fault}"
+            );
         }
     }
 
@@ -196,58 +247,88 @@ impl Device {
         c
     }
 
-    /// Pops every request queued on `vring` and hands each to a worker.
+    /// Pops every request queued on `vring` and hands each to a worker; a
+    /// broken ring stops the queue (see `ring`), a stopped queue's kick is
+    /// dropped.
     fn serve_queue(
         self: &Arc<Self>,
         queue: usize,
         vring: &VringRwLock,
         mem: &GuestMemoryAtomic<GuestMemoryMmap>,
     ) -> io::Result<()> {
-        let event_idx = self.event_idx.load(Ordering::Relaxed);
-        loop {
-            if event_idx {
-                vring.disable_notification().map_err(io::Error::other)?;
-            }
-            self.hand_out_available(queue, vring, mem)?;
-            // With EVENT_IDX, requests queued while notifications were off
-            // are served before waiting for a kick again.
-            if !event_idx || !vring.enable_notification().map_err(io::Error::other)? {
-                return Ok(());
-            }
-        }
-    }
-
-    fn hand_out_available(
-        self: &Arc<Self>,
-        queue: usize,
-        vring: &VringRwLock,
-        mem: &GuestMemoryAtomic<GuestMemoryMmap>,
-    ) -> io::Result<()> {
+        let Some(epoch) = self.stops.serving(queue) else {
+            return Ok(());
+        };
         let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
         if pool.is_none() {
             let device = self.clone();
             let serve: Arc<dyn Fn(Job) + Send + Sync> = Arc::new(move |job| device.run_job(job));
-            *pool = Some(Pool::start(WORKERS_PER_QUEUE * self.queues, serve)?);
+            *pool = Some(Pool::start(self.workers_per_queue * self.queues, serve)?);
         }
         let Some(pool) = pool.as_ref() else {
             return Ok(());
         };
-        loop {
-            let chain = vring
-                .get_mut()
-                .get_queue_mut()
-                .pop_descriptor_chain(mem.memory());
-            let Some(chain) = chain else { break };
-            let job = Job {
-                queue,
-                seq: self.in_order.next_seq(queue),
-                chain,
-                vring: vring.clone(),
-            };
-            if let Err(job) = pool.submit(job) {
-                // The pool closed under us (the connection is ending):
-                // serve it here rather than lose it.
-                self.run_job(*job);
+        if let Err(fault) = self.hand_out(queue, epoch, vring, mem, pool) {
+            self.stop_queue(queue, epoch, &fault);
+        }
+        Ok(())
+    }
+
+    fn hand_out(
+        &self,
+        queue: usize,
+        epoch: u64,
+        vring: &VringRwLock,
+        mem: &GuestMemoryAtomic<GuestMemoryMmap>,
+        pool: &Pool,
+    ) -> Result<(), RingFault> {
+        let event_idx = self.event_idx.load(Ordering::Relaxed);
+        // The ring said more requests were available after the last pass.
+        let mut promised = false;
+        while !self.closing() {
+            if event_idx {
+                vring
+                    .disable_notification()
+                    .map_err(|e| RingFault::used(vring, e))?;
+            }
+            let mut taken = 0u64;
+            while !self.closing()
+                && let Some(chain) = ring::pop(vring, mem)?
+            {
+                taken += 1;
+                let job = Job {
+                    queue,
+                    epoch,
+                    seq: self.in_order.next_seq(queue),
+                    chain,
+                    vring: vring.clone(),
+                };
+                if let Err(job) = pool.submit(job) {
+                    // The pool closed under us (the connection is ending):
+                    // serve it here rather than lose it.
+                    self.run_job(*job);
+                }
+            }
+            if promised && taken == 0 {
+                // Never loop on a promise no pass keeps: either the front
+                // end stopped the queue meanwhile or the guest plays with
+                // the index.
+                return if ring::started(vring) {
+                    Err(RingFault::Unsteady)
+                } else {
+                    Ok(())
+                };
+            }
+            // With EVENT_IDX, requests queued while notifications were off
+            // are served before waiting for a kick again.
+            if !event_idx {
+                return Ok(());
+            }
+            promised = vring
+                .enable_notification()
+                .map_err(|e| RingFault::used(vring, e))?;
+            if !promised {
+                return Ok(());
             }
         }
         Ok(())
@@ -289,6 +370,11 @@ impl VhostUserBackend for Backend {
 
     fn set_event_idx(&self, enabled: bool) {
         self.0.event_idx.store(enabled, Ordering::Relaxed);
+    }
+
+    /// RESET_DEVICE: no queue stays stopped.
+    fn reset_device(&self) {
+        self.0.stops.restart_all();
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
@@ -350,14 +436,17 @@ impl VhostUserBackend for Backend {
     }
 
     /// QEMU reads the queue's index next: every request popped is
-    /// published first.
+    /// published first. The front end configures the queue afresh after
+    /// this (a guest's device reset does this), so a queue stopped for a
+    /// broken ring is served again.
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
-        if !self.0.in_order.wait_idle(queue_index as usize, STOP_WAIT) {
+        if !self.0.wait_idle(queue_index as usize) {
             tracing::error!(
                 export = %self.0.name,
                 "vhost-user-blk: queue {queue_index} still has requests in flight after {STOP_WAIT:?}"
             );
         }
+        self.0.stops.restart(queue_index as usize);
         Ok(())
     }
 }

@@ -14,20 +14,21 @@
 //! not: parse requests (`request` does) or hold a queue's reorder lock
 //! while popping from its vring (the lock order is reorder, then vring).
 
+use crate::ring::Chain;
 use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use vhost_user_backend::{VringRwLock, VringT};
-use virtio_queue::DescriptorChain;
-use vm_memory::{GuestMemoryLoadGuard, GuestMemoryMmap};
 
 /// A popped request and where its completion goes.
 pub struct Job {
     pub queue: usize,
+    /// The queue's epoch when the request was taken (see `ring::Stops`).
+    pub epoch: u64,
     pub seq: u64,
-    pub chain: DescriptorChain<GuestMemoryLoadGuard<GuestMemoryMmap>>,
+    pub chain: Chain,
     pub vring: VringRwLock,
 }
 
@@ -71,7 +72,9 @@ impl InOrder {
 
     /// Records a completed request and publishes every completion now in
     /// order; true when something was published (the guest may need a
-    /// notification).
+    /// notification). An error: the used ring refused a completion (the
+    /// ring is broken; the completions are accounted for all the same, so
+    /// that a stop does not wait for them).
     pub fn complete(
         &self,
         job_queue: usize,
@@ -79,19 +82,22 @@ impl InOrder {
         head: u16,
         len: u32,
         vring: &VringRwLock,
-    ) -> bool {
+    ) -> Result<bool, virtio_queue::Error> {
         let Some(mut o) = self.order(job_queue) else {
-            return false;
+            return Ok(false);
         };
         o.done.insert(seq, (head, len));
         let mut published = false;
+        let mut refused = None;
         loop {
             let next = o.next_publish;
             let Some((head, len)) = o.done.remove(&next) else {
                 break;
             };
-            if let Err(e) = vring.add_used(head, len) {
-                tracing::error!("vhost-user-blk: cannot return request {head} to the guest: {e}");
+            if refused.is_none()
+                && let Err(e) = vring.add_used(head, len)
+            {
+                refused = Some(e);
             }
             o.next_publish += 1;
             published = true;
@@ -100,7 +106,7 @@ impl InOrder {
         if published {
             self.queues[job_queue].1.notify_all();
         }
-        published
+        refused.map_or(Ok(published), Err)
     }
 
     /// Waits until every request popped from `queue` was published (or

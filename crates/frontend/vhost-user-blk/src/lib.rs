@@ -15,10 +15,13 @@
 //! `VirtualDisk::flush` returned.
 
 mod device;
+mod failure_log;
+pub mod fuzzing;
 mod inflight;
 pub mod request;
+mod ring;
 
-use device::{Backend, Counters, Device};
+use device::{Backend, Counters, Device, WORKERS_PER_QUEUE};
 use request::BlockDevice;
 use std::net::Shutdown;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -191,15 +194,6 @@ impl Drop for VhostUserBlkServer {
 
 impl Serving {
     fn start(e: VhostUserBlkExport) -> Result<Serving, VhostUserBlkError> {
-        let (listener, socket) = OwnedSocket::bind(&e.socket)?;
-        let waker = listener
-            .try_clone()
-            .map_err(|cause| VhostUserBlkError::Thread {
-                path: e.socket.clone(),
-                cause,
-            })?;
-        let listener = Listener::from(listener);
-        let counters = Arc::new(Counters::default());
         let id = if e.name.is_empty() {
             b"vdcache".to_vec()
         } else {
@@ -209,26 +203,47 @@ impl Serving {
             disk: e.disk.clone(),
             id,
         };
+        let queues = (e.queues, WORKERS_PER_QUEUE);
+        Serving::start_device(e.name, Arc::new(device), &e.socket, queues)
+    }
+
+    /// Serves `device` on `socket` with `(queues, workers per queue)`.
+    fn start_device(
+        name: String,
+        device: Arc<dyn BlockDevice + Send + Sync>,
+        socket: &std::path::Path,
+        (queues, workers): (usize, usize),
+    ) -> Result<Serving, VhostUserBlkError> {
+        let (listener, socket) = OwnedSocket::bind(socket)?;
+        let waker = listener
+            .try_clone()
+            .map_err(|cause| VhostUserBlkError::Thread {
+                path: socket.path().to_path_buf(),
+                cause,
+            })?;
+        let listener = Listener::from(listener);
+        let counters = Arc::new(Counters::default());
         let backend = Backend(Arc::new(Device::new(
-            e.name.clone(),
-            Arc::new(device),
-            e.queues,
+            name.clone(),
+            device,
+            queues,
+            workers,
             counters.clone(),
         )));
         let stop = Arc::new(AtomicBool::new(false));
         let connection = Arc::new(Mutex::new(None));
         let thread = {
-            let (stop, connection, name) = (stop.clone(), connection.clone(), e.name.clone());
+            let (stop, connection, name) = (stop.clone(), connection.clone(), name.clone());
             std::thread::Builder::new()
                 .name("vdcache-vhost-user".into())
                 .spawn(move || serve_connections(listener, backend, &name, &stop, &connection))
                 .map_err(|cause| VhostUserBlkError::Thread {
-                    path: e.socket.clone(),
+                    path: socket.path().to_path_buf(),
                     cause,
                 })?
         };
         Ok(Serving {
-            name: e.name,
+            name,
             socket,
             waker: Some(waker),
             stop,
@@ -302,6 +317,7 @@ fn serve_connections(
         }
         if stop.load(Ordering::SeqCst) {
             daemon.request_shutdown();
+            backend.0.end_connection();
             drop(daemon);
             backend.0.finish_requests();
             return;
@@ -323,6 +339,9 @@ fn serve_connections(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        // A guest that keeps posting must not keep its queue's thread
+        // from the exit event dropping the daemon sends.
+        backend.0.end_connection();
         drop(daemon);
         backend.0.finish_requests();
         if stop.load(Ordering::SeqCst) {
