@@ -257,6 +257,11 @@ pub struct CacheConfig {
     /// Test only: persist index records before the data they describe and
     /// trust them on replay, to prove the crash harness catches it.
     pub test_index_before_data: bool,
+    /// Test only: recovery trusts an older checkpoint when a newer one was
+    /// made durable but no longer verifies (the seal's and the journal's
+    /// word about newer checkpoints is ignored), to prove the crash
+    /// harness's damaged-metadata sweep catches it.
+    pub test_open_past_bad_checkpoint: bool,
     /// Deduplicate blocks entering flash, across every disk of the cache.
     pub dedup: Dedup,
     /// Test only: fingerprints keep one byte of the hash, so different
@@ -289,6 +294,7 @@ impl Default for CacheConfig {
             host: None,
             salvage: false,
             test_index_before_data: false,
+            test_open_past_bad_checkpoint: false,
             dedup: Dedup::Off,
             test_weak_fingerprints: false,
             shares: false,
