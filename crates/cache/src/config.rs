@@ -261,6 +261,11 @@ pub struct CacheConfig {
     /// entries (a later flush then succeeds without them), to prove the
     /// crash harness catches a flush trusted after a failed write.
     pub test_forget_failed_batches: bool,
+    /// Test only: recovery trusts an older checkpoint when a newer one was
+    /// made durable but no longer verifies (the seal's and the journal's
+    /// word about newer checkpoints is ignored), to prove the crash
+    /// harness's damaged-metadata sweep catches it.
+    pub test_open_past_bad_checkpoint: bool,
     /// Deduplicate blocks entering flash, across every disk of the cache.
     pub dedup: Dedup,
     /// Test only: fingerprints keep one byte of the hash, so different
@@ -294,6 +299,7 @@ impl Default for CacheConfig {
             salvage: false,
             test_index_before_data: false,
             test_forget_failed_batches: false,
+            test_open_past_bad_checkpoint: false,
             dedup: Dedup::Off,
             test_weak_fingerprints: false,
             shares: false,

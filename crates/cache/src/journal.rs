@@ -8,8 +8,10 @@
 //! written (the sequence below which every batch was synced) and which
 //! checkpoint was durable. A batch that does not verify although a later
 //! one says it was durable was damaged after it landed, not torn by the
-//! crash: [`scan_claims`] reads those claims from the whole ring, so that
-//! recovery tells damage from a torn tail.
+//! crash: [`scan_claims`] reads those claims from the whole ring, of every
+//! epoch since the checkpoint recovery loaded, so that recovery tells
+//! damage from a torn tail (the seal, `crate::seal`, speaks for the
+//! newest batches, which no later one claims).
 //!
 //! This module encodes, writes and reads; it does not interpret entries.
 
@@ -344,6 +346,17 @@ fn batch_tag(uuid: &[u8; 16], generation: u64) -> u64 {
     uuid_tag(uuid) ^ generation.rotate_left(29)
 }
 
+/// The epoch a batch tag of cache `uuid` names (the inverse of
+/// [`batch_tag`]; another cache's tag gives a number far from this one's).
+fn tag_epoch(uuid: &[u8; 16], tag: u64) -> u64 {
+    (tag ^ uuid_tag(uuid)).rotate_right(29)
+}
+
+/// Epochs past the loaded checkpoint whose batches [`scan_claims`] reads:
+/// far more than any run takes between two recoveries, and a vanishing
+/// share of the numbers another cache's tags decode to.
+const EPOCH_WINDOW: u64 = 1 << 20;
+
 /// A framed, checksummed header shared by batches and checkpoints:
 /// magic, cache tag, sequence, position, payload length and checksum, and
 /// (batches) what was durable when it was written.
@@ -596,6 +609,8 @@ pub struct JournalTail {
     /// Payloads of the good batches, in order (the first numbered by the
     /// mark's sequence).
     pub batches: Vec<Vec<u8>>,
+    /// Where each of them lies: (ring position, bytes taken).
+    pub places: Vec<(u64, u64)>,
     /// Position and sequence number after the last good batch.
     pub pos: u64,
     pub seq: u64,
@@ -623,6 +638,7 @@ pub fn read_batches(
     let mut seq = mark.journal_seq;
     let mut pos = mark.journal_pos;
     let mut out = Vec::new();
+    let mut places = Vec::new();
     let mut header = [0u8; HEADER];
     let mut scanned = 0u64;
     loop {
@@ -666,6 +682,7 @@ pub fn read_batches(
             break;
         }
         out.push(payload.to_vec());
+        places.push((f.pos, total));
         scanned += total
             + if f.pos != pos {
                 layout.journal_bytes - pos
@@ -677,6 +694,7 @@ pub fn read_batches(
     }
     Ok(JournalTail {
         batches: out,
+        places,
         pos,
         seq,
         entered_next_epoch: next_epoch.is_none(),
@@ -684,21 +702,32 @@ pub fn read_batches(
 }
 
 /// What the batches in the ring claim was durable when they were
-/// written (see [`Frame`]), and the batches numbered from some sequence on
-/// that verify.
+/// written (see [`Frame`]), and the batches after some sequence that
+/// verify.
 #[derive(Debug, Default)]
 pub struct Claims {
-    /// Every batch numbered below this was durable.
+    /// Every batch numbered below this was durable (claimed by batches of
+    /// the loaded checkpoint's epoch or the next: the same run's numbers).
     pub durable_below: u64,
     /// The newest checkpoint a batch saw durable.
     pub checkpoint: u64,
-    /// (sequence, payload) of the batches numbered at least the `from` of
-    /// [`scan_claims`] whose payload verifies, in sequence order.
+    /// The newest epoch a batch of this cache was written in.
+    pub newest_epoch: u64,
+    /// (sequence, payload) of the batches that verify and follow the
+    /// replayed ones: of the loaded checkpoint's run numbered at least the
+    /// `from` of [`scan_claims`], and every one of later epochs.
     pub later: Vec<(u64, Vec<u8>)>,
 }
 
 /// Reads every batch header in the ring written after checkpoint
-/// `generation` (in its epoch or the next one), a chunk at a time.
+/// `generation` (in its epoch or any later one), a chunk at a time.
+///
+/// A batch of an epoch two or more past `generation` was written after a
+/// newer checkpoint was made durable (a run's journal moves to the next
+/// epoch when a checkpoint starts, and to the one after only once it
+/// landed; a recovery writes its checkpoint before its first batch), and
+/// says which one: a damaged newest checkpoint is found however many
+/// epochs it is ahead.
 pub fn scan_claims(
     device: &dyn Backend,
     layout: &Layout,
@@ -707,7 +736,6 @@ pub fn scan_claims(
     from: u64,
 ) -> Result<Claims> {
     const CHUNK: u64 = 1 << 20;
-    let tags = [batch_tag(uuid, generation), batch_tag(uuid, generation + 1)];
     let mut claims = Claims::default();
     let mut buf = vec![0u8; CHUNK as usize];
     let mut at = 0;
@@ -718,13 +746,21 @@ pub fn scan_claims(
             .map_err(CacheError::device("read journal"))?;
         for block in (0..n).step_by(BLOCK as usize) {
             let Some(f) = Frame::decode_any_tag(&buf[block..n], BATCH_MAGIC)
-                .filter(|f| tags.contains(&f.tag) && f.pos == at + block as u64)
+                .filter(|f| f.pos == at + block as u64)
             else {
                 continue;
             };
-            claims.durable_below = claims.durable_below.max(f.durable_below);
+            let epoch = tag_epoch(uuid, f.tag);
+            if epoch < generation || epoch - generation > EPOCH_WINDOW {
+                continue;
+            }
+            let same_run = epoch <= generation + 1;
+            if same_run {
+                claims.durable_below = claims.durable_below.max(f.durable_below);
+            }
             claims.checkpoint = claims.checkpoint.max(f.checkpoint);
-            if f.seq >= from {
+            claims.newest_epoch = claims.newest_epoch.max(epoch);
+            if f.seq >= from || !same_run {
                 let mut payload = vec![0u8; f.len as usize];
                 device
                     .read_at(&mut payload, layout.journal_offset + f.pos + HEADER as u64)
@@ -815,6 +851,26 @@ pub fn stray_checkpoint_generation(device: &dyn Backend, layout: &Layout) -> Res
     Ok(newest)
 }
 
+/// The payload length the checkpoint frame in `slot` gives, if its header
+/// verifies (whatever cache wrote it; the payload is not checked).
+pub fn checkpoint_payload_len(
+    device: &dyn Backend,
+    layout: &Layout,
+    slot: usize,
+) -> Result<Option<u64>> {
+    let mut head = [0u8; HEADER];
+    device
+        .read_at(&mut head, layout.slot_offset(slot))
+        .map_err(CacheError::device("read checkpoint"))?;
+    Ok(Frame::decode_any_tag(&head, CHECKPOINT_MAGIC).map(|f| u64::from(f.len)))
+}
+
+/// Bytes of a checkpoint slot before its payload: the frame and the
+/// journal sequence of its mark.
+pub const CHECKPOINT_PAYLOAD_AT: u64 = HEADER as u64 + 8;
+/// Bytes of a journal batch before its payload.
+pub const BATCH_PAYLOAD_AT: u64 = HEADER as u64;
+
 /// Reads the newest valid checkpoint.
 pub fn read_checkpoint(
     device: &dyn Backend,
@@ -836,7 +892,10 @@ pub fn read_checkpoint(
         }
         let mut payload = vec![0u8; f.len as usize];
         device
-            .read_at(&mut payload, layout.slot_offset(slot) + (HEADER + 8) as u64)
+            .read_at(
+                &mut payload,
+                layout.slot_offset(slot) + CHECKPOINT_PAYLOAD_AT,
+            )
             .map_err(CacheError::device("read checkpoint"))?;
         if crc32c::crc32c(&payload) != f.payload_crc {
             continue;
@@ -1004,6 +1063,38 @@ mod tests {
         batch(&mut w, 4);
         let batches = read_batches(&dev, &l, &uuid, mark).unwrap().batches;
         assert_eq!(batches.len(), 3);
+    }
+
+    /// Issue 43: a checkpoint made durable more than one epoch past the
+    /// loaded one is found from the batches written after it.
+    #[test]
+    fn claims_of_every_later_epoch_are_read() {
+        let (dev, l, uuid) = setup();
+        let (mut w, mark) = after_checkpoint_5(&l, &uuid);
+        w.push(&Entry::Unmap { key: 1, slot: 0 });
+        assert!(w.write_pending(&dev).unwrap());
+        // A later run, after checkpoint 8 (a restart writes two epochs on).
+        let mut later = JournalWriter::new(&l, &uuid, 8, 1, BLOCK);
+        later.push(&Entry::Unmap { key: 2, slot: 0 });
+        assert!(later.write_pending(&dev).unwrap());
+        // Another cache's batch, and one of an earlier epoch.
+        let mut other = JournalWriter::new(&l, &[8u8; 16], 9, 1, 2 * BLOCK);
+        other.push(&Entry::Unmap { key: 3, slot: 0 });
+        assert!(other.write_pending(&dev).unwrap());
+        let mut earlier = JournalWriter::new(&l, &uuid, 3, 1, 3 * BLOCK);
+        earlier.push(&Entry::Unmap { key: 4, slot: 0 });
+        assert!(earlier.write_pending(&dev).unwrap());
+        let claims = scan_claims(&dev, &l, &uuid, mark.generation, 2).unwrap();
+        assert_eq!(claims.checkpoint, 8);
+        assert_eq!(claims.newest_epoch, 8);
+        // Durability is claimed in this run's numbers only.
+        assert_eq!(claims.durable_below, 1);
+        let later: Vec<Vec<Entry>> = claims
+            .later
+            .iter()
+            .map(|(_, p)| decode_entries(p).unwrap())
+            .collect();
+        assert_eq!(later, [vec![Entry::Unmap { key: 2, slot: 0 }]]);
     }
 
     #[test]

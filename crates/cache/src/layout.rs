@@ -34,6 +34,10 @@ pub fn is_cache_magic(head: &[u8]) -> bool {
 /// 5: images are recorded with their cache mark and store identity.
 const VERSION: u32 = 5;
 const SUPERBLOCK_BYTES: u64 = BLOCK;
+/// The second half of the superblock's block holds the seal (see
+/// `crate::seal`): the superblock's encoding ends well before it, and a
+/// repair of the superblock writes only the first half.
+pub const SEAL_AREA: u64 = SUPERBLOCK_BYTES / 2;
 /// Room reserved in a checkpoint for the image registry.
 pub const REGISTRY_BYTES: u64 = 1 << 20;
 /// Checkpoint bytes per data block in the worst case (one line per block:
@@ -226,6 +230,10 @@ pub struct Superblock {
     pub created_unix: u64,
 }
 
+/// Longest host name a superblock records: its encoding (at most 380
+/// bytes) then stays clear of [`SEAL_AREA`].
+const MAX_HOST: usize = 256;
+
 fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
@@ -269,7 +277,7 @@ impl Superblock {
             put(&mut out, v);
         }
         let host = self.host.as_bytes();
-        let host = &host[..host.len().min(256)];
+        let host = &host[..host.len().min(MAX_HOST)];
         put(&mut out, host.len() as u64);
         out.extend_from_slice(host);
         let crc = crc32c::crc32c(&out);
@@ -298,7 +306,7 @@ impl Superblock {
             *v = c.u64()?;
         }
         let host_len = c.u64()? as usize;
-        if host_len > 256 {
+        if host_len > MAX_HOST {
             return Err(CacheError::Corrupt(
                 "superblock host name is too long".into(),
             ));
@@ -362,7 +370,7 @@ impl Superblock {
                 };
                 tracing::warn!("the cache's superblock was damaged ({e}); restored from its copy");
                 device
-                    .write_at(&sb.encode(), 0)
+                    .write_at(&sb.encode()[..SEAL_AREA as usize], 0)
                     .and_then(|()| device.flush())
                     .map_err(CacheError::device("repair superblock"))?;
                 sb
@@ -541,6 +549,27 @@ mod tests {
         };
         let e = Superblock::decode(&sb.encode()).unwrap_err().to_string();
         assert!(e.contains("inconsistent"), "{e}");
+    }
+
+    /// A superblock restored from its copy leaves the seal beside it.
+    #[test]
+    fn repairing_the_superblock_keeps_the_seal() {
+        let l = Layout::compute(64 << 20, DEFAULT_REGION).unwrap();
+        let sb = Superblock {
+            uuid: random_uuid(),
+            host: "h".repeat(MAX_HOST + 10),
+            layout: l,
+            created_unix: 7,
+        };
+        assert!(sb.encode()[SEAL_AREA as usize..].iter().all(|&b| b == 0));
+        let dev = vdcache_backend::MemBackend::new("dev", vec![0; l.device_bytes as usize]);
+        sb.write(&dev).unwrap();
+        let sealer = crate::seal::Sealer::new(sb.uuid, None, 1);
+        sealer.seal(&dev, 9, 1).unwrap();
+        dev.write_at(&[0xa5; 64], 0).unwrap();
+        assert_eq!(Superblock::read(&dev).unwrap().uuid, sb.uuid);
+        let seal = crate::seal::read_seal(&dev, &sb.uuid).unwrap().unwrap();
+        assert_eq!(seal.durable_below, 9);
     }
 
     #[test]

@@ -22,7 +22,9 @@ pub mod region;
 mod reinsertion;
 mod replacement;
 mod routing;
+pub mod seal;
 pub mod shares;
+pub mod sites;
 pub mod staging;
 pub mod stats;
 pub mod summary;
@@ -34,5 +36,6 @@ pub use guest_journal::JournalCounts;
 pub use region::Replacement;
 pub use stats::{DeviceStats, DiskStats};
 pub use tier::{
-    CacheReport, DedupReport, DeviceContent, FlashCache, ImageReport, RecoveryReport, ShareReport,
+    Affected, CacheReport, DedupReport, DeviceContent, FlashCache, ImageReport, RecoveryReport,
+    ShareReport,
 };

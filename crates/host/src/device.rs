@@ -256,6 +256,20 @@ pub fn abandon_cache(image: &Path) -> Result<Option<String>> {
     })?)
 }
 
+/// Of `images` (local files), those marked as needing the cache at
+/// `cache`: what to name when that cache is refused as damaged (the
+/// damage may have taken the cache's own record of them).
+pub fn images_needing_cache(cache: &Path, images: &[&str]) -> Vec<String> {
+    let Some(id) = cache_at(cache) else {
+        return Vec::new();
+    };
+    images
+        .iter()
+        .filter(|name| crate::recovery::marked_by(&vdcache_image::LocalFiles, name, &id))
+        .map(|name| name.to_string())
+        .collect()
+}
+
 /// The id of the cache at `path`, if a cache is there (read only, without
 /// a lock: a server may hold it).
 fn cache_at(path: &Path) -> Option<[u8; 16]> {

@@ -93,6 +93,15 @@ pub enum HostError {
         /// `image: why` for each, separated by "; ".
         failures: String,
     },
+    #[error(
+        "salvaged the damaged cache {device}, but the damage took the names of {count} image(s) it held writes of: each image still marked as needing this cache (qemu-img refuses it, naming vdcache) is one, and lost those writes. Check such an image, then give up the cache's part with `vdcache recover --without-cache IMAGE` once this cache file is removed{}",
+        if done.is_empty() { String::new() } else { format!(" (written back and standalone: {})", done.join(", ")) }
+    )]
+    SalvageLostNames {
+        device: String,
+        count: usize,
+        done: Vec<String>,
+    },
     #[error("{image}: corrupt after write-back: {}", corruptions.join("; "))]
     CorruptAfterWriteBack {
         image: String,

@@ -25,8 +25,8 @@ pub mod recovery;
 pub mod testing;
 
 pub use device::{
-    abandon_cache, check_formattable, open_cache_file, open_device, open_for_serving,
-    remove_created_cache,
+    abandon_cache, check_formattable, images_needing_cache, open_cache_file, open_device,
+    open_for_serving, remove_created_cache,
 };
 pub use error::{HostError, ImageRecoveryError, Result};
 pub use recovery::{FullRecovery, recover_full, recover_full_at};

@@ -73,12 +73,28 @@ pub fn recover_full(
     let foreign = cache.superblock().host != this_host;
     let mut done = Vec::new();
     let mut failed = Vec::new();
-    for name in needing_recovery(&cache, &*how.opener) {
+    let salvaged = cache.salvaged().cloned();
+    let mut names = needing_recovery(&cache, &*how.opener);
+    // A salvage gave up writes of these: each is made standalone with
+    // what verified (its mark cleared), even if the cache lost its record.
+    for name in salvaged.iter().flat_map(|a| a.names.iter()) {
+        if !names.contains(name) {
+            names.push(name.clone());
+        }
+    }
+    for name in names {
         if deliberately_skipped() {
             continue;
         }
         match make_standalone(&cache, &name, &how.opener) {
-            Ok(()) => done.push(name),
+            Ok(()) => {
+                if salvaged.as_ref().is_some_and(|a| a.names.contains(&name)) {
+                    tracing::warn!(
+                        "{name}: salvaged: standalone with what still verified; the writes the damage touched are lost (check it: vdcache check -r all {name})"
+                    );
+                }
+                done.push(name);
+            }
             Err(e) => {
                 // Most image errors name the image themselves.
                 let why = chain(&e);
@@ -102,6 +118,13 @@ pub fn recover_full(
             count: failed.len(),
             device: device_name.to_string(),
             failures: failed.join("; "),
+        });
+    }
+    if let Some(lost) = salvaged.filter(|a| a.unnamed > 0) {
+        return Err(HostError::SalvageLostNames {
+            device: device_name.to_string(),
+            count: lost.unnamed,
+            done,
         });
     }
     if foreign {
@@ -140,7 +163,7 @@ fn needing_recovery(cache: &FlashCache, opener: &dyn StoreOpener) -> Vec<String>
 
 /// Whether the image `name` says the cache `cache_id` holds its newest
 /// data.
-fn marked_by(opener: &dyn StoreOpener, name: &str, cache_id: &[u8; 16]) -> bool {
+pub(crate) fn marked_by(opener: &dyn StoreOpener, name: &str, cache_id: &[u8; 16]) -> bool {
     let Ok(backend) = opener.open(name, false, None) else {
         return false;
     };

@@ -178,9 +178,11 @@ fn a_damaged_superblock_is_restored_from_its_copy() {
         damage(&mut device);
         let (cache, dev, files) = reopen(device, &c.image, false);
         let cache = cache.expect("a damaged superblock must be repaired from its copy");
+        // The superblock's half of its block; the seal (the other half)
+        // is written anew by the open.
         assert_eq!(
-            dev.snapshot()[..4096],
-            c.device[..4096],
+            dev.snapshot()[..2048],
+            c.device[..2048],
             "the superblock was not written again"
         );
         check_reads(&open_disk(&files, &cache), &c, None);
@@ -229,13 +231,17 @@ fn a_damaged_journal_batch_is_told_from_a_torn_tail_and_reported() {
         "the refusal must name the batch and the image: {text}"
     );
     assert!(dev.snapshot() == device, "the refused device was changed");
-    // The last batch torn is a crash, not damage: recovery keeps the rest.
-    let (last, _) = *frames.last().expect("a batch");
+    // The last batch was flushed: no later batch records it, the seal
+    // does (issue 43, item 3).
+    let (last, seq) = *frames.last().expect("a batch");
     let mut device = c.device.clone();
     device[last + 56 + 3] ^= 0x01;
     let (cache, _, _) = reopen(device, &c.image, false);
-    let cache = cache.expect("a torn tail must recover");
-    assert!(!cache.report().recovery.salvaged);
+    let e = cache.expect_err("a damaged flushed batch was taken for a torn tail");
+    assert!(
+        matches!(e, CacheError::Damaged { .. }) && e.to_string().contains(&format!("batch {seq}")),
+        "{e}"
+    );
     // Salvaging opens what verifies.
     let mut device = c.device.clone();
     device[at + 56 + 3] ^= 0x01;
@@ -340,4 +346,149 @@ fn a_truncated_device_is_refused() {
     let (cache, _, _) = reopen(device, &c.image, false);
     let e = cache.expect_err("a truncated device opened");
     assert!(e.to_string().contains("truncated"), "{e}");
+}
+
+/// Offsets of the journal and of the checkpoint slots of a device.
+fn metadata_places(device: &[u8]) -> (std::ops::Range<usize>, [usize; 2]) {
+    let probe = MemBackend::new("probe", device.to_vec());
+    let sb = vdcache_cache::layout::Superblock::peek(&probe).expect("a superblock");
+    let l = sb.layout;
+    (
+        l.journal_offset as usize..(l.journal_offset + l.journal_bytes) as usize,
+        [l.slot_offset(0) as usize, l.slot_offset(1) as usize],
+    )
+}
+
+/// The slot holding the newest checkpoint frame of a device.
+fn newest_slot(device: &[u8]) -> usize {
+    let (_, slots) = metadata_places(device);
+    let generation = |at: usize| {
+        let mut g = [0u8; 8];
+        g.copy_from_slice(&device[at + 12..at + 20]);
+        (device[at..at + 4] == CHECKPOINT_MAGIC).then(|| u64::from_le_bytes(g))
+    };
+    match (generation(slots[0]), generation(slots[1])) {
+        (Some(a), Some(b)) if a > b => slots[0],
+        (_, Some(_)) => slots[1],
+        (Some(_), None) => slots[0],
+        other => panic!("no checkpoint: {other:?}"),
+    }
+}
+
+/// Issue 43, item 2: after a restart (whose checkpoint is two
+/// generations past the one it loaded) and more flushed writes, the
+/// newest checkpoint's header is damaged: the older checkpoint's journal
+/// is gone, and only batches of a later epoch (and the seal) say a newer
+/// checkpoint was durable. The device is refused, never opened as it was
+/// before the restart.
+#[test]
+fn a_damaged_checkpoint_epochs_ahead_is_reported() {
+    let mut c = crashed(None);
+    let (cache, dev, files) = reopen(c.device.clone(), &c.image, false);
+    let cache = cache.expect("restart");
+    let disk = open_disk(&files, &cache);
+    for b in 0..WRITTEN / 2 {
+        disk.write(b * BLOCK, &content(b, 7), false).expect("write");
+        c.rounds[b as usize] = 7;
+    }
+    disk.flush().expect("flush");
+    // Crash: nothing more is written.
+    let device = dev.snapshot();
+    drop(disk);
+    drop(cache);
+    let newest = newest_slot(&device);
+    let mut damaged = device.clone();
+    damaged[newest + 3] ^= 0x01;
+    let (cache, dev, _) = reopen(damaged.clone(), &c.image, false);
+    let e = cache.expect_err("an older checkpoint was used silently");
+    assert!(
+        matches!(e, CacheError::Damaged { .. }) && e.to_string().contains("checkpoint"),
+        "{e}"
+    );
+    assert!(dev.snapshot() == damaged, "the refused device was changed");
+}
+
+/// Issue 43, item 2: a zeroed journal after flushed writes is damage,
+/// not a cache with nothing to replay.
+#[test]
+fn a_zeroed_journal_is_reported() {
+    let c = crashed(None);
+    let (journal, _) = metadata_places(&c.device);
+    let mut device = c.device.clone();
+    device[journal].fill(0);
+    let (cache, _, _) = reopen(device, &c.image, false);
+    let e = cache.expect_err("a zeroed journal opened");
+    assert!(
+        matches!(e, CacheError::Damaged { .. }) && e.to_string().contains("does not verify"),
+        "{e}"
+    );
+}
+
+/// Issue 43, item 3: a batch written after the last flush and never
+/// synced is a torn tail: damaged, it is dropped silently, and every
+/// flushed block still reads its round.
+#[test]
+fn a_damaged_unflushed_tail_is_dropped_silently() {
+    let c = crashed(None);
+    let (cache, dev, files) = reopen(c.device.clone(), &c.image, false);
+    let cache = cache.expect("restart");
+    let disk = open_disk(&files, &cache);
+    // Entries past the journal buffer (64 KiB): a batch goes out before
+    // any flush.
+    for n in 0..3000u64 {
+        let b = n % WRITTEN;
+        disk.write(b * BLOCK, &content(b, 8), false).expect("write");
+    }
+    let device = dev.snapshot();
+    drop(disk);
+    drop(cache);
+    let probe = MemBackend::new("probe", device.clone());
+    let tail = vdcache_cache::sites::metadata_sites(&probe)
+        .expect("sites")
+        .into_iter()
+        .find(|s| s.kind == "journal batch" && s.what.contains("last"))
+        .expect("a batch went out without a flush");
+    let mut damaged = device;
+    tail.apply(&mut damaged);
+    let (cache, _, files) = reopen(damaged, &c.image, false);
+    let cache = cache.expect("a torn tail must recover");
+    assert!(!cache.report().recovery.salvaged);
+    let disk = open_disk(&files, &cache);
+    let mut buf = vec![0u8; BLOCK as usize];
+    for b in 0..WRITTEN {
+        disk.read(b * BLOCK, &mut buf).expect("read");
+        assert!(
+            buf == content(b, c.rounds[b as usize]) || buf == content(b, 8),
+            "block {b} reads round {}, neither its flushed round {} nor the unflushed 8",
+            buf[24],
+            c.rounds[b as usize]
+        );
+    }
+}
+
+/// Issue 43, message: a salvage whose damage took the record naming an
+/// image (the first batch registered it) cannot make that image
+/// standalone, and fails saying so instead of exiting as if done.
+#[test]
+fn a_salvage_that_lost_an_image_name_fails_saying_what_still_needs_the_cache() {
+    let c = crashed(None);
+    let first = *batches(&c.device).first().expect("a batch");
+    let mut device = c.device.clone();
+    device[first.0 + 56 + 3] ^= 0x01;
+    let files = MemFiles::new();
+    files.insert(NAME, c.image.clone());
+    let dev: BackendRef = Arc::new(MemBackend::new("cache", device));
+    let how = vdcache_host::FullRecovery {
+        salvage: true,
+        host: Some("test-host".into()),
+        opener: files,
+    };
+    let e = vdcache_host::recover_full(dev, "cache", &how).expect_err("a lost name was ignored");
+    assert!(
+        matches!(
+            e,
+            vdcache_host::HostError::SalvageLostNames { count: 1, .. }
+        ) && e.to_string().contains("still marked as needing this cache"),
+        "{e}"
+    );
 }

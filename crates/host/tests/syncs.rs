@@ -576,8 +576,8 @@ fn write_through_overwrites_share_one_batch_and_one_sync() {
     assert_eq!(after.syncs - before.syncs, 2, "{after:?}");
     assert_eq!(
         after.meta_bytes_written - before.meta_bytes_written,
-        2 * 4096,
-        "one journal block for the first overwrite, one for the two that waited"
+        2 * (4096 + vdcache_cache::seal::SEAL_BYTES as u64),
+        "one journal block for the first overwrite, one for the two that waited, and a seal after each sync"
     );
     let model = HashMap::from([(0, 1), (16, 1), (32, 1), (48, 0)]);
     check(&disk, &model, "after the overwrites");

@@ -314,6 +314,12 @@ impl FlashCache {
         let mark = result?;
         st.journal.checkpoint_durable(mark.generation);
         self.counted.note_checkpoint();
+        // Before the next checkpoint may overwrite the older slot. A seal
+        // that fails here is written by the next flush's.
+        let durable = self.group_sync.durable().max(mark.journal_seq);
+        if let Err(e) = self.sealer.seal(&*self.counted, durable, mark.generation) {
+            tracing::warn!("a checkpoint landed, but its seal was not written: {e}");
+        }
         Ok(())
     }
 

@@ -87,6 +87,7 @@ impl FlashCache {
             .map_err(CacheError::device("sync cache device"))?;
         st.ledger.uncommitted_dirty = false;
         self.group_sync.note_durable(st.journal.next_seq);
+        self.seal_synced()?;
         if self.inline_checkpoint_due(started_before) {
             self.finish_checkpoint(st)?;
         }
@@ -156,10 +157,19 @@ impl FlashCache {
         self.group_sync
             .sync_through(written, || self.device.flush())
             .map_err(CacheError::device("sync cache device"))?;
+        self.seal_synced()?;
         if self.inline_checkpoint_due(started_before) {
             self.finish_checkpoint(&mut self.lock())?;
         }
         Ok(())
+    }
+
+    /// After a sync, before the flush it serves is acknowledged: the seal
+    /// says what is durable now (see `crate::seal`). It bypasses staging:
+    /// it names no data block.
+    pub(crate) fn seal_synced(&self) -> Result<()> {
+        self.sealer
+            .seal(&*self.counted, self.group_sync.durable(), 0)
     }
 
     /// Makes recorded dirty blocks durable before a write that bypasses the

@@ -29,7 +29,9 @@
 //!    (`crate::group_sync`: the cache device's and each image's backend
 //!    syncs), `copy_depth` (`copyback::DepthLimit`), the write-back
 //!    wake-up flags (`writeback::Wakeup`), the per-disk counters
-//!    (`crate::stats`), a parallel copy's first error (`copyback`).
+//!    (`crate::stats`), a parallel copy's first error (`copyback`), the
+//!    seal writer (`crate::seal::Sealer`, held across its own one-sector
+//!    write so two seals never land out of order).
 //!
 //! A group-commit sync itself runs with no lock held (not even its round),
 //! and may be waited for with `state` held (a commit under the lock): so
@@ -56,7 +58,7 @@ mod partial;
 mod ranges;
 mod read;
 mod recover;
-pub use recover::{DeviceContent, RecoveryReport};
+pub use recover::{Affected, DeviceContent, RecoveryReport};
 mod report;
 pub use report::{CacheReport, DedupReport, ImageReport, ShareReport};
 mod sharing;
@@ -217,6 +219,11 @@ pub struct FlashCache {
     checkpoint_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// What fast recovery found when the cache opened.
     recovery: RecoveryReport,
+    /// What a salvage gave up when the cache opened (see
+    /// [`FlashCache::salvaged`]).
+    salvaged: Option<Affected>,
+    /// Writes the seal after each sync (see `crate::seal`).
+    sealer: crate::seal::Sealer,
     /// Image ranges with a backend write in progress outside the state lock.
     ranges: ranges::BackendRanges,
     /// Write-back requests to keep in flight. A leaf lock: held only to
@@ -345,7 +352,7 @@ impl FlashCache {
         sb: Superblock,
         config: CacheConfig,
         state: State,
-        recovery: RecoveryReport,
+        opened: recover::Opened,
     ) -> Arc<FlashCache> {
         let counted = Arc::new(CountedDevice::new(device, sb.layout.data_offset));
         let staged = crate::staging::StagedDevice::new(
@@ -370,7 +377,9 @@ impl FlashCache {
             checkpointer: Arc::default(),
             group_sync: GroupSync::default(),
             checkpoint_thread: Mutex::new(None),
-            recovery,
+            recovery: opened.report,
+            salvaged: opened.salvaged,
+            sealer: opened.sealer,
             ranges: ranges::BackendRanges::default(),
             copy_depth,
             foreground: Default::default(),

@@ -7,8 +7,9 @@ use super::checkpoint::decode_checkpoint;
 use super::{FlashCache, ImageRecord, State};
 use crate::config::{CacheConfig, Dedup};
 use crate::error::{CacheError, Result};
-use crate::journal::{self, CheckpointMark, Entry, JournalWriter};
+use crate::journal::{self, CheckpointMark, Claims, Entry, JournalWriter};
 use crate::layout::{BLOCK, Layout, Superblock, host_identity, random_uuid};
+use crate::seal::{Seal, Sealer};
 use std::sync::Arc;
 use vdcache_backend::BackendRef;
 
@@ -27,6 +28,42 @@ pub struct RecoveryReport {
     pub damaged_blocks: u64,
     /// Damaged metadata was accepted (salvage): writes were lost.
     pub salvaged: bool,
+}
+
+/// The images a damage may have cost writes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Affected {
+    /// Those whose names the records that verify still give.
+    pub names: Vec<String>,
+    /// How many more there are whose names went with the damaged records.
+    pub unnamed: usize,
+}
+
+impl std::fmt::Display for Affected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.names.is_empty() && self.unnamed == 0 {
+            return write!(f, "no image has data in the cache that its file lacks");
+        }
+        write!(f, "{}", self.names.join(", "))?;
+        if self.unnamed > 0 {
+            write!(
+                f,
+                "{}{} image(s) whose names went with the damaged records (every image still marked as needing this cache is one)",
+                if self.names.is_empty() { "" } else { "; " },
+                self.unnamed
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What opening a device gives the cache beside its state.
+pub(crate) struct Opened {
+    pub report: RecoveryReport,
+    /// Writes this run's seals, numbered after the last one found.
+    pub sealer: Sealer,
+    /// What a salvage gave up, if the device was damaged.
+    pub salvaged: Option<Affected>,
 }
 
 impl FlashCache {
@@ -80,7 +117,12 @@ impl FlashCache {
             mark.journal_pos,
         );
         let state = Self::new_state(&layout, &config, journal, mark, mark.generation);
-        let cache = Self::assemble(device, sb, config, state, RecoveryReport::default());
+        let opened = Opened {
+            report: RecoveryReport::default(),
+            sealer: Sealer::new(sb.uuid, None, mark.generation),
+            salvaged: None,
+        };
+        let cache = Self::assemble(device, sb, config, state, opened);
         Self::start_threads(&cache);
         Ok(cache)
     }
@@ -104,7 +146,8 @@ impl FlashCache {
                  written back), remove the cache file and start again with dedup on"
             );
         }
-        let (state, report) = recover_state(&*device, &sb, &config)?;
+        let (state, opened) = recover_state(&*device, &sb, &config)?;
+        let report = opened.report;
         tracing::info!(
             batches = report.batches_replayed,
             entries = report.entries_replayed,
@@ -112,7 +155,7 @@ impl FlashCache {
             next_epoch = report.entered_next_epoch,
             "cache recovered"
         );
-        let cache = Self::assemble(device, sb, config, state, report);
+        let cache = Self::assemble(device, sb, config, state, opened);
         {
             // Consolidate before anything else writes: the replayed state
             // becomes the new checkpoint, so a torn journal tail can never
@@ -192,6 +235,12 @@ impl FlashCache {
             Blank::Holds(_) if has_stray_checkpoint(device)? => DeviceContent::DamagedCache,
             Blank::Holds(_) => DeviceContent::Other,
         })
+    }
+
+    /// What a salvage gave up when the cache opened: the images the
+    /// damage may have cost writes (none: the device verified).
+    pub fn salvaged(&self) -> Option<&Affected> {
+        self.salvaged.as_ref()
     }
 
     /// Images the cache knows, with dirty bytes each.
@@ -324,15 +373,15 @@ fn recover_state(
     device: &dyn vdcache_backend::Backend,
     sb: &Superblock,
     config: &CacheConfig,
-) -> Result<(State, RecoveryReport)> {
+) -> Result<(State, Opened)> {
     let layout = sb.layout;
     let (mark, payload) = journal::read_checkpoint(device, &layout, &sb.uuid)?;
+    let seal = crate::seal::read_seal(device, &sb.uuid)?;
     let (images, lines, sectors, lost) = decode_checkpoint(&payload)?;
-    // The crashed run may have started the next epoch; this run writes
-    // in the one after, so none of that run's batches can follow its own.
-    let epoch = mark.generation + 2;
-    let journal = JournalWriter::new(&layout, &sb.uuid, epoch, mark.journal_seq, mark.journal_pos);
-    let mut st = FlashCache::new_state(&layout, config, journal, mark, epoch);
+    // The journal's epoch is chosen once replay has weighed what the
+    // device says was durable (see below).
+    let journal = writer_after(sb, mark, mark.generation + 2);
+    let mut st = FlashCache::new_state(&layout, config, journal, mark, mark.generation + 2);
     for e in images {
         apply(&mut st, &layout, e)?;
     }
@@ -355,7 +404,15 @@ fn recover_state(
     for e in sectors.into_iter().chain(lost) {
         apply(&mut st, &layout, e)?;
     }
-    let report = replay(device, sb, config, &mut st, mark)?;
+    let (report, salvaged, evidence) = replay(device, sb, config, &mut st, mark, seal)?;
+    // The crashed run may have started the next epoch; this run writes in
+    // one past every epoch and checkpoint the device names (two past the
+    // loaded checkpoint unless a salvage skipped newer ones), so none of
+    // the earlier runs' batches can follow its own, and their seals are
+    // told from its own.
+    let epoch = evidence.next_epoch(mark.generation);
+    st.journal = writer_after(sb, mark, epoch);
+    st.epochs = super::epochs::Epochs::new(mark, epoch);
     st.regions.finish_recovery();
     // Summaries of the regions recovery filled are written at the first
     // commit; what it recorded for regions it freed is void.
@@ -380,7 +437,85 @@ fn recover_state(
             rec.end = rec.end.max(end);
         }
     }
-    Ok((st, report))
+    let opened = Opened {
+        report,
+        sealer: Sealer::new(sb.uuid, seal, mark.generation),
+        salvaged,
+    };
+    Ok((st, opened))
+}
+
+/// A journal writer appending from checkpoint `mark`'s place, in `epoch`.
+fn writer_after(sb: &Superblock, mark: CheckpointMark, epoch: u64) -> JournalWriter {
+    JournalWriter::new(
+        &sb.layout,
+        &sb.uuid,
+        epoch,
+        mark.journal_seq,
+        mark.journal_pos,
+    )
+}
+
+/// What the device says was made durable, beside what verifies: the
+/// claims of its journal batches and its seal.
+struct Evidence {
+    /// The newest checkpoint said to be durable.
+    checkpoint: u64,
+    /// Every batch numbered below this (in the loaded checkpoint's run)
+    /// was said to be durable.
+    durable_below: u64,
+    /// The newest epoch a batch was written in.
+    newest_epoch: u64,
+    /// Batches past the replayed ones that verify (see [`Claims::later`]).
+    later: Vec<(u64, Vec<u8>)>,
+}
+
+impl Evidence {
+    /// Weighs the claims and the seal against checkpoint `loaded`. A seal
+    /// of one checkpoint before it is this run's (a checkpoint landed and
+    /// its seal did not follow yet); one two or more before is an earlier
+    /// run's, whose batch numbers this run reuses (a recovery skips an
+    /// epoch), and says nothing about this run.
+    fn weigh(claims: Claims, seal: Option<Seal>, loaded: u64, config: &CacheConfig) -> Evidence {
+        let seal = seal.filter(|s| s.checkpoint + 1 >= loaded);
+        let mut checkpoint = claims.checkpoint.max(seal.map_or(0, |s| s.checkpoint));
+        if config.test_open_past_bad_checkpoint {
+            checkpoint = checkpoint.min(loaded);
+        }
+        let seal_below = seal
+            .filter(|s| s.checkpoint <= loaded)
+            .map_or(0, |s| s.durable_below);
+        Evidence {
+            checkpoint,
+            durable_below: claims.durable_below.max(seal_below),
+            newest_epoch: claims.newest_epoch,
+            later: claims.later,
+        }
+    }
+
+    /// What does not verify although it was made durable, replay having
+    /// stopped before batch `stop`.
+    fn damage(&self, loaded: u64, stop: u64) -> Vec<String> {
+        let mut damage = Vec::new();
+        if self.checkpoint > loaded {
+            damage.push(format!(
+                "checkpoint {} was written and synced but does not verify (only the older checkpoint {loaded} does, whose journal may be overwritten)",
+                self.checkpoint
+            ));
+        }
+        if self.durable_below > stop {
+            damage.push(format!(
+                "journal batch {stop} does not verify, although it was synced (batches up to {} were)",
+                self.durable_below - 1
+            ));
+        }
+        damage
+    }
+
+    /// The epoch the next run writes in, after checkpoint `loaded`.
+    fn next_epoch(&self, loaded: u64) -> u64 {
+        (loaded.max(self.checkpoint) + 2).max(self.newest_epoch + 1)
+    }
 }
 
 /// Maps a slot as a checkpoint or a journal record says. A block counts
@@ -453,7 +588,8 @@ fn replay(
     config: &CacheConfig,
     st: &mut State,
     mark: CheckpointMark,
-) -> Result<RecoveryReport> {
+    seal: Option<Seal>,
+) -> Result<(RecoveryReport, Option<Affected>, Evidence)> {
     let layout = sb.layout;
     let mut report = RecoveryReport::default();
     let tail = journal::read_batches(device, &layout, &sb.uuid, mark)?;
@@ -472,30 +608,21 @@ fn replay(
     }
     let stop = mark.journal_seq + report.batches_replayed;
     let claims = journal::scan_claims(device, &layout, &sb.uuid, mark.generation, stop)?;
-    let mut damage = Vec::new();
-    if claims.checkpoint > mark.generation {
-        damage.push(format!(
-            "checkpoint {} was written and synced but does not verify (the older checkpoint {} no longer has its journal)",
-            claims.checkpoint, mark.generation
-        ));
-    }
-    if claims.durable_below > stop {
-        damage.push(format!(
-            "journal batch {stop} does not verify, although later batches record it as synced"
-        ));
-    }
+    let evidence = Evidence::weigh(claims, seal, mark.generation, config);
+    let damage = evidence.damage(mark.generation, stop);
     let end = if config.test_index_before_data {
         log.len()
     } else {
-        verify_live_blocks(device, &layout, &log, claims.durable_below, &mut report)?
+        verify_live_blocks(device, &layout, &log, evidence.durable_below, &mut report)?
     };
+    let mut salvaged = None;
     if !damage.is_empty() {
-        let affected = affected_images(st, &log[..end], &claims.later);
+        let affected = affected_images(st, &log[..end], &evidence.later);
         if !config.salvage {
             return Err(CacheError::Damaged {
                 device: device.name().to_string(),
                 what: damage.join("; "),
-                affected,
+                affected: affected.to_string(),
             });
         }
         tracing::error!(
@@ -503,12 +630,13 @@ fn replay(
             damage.join("; ")
         );
         report.salvaged = true;
+        salvaged = Some(affected);
     }
     for (_, e) in log.into_iter().take(end) {
         apply(st, &layout, e)?;
         report.entries_replayed += 1;
     }
-    Ok(report)
+    Ok((report, salvaged, evidence))
 }
 
 /// Checks the blocks of the live Map records of the replayed log against
@@ -596,7 +724,7 @@ fn verify_live_blocks(
 /// The images a damage may have cost writes: those named by records after
 /// it (which recovery cannot apply), and those holding data the files
 /// lack, by name.
-fn affected_images(st: &State, log: &[(u64, Entry)], later: &[(u64, Vec<u8>)]) -> String {
+fn affected_images(st: &State, log: &[(u64, Entry)], later: &[(u64, Vec<u8>)]) -> Affected {
     let mut names: std::collections::BTreeMap<u16, String> = st
         .catalog
         .images
@@ -639,19 +767,14 @@ fn affected_images(st: &State, log: &[(u64, Entry)], later: &[(u64, Vec<u8>)]) -
     for (image, _, _) in st.meta.dirty_sectors() {
         touched.insert(image);
     }
-    if touched.is_empty() {
-        return "no image has data in the cache that its file lacks".into();
+    let mut affected = Affected::default();
+    for id in touched {
+        match names.get(&id) {
+            Some(name) => affected.names.push(name.clone()),
+            None => affected.unnamed += 1,
+        }
     }
-    touched
-        .into_iter()
-        .map(|id| {
-            names
-                .get(&id)
-                .cloned()
-                .unwrap_or_else(|| format!("image #{id} (name not recorded)"))
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
+    affected
 }
 
 fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
@@ -751,4 +874,76 @@ fn apply(st: &mut State, layout: &Layout, e: Entry) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seal(checkpoint: u64, durable_below: u64) -> Option<Seal> {
+        Some(Seal {
+            counter: 1,
+            durable_below,
+            checkpoint,
+        })
+    }
+
+    fn weigh(claims: Claims, seal: Option<Seal>, loaded: u64) -> Evidence {
+        Evidence::weigh(claims, seal, loaded, &CacheConfig::default())
+    }
+
+    #[test]
+    fn a_seal_of_this_run_speaks_for_the_last_batches() {
+        // Replay stopped before batch 10; the seal says 12 were synced.
+        let e = weigh(Claims::default(), seal(5, 12), 5);
+        assert_eq!(e.damage(5, 10).len(), 1, "{:?}", e.damage(5, 10));
+        assert!(e.damage(5, 12).is_empty());
+        // One checkpoint behind: its seal did not follow it yet.
+        let e = weigh(Claims::default(), seal(4, 12), 5);
+        assert_eq!(e.durable_below, 12);
+        // Two behind: an earlier run's, whose numbers this run reuses.
+        let e = weigh(Claims::default(), seal(3, 12), 5);
+        assert!(e.damage(5, 1).is_empty());
+    }
+
+    #[test]
+    fn a_newer_durable_checkpoint_than_the_loaded_one_is_damage() {
+        let e = weigh(Claims::default(), seal(7, 40), 5);
+        let damage = e.damage(5, 1);
+        assert_eq!(damage.len(), 1, "{damage:?}");
+        assert!(damage[0].contains("checkpoint 7"), "{damage:?}");
+        let claims = Claims {
+            checkpoint: 9,
+            newest_epoch: 9,
+            ..Claims::default()
+        };
+        assert!(!weigh(claims, None, 5).damage(5, 1).is_empty());
+        // The mutation opens past it.
+        let broken = CacheConfig {
+            test_open_past_bad_checkpoint: true,
+            ..CacheConfig::default()
+        };
+        assert!(
+            Evidence::weigh(Claims::default(), seal(7, 40), 5, &broken)
+                .damage(5, 1)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn the_next_run_writes_past_every_epoch_the_device_names() {
+        assert_eq!(weigh(Claims::default(), seal(5, 3), 5).next_epoch(5), 7);
+        let claims = Claims {
+            newest_epoch: 6,
+            ..Claims::default()
+        };
+        assert_eq!(weigh(claims, None, 5).next_epoch(5), 7);
+        // A salvage past checkpoint 9, whose batches reached epoch 11.
+        let claims = Claims {
+            checkpoint: 9,
+            newest_epoch: 11,
+            ..Claims::default()
+        };
+        assert_eq!(weigh(claims, seal(9, 3), 5).next_epoch(5), 12);
+    }
 }

@@ -131,6 +131,19 @@ impl CacheTarget {
         live.0.as_ref().map(|c| c.report())
     }
 
+    /// Opens the images' chain through `cache`, as the guest continues on
+    /// this host after a crash.
+    pub(crate) fn open_through(
+        &self,
+        files: Arc<MemFiles>,
+        cache: Arc<FlashCache>,
+    ) -> Result<VirtualDisk, BoxError> {
+        Ok(open_chain(
+            Qcow2Target::TOP,
+            &self.options(files, Some(cache)),
+        )?)
+    }
+
     fn options(&self, opener: Arc<dyn StoreOpener>, io: Option<Arc<dyn HostIo>>) -> OpenOptions {
         OpenOptions {
             format: Some(ImageFormat::Qcow2),
@@ -157,6 +170,8 @@ impl CrashTarget for CacheTarget {
             self.config.replacement.name(),
             if self.config.test_index_before_data {
                 ", index before data"
+            } else if self.config.test_open_past_bad_checkpoint {
+                ", opening past a bad checkpoint"
             } else {
                 ""
             }

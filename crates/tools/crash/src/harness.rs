@@ -257,13 +257,15 @@ impl fmt::Display for Report {
     }
 }
 
-struct Prepared {
-    guest: GuestHistory,
-    history: History,
-    live: Vec<String>,
+/// A workload run on recorded devices: the guest's history, the devices'
+/// log, and what the live disk disagreed with the model about.
+pub(crate) struct Prepared {
+    pub(crate) guest: GuestHistory,
+    pub(crate) history: History,
+    pub(crate) live: Vec<String>,
 }
 
-fn prepare(target: &dyn CrashTarget, cfg: &RunConfig) -> Result<Prepared, HarnessError> {
+pub(crate) fn prepare(target: &dyn CrashTarget, cfg: &RunConfig) -> Result<Prepared, HarnessError> {
     let log = Log::new();
     let files = RecordingFiles::new(&log);
     target

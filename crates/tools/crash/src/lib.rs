@@ -18,6 +18,10 @@
 //! recovers from [`mem_files`] also implements `recover_from`, which the
 //! harness calls with those stores already built in reused buffers.
 //!
+//! Fault models beside the crash itself: [`damage`] damages each
+//! metadata structure of a cache device in process-crash states and
+//! requires a refusal naming the damage or exact reads.
+//!
 //! Sweeps are deterministic from the workload seed and the state seed; a
 //! [`Violation`] prints what [`reproduce`] needs. Longer sweeps: set
 //! `VDCACHE_CRASH_STATES` (states per sweep) and `VDCACHE_CRASH_SEEDS`
@@ -32,6 +36,7 @@ pub mod broken;
 mod buffers;
 pub mod cache_target;
 mod check;
+pub mod damage;
 pub mod error;
 pub mod harness;
 pub mod interrupted;
@@ -42,6 +47,7 @@ pub mod workload;
 
 pub use broken::{Breakage, BrokenIo};
 pub use cache_target::{CACHE_DEVICE, CacheTarget, FullDevice, open_raw_disk, open_raw_through};
+pub use damage::{DamageReport, sweep_damage};
 pub use error::{BoxError, HarnessError};
 pub use harness::{
     Report, RunConfig, SEEDS_ENV, STATES_ENV, Violation, ViolationKind, qemu_img_available,

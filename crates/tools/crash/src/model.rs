@@ -324,9 +324,23 @@ impl GuestHistory {
     /// Checks a whole recovered disk (`found` is every guest byte);
     /// `None` when every sector reads an allowed version.
     pub fn check(&self, found: &[u8], view: &PointView) -> Option<DataMismatch> {
+        self.check_readable(found, view, |_| true)
+    }
+
+    /// [`Self::check`] of the sectors `readable` says were read (by
+    /// number); the others failed to read and are not judged here.
+    pub fn check_readable(
+        &self,
+        found: &[u8],
+        view: &PointView,
+        readable: impl Fn(usize) -> bool,
+    ) -> Option<DataMismatch> {
         let mut first: Option<usize> = None;
         let mut bad = 0u64;
         for (s, list) in self.model.versions.iter().enumerate() {
+            if !readable(s) {
+                continue;
+            }
             let (a, b) = self.model.sector_bounds(s as u64);
             let h = sector_hash(&found[a..b]);
             let ok = if list.len() == 1 {

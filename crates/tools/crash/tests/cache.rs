@@ -8,7 +8,9 @@
 
 use vdcache_cache::{Admission, CacheConfig, CowMode, DiskPolicy, Replacement, WriteMode};
 use vdcache_crash::harness::{sweep, sweep_clean, test_budget as budget};
-use vdcache_crash::{Backing, CacheTarget, FullDevice, Qcow2Target, RunConfig, WorkloadConfig};
+use vdcache_crash::{
+    Backing, CacheTarget, FullDevice, Qcow2Target, RunConfig, WorkloadConfig, sweep_damage,
+};
 use vdcache_image::CreateOptions;
 
 const MIB: u64 = 1 << 20;
@@ -201,5 +203,52 @@ fn a_flush_trusted_after_a_failed_journal_write_is_caught() {
     assert!(
         full_device_sweeps(&c, 40) > 0,
         "forgetting a failed journal batch's entries must produce violations"
+/// Issue 43: damaged cache metadata. In process-crash states of a
+/// write-back run, each metadata structure of the cache device is damaged
+/// in turn (superblock and copy, seal, checkpoint headers and payloads,
+/// the first, middle and last journal batch, the data blocks they name,
+/// the whole journal): recovery refuses the device naming the damage, or
+/// every flushed sector reads back exactly (never stale).
+/// A write-back cache whose checkpoints land every `interval` bytes of
+/// journal: after a restart, the checkpoint written at the open stays the
+/// newest (two epochs past the one before) until then.
+fn damage_target(label: &str, interval: u64) -> CacheTarget {
+    let mut c = cache_config(WriteMode::WriteBack, Admission::All, Replacement::Lru);
+    c.checkpoint_interval_bytes = Some(interval);
+    target(label, c)
+}
+
+#[test]
+fn damaged_metadata_is_refused_or_reads_exactly() {
+    let t = damage_target("damage", 256 << 10);
+    let points = vdcache_crash::state_budget(budget(6));
+    let r = sweep_damage(&t, &run_config(0xda1), points).expect("harness");
+    eprintln!("{}", r.summary());
+    assert!(r.is_clean(), "{}\n{}", r.summary(), r.violations.join("\n"));
+    let kind = |k: &str| r.by_kind.get(k).copied().unwrap_or_default();
+    // What a copy repairs is never refused.
+    for repaired in ["superblock", "superblock copy", "seal"] {
+        assert_eq!(kind(repaired).refused, 0, "{}", r.summary());
+    }
+    // Damage to what was flushed is refused, not dropped as a torn tail.
+    for refused in ["checkpoint header", "journal batch", "journal"] {
+        assert!(kind(refused).refused > 0, "{}", r.summary());
+    }
+    assert!(kind("data block").damaged_blocks > 0, "{}", r.summary());
+}
+
+/// The mutation "opening past a bad checkpoint": recovery that ignores
+/// the word of the seal and the journal about newer checkpoints opens an
+/// older one, and the damaged-metadata sweep must catch it.
+#[test]
+fn opening_past_a_bad_checkpoint_is_caught() {
+    let mut t = damage_target("broken", 4 << 20);
+    t.config.test_open_past_bad_checkpoint = true;
+    let r = sweep_damage(&t, &run_config(0xda1), budget(6)).expect("harness");
+    eprintln!("{}", r.summary());
+    assert!(
+        r.violating() > 0,
+        "opening past a bad checkpoint must produce violations: {}",
+        r.summary()
     );
 }

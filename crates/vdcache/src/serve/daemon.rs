@@ -138,6 +138,34 @@ pub fn open_cache(
     )?)
 }
 
+/// A cache refused as damaged: the exports' images marked as needing it
+/// are named (the damage may have taken the cache's own record of them).
+fn name_marked_images(
+    e: anyhow::Error,
+    cache: &std::path::Path,
+    exports: &[ExportConfig],
+) -> anyhow::Error {
+    let damaged = e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<vdcache_cache::CacheError>(),
+            Some(vdcache_cache::CacheError::Damaged { .. })
+        )
+    });
+    if !damaged {
+        return e;
+    }
+    let images: Vec<&str> = exports.iter().map(|x| x.image.as_str()).collect();
+    let marked = vdcache_host::images_needing_cache(cache, &images);
+    if marked.is_empty() {
+        return e;
+    }
+    e.context(format!(
+        "{} stay(s) marked as needing the cache {} (QEMU refuses such an image), which cannot be opened",
+        marked.join(", "),
+        cache.display()
+    ))
+}
+
 /// Metadata cache of an export: whole tables for the stacked baseline;
 /// sectors (COWCache's fine-grained metadata) when the cache is cow-aware.
 fn meta_cache(e: &ExportConfig, cow: Option<CowMode>) -> Result<MetaCacheConfig> {
@@ -235,7 +263,8 @@ impl Daemon {
         }
         let (cache, created, keep_dirty) = match &cfg.cache {
             Some(c) => {
-                let (cache, created) = open_cache(c, cache_config(c)?, format_cache)?;
+                let (cache, created) = open_cache(c, cache_config(c)?, format_cache)
+                    .map_err(|e| name_marked_images(e, &c.path, &cfg.exports))?;
                 log_opened(c, &cache, created);
                 (Some(cache), created, c.keep_dirty.unwrap_or(false))
             }

@@ -314,6 +314,11 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
     });
     daemon.stop()?;
     unmounted?;
+    if !daemon.keep_dirty
+        && let Some(c) = &daemon.cache
+    {
+        stopped_with_data_left(c)?;
+    }
     match (dirty_before, daemon.keep_dirty) {
         (Some((dirty, 0)), false) => tracing::info!(
             "stopped cleanly: {} written back from the cache, the images are complete without it",
@@ -331,6 +336,29 @@ pub fn run(cfg: ServerConfig, format_cache: bool) -> Result<()> {
         (None, _) => tracing::info!("stopped cleanly"),
     }
     Ok(())
+}
+
+/// After a stop that wrote everything back it could: an error when the
+/// cache still holds blocks the device damaged (they never go to an
+/// image, whose needs-cache mark stays), naming the images holding data
+/// in it. Never "complete without it" then.
+fn stopped_with_data_left(cache: &vdcache_cache::FlashCache) -> Result<()> {
+    let r = cache.report();
+    if r.unreadable_blocks == 0 {
+        return Ok(());
+    }
+    let images: Vec<&str> = r
+        .images
+        .iter()
+        .filter(|i| i.dirty_bytes > 0)
+        .map(|i| i.name.as_str())
+        .collect();
+    let device = cache.device_name();
+    anyhow::bail!(
+        "stopped, but the cache {device} still holds {} block(s) the device damaged, which could not be written back (their reads fail): {} stay(s) marked as needing the cache; `vdcache recover --full --salvage --cache {device}` gives them up and leaves the images standalone (check them afterwards)",
+        r.unreadable_blocks,
+        images.join(", "),
+    )
 }
 
 /// A second SIGINT or SIGTERM during the stop ends the process at once:
