@@ -18,6 +18,10 @@
 //! recovers from [`mem_files`] also implements `recover_from`, which the
 //! harness calls with those stores already built in reused buffers.
 //!
+//! A second fault model, a storage server that restarts and loses its
+//! volatile cache while the target keeps running, is swept by
+//! [`run_restarts`] (module `restart`).
+//!
 //! Sweeps are deterministic from the workload seed and the state seed; a
 //! [`Violation`] prints what [`reproduce`] needs. Longer sweeps: set
 //! `VDCACHE_CRASH_STATES` (states per sweep) and `VDCACHE_CRASH_SEEDS`
@@ -36,6 +40,7 @@ pub mod error;
 pub mod harness;
 pub mod interrupted;
 pub mod model;
+pub mod restart;
 mod rng;
 pub mod target;
 pub mod workload;
@@ -48,6 +53,7 @@ pub use harness::{
     reproduce, run, seed_count, seed_offsets, state_budget,
 };
 pub use model::{GuestHistory, GuestModel, GuestOp, GuestOpKind};
+pub use restart::{restarts_clean, run_restarts};
 pub use target::{
     Backing, CrashTarget, IoFactory, Qcow2Target, RecordingFiles, WithRecovery, mem_files,
 };
