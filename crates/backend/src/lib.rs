@@ -1,12 +1,15 @@
 //! Backends: the storage an image file lives on (a local file or an NBD
 //! export, through this crate's NBD client), store names (URI or path),
-//! and the recording and fault-injecting backends of the tests.
+//! what a store on a storage server keeps to write again after a
+//! reconnection (`unflushed`), and the recording, fault-injecting and
+//! restarting-server (`volatile`) backends of the tests.
 //!
 //! A backend is a flat, offset-addressed byte store. It knows nothing about
 //! qcow2, classes of I/O or caching; those live above it. Every method may
 //! be called from several threads at once.
 //!
-//! Owns: byte stores, the NBD client, the meaning of a store name.
+//! Owns: byte stores, the NBD client, the meaning of a store name, the
+//! record of unflushed writes.
 //! Must not: depend on a front end (the NBD server included), the COW
 //! layer or the cache.
 
@@ -18,13 +21,18 @@ pub mod nbd;
 pub mod recording;
 mod sparse;
 mod store_name;
+#[cfg(any(test, feature = "deliberate-bugs"))]
+pub mod testing;
+pub mod unflushed;
+pub mod volatile;
 
 pub use file::{FileBackend, FileOptions};
 pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
-pub use nbd::{DEFAULT_RECONNECT_DELAY, NbdBackend, NbdOptions};
+pub use nbd::{DEFAULT_RECONNECT_DELAY, NbdBackend, NbdOptions, RewriteTotals, rewrite_totals};
 pub use sparse::{HoleFill, SparseStore};
 pub use store_name::{StoreName, is_nbd_uri, resolve_backing_name};
+pub use unflushed::DEFAULT_UNFLUSHED_LIMIT;
 
 use std::fmt::Debug;
 use std::io;
@@ -62,13 +70,13 @@ pub trait Backend: Send + Sync + Debug {
     /// (acknowledged) since the last successful flush may not be durable,
     /// even though it returned Ok. A caller that must not lose data keeps
     /// its copy until a flush after its writes succeeds, and on an error
-    /// writes it again and flushes again. A store whose connection dropped
-    /// while it held acknowledged but unflushed writes (an NBD server that
-    /// may have lost its volatile cache) reports that with
-    /// [`StoreFault::WritesMayBeLost`]: once to the next flush, whoever
-    /// calls it, and once to the next flush of each thread that made such
-    /// writes (so a writer that flushes its own writes learns of their loss
-    /// even if another caller's flush took the first report).
+    /// writes it again and flushes again. A store whose connection to its
+    /// storage server dropped (a server that may have lost its volatile
+    /// cache) writes again, before it serves anything else, every write
+    /// the server acknowledged and no completed flush covered (see
+    /// [`unflushed`]), so a flush after a reconnection covers them too; a
+    /// store that cannot fails every later request with
+    /// [`StoreFault::RewriteFailed`] instead of serving on.
     fn flush(&self) -> io::Result<()>;
 
     /// Starts writing `[offset, offset + len)` out to stable storage
@@ -147,13 +155,13 @@ pub enum StoreFault {
         delay_secs: f64,
         last_error: String,
     },
-    /// The connection dropped while writes it had acknowledged were not
-    /// yet flushed: the server may have lost them. Reported once, by a
-    /// flush; the caller writes its data again.
+    /// After a reconnection, the writes the server had acknowledged but
+    /// no flush had covered (which it may have lost) could not be written
+    /// again: the image may lack them, so the store is never used again.
     #[error(
-        "{uri}: the connection to the storage server dropped before writes it had acknowledged were flushed, so they may not be on its disk; write them again and flush"
+        "{uri}: after reconnecting, the writes the storage server had acknowledged but not yet flushed could not be written again ({reason}); the image may be missing them, so it is no longer used: check it (qemu-img check) before using it again"
     )]
-    WritesMayBeLost { uri: String },
+    RewriteFailed { uri: String, reason: String },
     /// After a reconnection the export is not the one opened (its size
     /// changed): it is not used again.
     #[error(
@@ -171,17 +179,25 @@ impl StoreFault {
     /// Whether `e` says the store could not be reached (its requests
     /// cannot progress until the storage server is back).
     pub fn is_unreachable(e: &io::Error) -> bool {
-        matches!(
-            StoreFault::find(e),
-            Some(StoreFault::Unreachable { .. } | StoreFault::ExportChanged { .. })
-        )
+        StoreFault::find(e).is_some_and(StoreFault::stops_requests)
+    }
+
+    /// Whether the store's requests fail at once while this holds (all
+    /// faults so far: an unreachable server, a changed export, a failed
+    /// rewrite), so that waiting on it would never end.
+    pub fn stops_requests(&self) -> bool {
+        match self {
+            StoreFault::Unreachable { .. }
+            | StoreFault::ExportChanged { .. }
+            | StoreFault::RewriteFailed { .. } => true,
+        }
     }
 
     /// The fault as an `io::Error` (EIO to a guest: it has no errno).
     pub fn into_io(self) -> io::Error {
         let kind = match self {
             StoreFault::Unreachable { .. } => io::ErrorKind::NotConnected,
-            StoreFault::WritesMayBeLost { .. } => io::ErrorKind::Other,
+            StoreFault::RewriteFailed { .. } => io::ErrorKind::Other,
             StoreFault::ExportChanged { .. } => io::ErrorKind::InvalidData,
         };
         io::Error::new(kind, self)

@@ -65,10 +65,7 @@ impl HostError {
     /// Whether the store could not be reached (its requests cannot progress
     /// until the storage server is back).
     pub fn is_unreachable(&self) -> bool {
-        matches!(
-            self.store_fault(),
-            Some(StoreFault::Unreachable { .. } | StoreFault::ExportChanged { .. })
-        )
+        self.store_fault().is_some_and(StoreFault::stops_requests)
     }
 }
 

@@ -219,6 +219,7 @@ impl ServeArgs {
             cache,
             storage: StorageSection {
                 reconnect_delay: self.reconnect_delay,
+                ..StorageSection::default()
             },
             exports: vec![ExportConfig {
                 name: self.export_name,
@@ -432,6 +433,16 @@ fn print_stats(d: &serde_json::Value) {
         }
     } else {
         outln!("no flash cache: every request goes to the images");
+    }
+    let storage = &d["storage"];
+    if n(&storage["reconnects"]) + n(&storage["early_flushes"]) > 0 {
+        outln!(
+            "storage servers: {} reconnections, rewrote {} writes ({}) they had not flushed; {} early flushes (unflushed_limit reached)",
+            n(&storage["reconnects"]),
+            n(&storage["rewritten_writes"]),
+            h(&storage["rewritten_bytes"]),
+            n(&storage["early_flushes"]),
+        );
     }
     // One row per export: what the NBD clients asked, what the cache did.
     let empty = Vec::new();

@@ -89,14 +89,27 @@ pub struct StorageSection {
     /// up on an image whose server stays away that long (default 30; 0:
     /// they fail at once).
     pub reconnect_delay: Option<f64>,
+    /// Bytes of acknowledged, unflushed writes an image on a storage
+    /// server keeps, to write them again after a reconnection (a server
+    /// that restarted may have lost them); past them it flushes early
+    /// (default 256M).
+    pub unflushed_limit: Option<String>,
 }
 
 impl StorageSection {
-    /// The NBD backend settings these keys give (defaults for the rest).
+    /// The NBD backend settings these keys give (defaults for the rest;
+    /// [`ServerConfig::validate`] refused values that do not parse).
     pub fn nbd_options(&self) -> vdcache_backend::NbdOptions {
         let mut o = vdcache_backend::NbdOptions::default();
         if let Some(s) = self.reconnect_delay {
             o.reconnect_delay = std::time::Duration::from_secs_f64(s);
+        }
+        if let Some(b) = self
+            .unflushed_limit
+            .as_deref()
+            .and_then(|v| parse_size(v).ok())
+        {
+            o.unflushed_limit = b;
         }
         o
     }
@@ -479,6 +492,9 @@ impl ServerConfig {
         {
             bail!("[storage] reconnect_delay must be 0 to 86400 seconds, not {t}");
         }
+        if let Some(v) = &self.storage.unflushed_limit {
+            parse_size(v).context("[storage] unflushed_limit")?;
+        }
         if let Some(v) = &l.max_buffered {
             let bytes = parse_size(v).context("[server] max_buffered")?;
             // The budget must hold one piece of a streamed payload.
@@ -705,6 +721,7 @@ mod tests {
             ("[storage]\nreconnect_delay=-1", "reconnect_delay"),
             ("[storage]\nreconnect_delay=nan", "reconnect_delay"),
             ("[storage]\nreconnect_delay=1e9", "reconnect_delay"),
+            ("[storage]\nunflushed_limit=\"lots\"", "unflushed_limit"),
         ] {
             let cfg: ServerConfig = toml::from_str(&format!(
                 "[server]\nsocket=\"s\"\n{bad}\n[[export]]\nname=\"a\"\nimage=\"x\"\n"
@@ -741,6 +758,13 @@ mod tests {
             cfg.storage.nbd_options().reconnect_delay,
             std::time::Duration::from_millis(2500)
         );
+        assert_eq!(
+            cfg.storage.nbd_options().unflushed_limit,
+            vdcache_backend::DEFAULT_UNFLUSHED_LIMIT
+        );
+        let cfg =
+            ServerConfig::parse(&format!("[storage]\nunflushed_limit = \"64M\"\n{base}")).unwrap();
+        assert_eq!(cfg.storage.nbd_options().unflushed_limit, 64 << 20);
         let err = ServerConfig::parse(&format!("[storage]\nreconect_delay = 2\n{base}"))
             .unwrap_err()
             .to_string();

@@ -14,31 +14,37 @@
 //! until a reconnection succeeds. A reconnection checks that the export
 //! still has the size it had when opened.
 //!
-//! Writes acknowledged on a connection that dropped before a flush covered
-//! them may be lost (the server may have crashed with a volatile cache): the
-//! next flush then fails with [`StoreFault::WritesMayBeLost`], and so does
-//! the next flush of each thread that made such writes (see the contract of
-//! [`Backend::flush`]).
+//! A storage server with a volatile write cache that restarts loses the
+//! writes it acknowledged and no flush covered, while the layers above
+//! (the COW layer's metadata, a write-through cache) go on believing them
+//! written. The store therefore keeps them ([`Unflushed`], bounded by
+//! `unflushed_limit`: past it the store flushes early) and, on every new
+//! connection, writes them again in their original order and flushes
+//! before the connection serves any request; the log says "reconnected
+//! to ..., rewrote N writes (B bytes) not yet flushed". If the server
+//! refuses that rewrite, every later request fails with
+//! [`StoreFault::RewriteFailed`]: the store never serves on as if nothing
+//! happened.
 //!
 //! The NBD client itself ([`client`]) speaks the protocol of
 //! `vdcache-nbd-proto`; it is a backend's tool and never part of the server.
 //!
 //! Owns: the NBD client, the current connection, reconnection, request
-//! retry. Must not: depend on the NBD server (a front end), keep a request
-//! waiting past the reconnect delay, or let a flush succeed as if nothing
-//! happened after acknowledged writes were exposed to a dropped connection.
+//! retry, rewriting what a reconnection may have lost. Must not: depend on
+//! the NBD server (a front end), keep a request waiting past the reconnect
+//! delay, or serve on a new connection before the rewrite completed.
 
 pub mod client;
 pub mod fuzzing;
 
 pub use client::{ClientError, ClientOptions, NbdClient, ServerErrno};
 
+use crate::unflushed::{DEFAULT_UNFLUSHED_LIMIT, Recorded, Rewritten, Unflushed, UnflushedOp};
 use crate::{Backend, StoreFault};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 use vdcache_nbd_proto::{NbdUri, Transport};
 
@@ -63,14 +69,73 @@ pub struct NbdOptions {
     /// from the loss) before they fail. Zero: they fail at once (a
     /// reconnection is still tried).
     pub reconnect_delay: Duration,
+    /// Bytes of acknowledged, unflushed writes a store keeps to write
+    /// again after a reconnection; past them it flushes early.
+    pub unflushed_limit: u64,
 }
 
 impl Default for NbdOptions {
     fn default() -> Self {
         NbdOptions {
             reconnect_delay: DEFAULT_RECONNECT_DELAY,
+            unflushed_limit: DEFAULT_UNFLUSHED_LIMIT,
         }
     }
+}
+
+/// What reconnections wrote again, of one store or of every NBD store of
+/// the process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RewriteTotals {
+    /// Reconnections (each followed by a rewrite, perhaps of nothing).
+    pub reconnects: u64,
+    pub writes: u64,
+    pub bytes: u64,
+    /// Early flushes because a store's record reached its bound.
+    pub early_flushes: u64,
+}
+
+/// [`RewriteTotals`] as they are counted.
+#[derive(Debug)]
+struct Counters {
+    reconnects: AtomicU64,
+    writes: AtomicU64,
+    bytes: AtomicU64,
+    early_flushes: AtomicU64,
+}
+
+impl Counters {
+    const fn new() -> Counters {
+        Counters {
+            reconnects: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            early_flushes: AtomicU64::new(0),
+        }
+    }
+
+    fn reconnected(&self, done: Rewritten) {
+        self.reconnects.fetch_add(1, Ordering::Relaxed);
+        self.writes.fetch_add(done.writes, Ordering::Relaxed);
+        self.bytes.fetch_add(done.bytes, Ordering::Relaxed);
+    }
+
+    fn totals(&self) -> RewriteTotals {
+        RewriteTotals {
+            reconnects: self.reconnects.load(Ordering::Relaxed),
+            writes: self.writes.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            early_flushes: self.early_flushes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+static PROCESS_TOTALS: Counters = Counters::new();
+
+/// The [`RewriteTotals`] of every NBD store of the process (for `vdcache
+/// stats`).
+pub fn rewrite_totals() -> RewriteTotals {
+    PROCESS_TOTALS.totals()
 }
 
 /// Storage servers (by address) that a connection attempt failed to
@@ -126,9 +191,12 @@ struct Shared {
     server: String,
     size: u64,
     opts: NbdOptions,
+    /// What the server acknowledged and no flush covered yet.
+    unflushed: Unflushed,
+    counters: Counters,
     state: Mutex<State>,
     /// Signalled when a connection is installed, the export turns out to
-    /// have changed, or the backend is dropped.
+    /// have changed or the rewrite failed, or the backend is dropped.
     changed: Condvar,
 }
 
@@ -141,45 +209,16 @@ struct State {
     connecting: bool,
     /// The export came back with another size: never used again.
     changed_to: Option<u64>,
-    /// A connection dropped holding acknowledged, unflushed writes; the
-    /// next flush reports it.
-    writes_may_be_lost: bool,
-    /// Threads whose own acknowledged, unflushed writes were on a
-    /// connection that dropped: their next flush reports it too, whoever
-    /// took the report above (a writer that flushes its own writes, as
-    /// the cache's write-back does, always learns of its loss).
-    owed: HashSet<ThreadId>,
+    /// Writing the unflushed record again failed (why): never used again.
+    rewrite_failed: Option<String>,
     /// The backend was dropped: the reconnecting thread ends.
     closed: bool,
 }
 
-/// One connection, with what was written on it.
+/// One connection, with its epoch in the [`Unflushed`] record.
 struct Link {
     client: NbdClient,
-    /// Write requests acknowledged on this connection.
-    acked: AtomicU64,
-    /// The `acked` count a successful flush covered.
-    flushed: AtomicU64,
-    dead: AtomicBool,
-    /// The `acked` count after each thread's last write on this link
-    /// (entries a flush covered are dropped).
-    writers: Mutex<HashMap<ThreadId, u64>>,
-}
-
-impl Link {
-    fn new(client: NbdClient) -> Arc<Link> {
-        Arc::new(Link {
-            client,
-            acked: AtomicU64::new(0),
-            flushed: AtomicU64::new(0),
-            dead: AtomicBool::new(false),
-            writers: Mutex::new(HashMap::new()),
-        })
-    }
-
-    fn writers(&self) -> MutexGuard<'_, HashMap<ThreadId, u64>> {
-        self.writers.lock().unwrap_or_else(|p| p.into_inner())
-    }
+    epoch: u64,
 }
 
 impl std::fmt::Debug for NbdBackend {
@@ -238,6 +277,8 @@ impl NbdBackend {
         let chunk = u64::from(client.block_sizes().maximum).clamp(4096, 32 << 20);
         let server = server_key(&parsed);
         record_outage(&server, None);
+        let unflushed = Unflushed::new(opts.unflushed_limit);
+        let epoch = unflushed.epoch();
         Ok(NbdBackend {
             shared: Arc::new(Shared {
                 name: uri.to_string(),
@@ -245,20 +286,26 @@ impl NbdBackend {
                 server,
                 size,
                 opts,
+                unflushed,
+                counters: Counters::new(),
                 state: Mutex::new(State {
-                    link: Some(Link::new(client)),
+                    link: Some(Arc::new(Link { client, epoch })),
                     down_since: None,
                     last_error: String::new(),
                     connecting: false,
                     changed_to: None,
-                    writes_may_be_lost: false,
-                    owed: HashSet::new(),
+                    rewrite_failed: None,
                     closed: false,
                 }),
                 changed: Condvar::new(),
             }),
             chunk,
         })
+    }
+
+    /// What this store's reconnections wrote again.
+    pub fn rewrites(&self) -> RewriteTotals {
+        self.shared.counters.totals()
     }
 
     fn check_room(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -271,17 +318,14 @@ impl NbdBackend {
     /// Runs `op` on the current connection, again on the next one each
     /// time the connection drops under it, until it succeeds, the server
     /// refuses it, or no connection comes within the reconnect delay.
-    fn run<T>(
-        &self,
-        mut op: impl FnMut(&Link) -> Result<T, ClientError>,
-    ) -> io::Result<(T, Arc<Link>)> {
+    fn run<T>(&self, mut op: impl FnMut(&Link) -> Result<T, ClientError>) -> io::Result<T> {
         // A server that accepts connections and drops each one under the
         // request must not keep it going round forever.
         let mut first_loss: Option<Instant> = None;
         loop {
             let link = self.shared.current()?;
             match op(&link) {
-                Ok(v) => return Ok((v, link)),
+                Ok(v) => return Ok(v),
                 Err(e) if connection_lost(&e) => {
                     self.shared.retire(&link, &e);
                     let since = *first_loss.get_or_insert_with(Instant::now);
@@ -300,18 +344,31 @@ impl NbdBackend {
         }
     }
 
-    /// Counts a write acknowledged on `link`. If the link is already
-    /// retired, its retirement may not have seen this write: the loss is
-    /// recorded here instead.
-    fn acked(&self, link: &Link) {
-        let me = std::thread::current().id();
-        let seq = link.acked.fetch_add(1, Ordering::SeqCst) + 1;
-        link.writers().insert(me, seq);
-        if link.dead.load(Ordering::SeqCst) {
-            let mut st = lock(&self.shared.state);
-            st.writes_may_be_lost = true;
-            st.owed.insert(me);
+    /// Sends a write or trim (`send`) and records it as `op` builds it,
+    /// again on the next connection when the one that acknowledged it
+    /// dropped before it was recorded (the rewrite may have missed it);
+    /// flushes early when the record reached its bound.
+    fn change(
+        &self,
+        send: impl Fn(&NbdClient) -> Result<(), ClientError>,
+        op: impl Fn() -> UnflushedOp,
+    ) -> io::Result<()> {
+        let recorded = self.run(|l| {
+            send(&l.client)?;
+            match self.shared.unflushed.record(l.epoch, &op) {
+                Recorded::Stale => Err(ClientError::Disconnected(
+                    "the connection dropped before the write was recorded".into(),
+                )),
+                kept => Ok(kept),
+            }
+        })?;
+        if matches!(recorded, Recorded::Kept { over_limit: true }) {
+            for c in [&PROCESS_TOTALS, &self.shared.counters] {
+                c.early_flushes.fetch_add(1, Ordering::Relaxed);
+            }
+            self.flush()?;
         }
+        Ok(())
     }
 }
 
@@ -326,6 +383,13 @@ impl Shared {
                     uri: self.name.clone(),
                     was: self.size,
                     now,
+                }
+                .into_io());
+            }
+            if let Some(reason) = &st.rewrite_failed {
+                return Err(StoreFault::RewriteFailed {
+                    uri: self.name.clone(),
+                    reason: reason.clone(),
                 }
                 .into_io());
             }
@@ -354,22 +418,13 @@ impl Shared {
         }
     }
 
-    /// Gives up `link` after `why` showed it dropped: its acknowledged but
-    /// unflushed writes are recorded as possibly lost, and a reconnection
-    /// starts.
+    /// Gives up `link` after `why` showed it dropped: what it acknowledged
+    /// and did not record yet is refused from now on (its writers send it
+    /// again), and a reconnection starts.
     fn retire(self: &Arc<Self>, link: &Arc<Link>, why: &ClientError) {
         let old = {
             let mut st = lock(&self.state);
-            link.dead.store(true, Ordering::SeqCst);
-            let flushed = link.flushed.load(Ordering::SeqCst);
-            if link.acked.load(Ordering::SeqCst) > flushed {
-                st.writes_may_be_lost = true;
-            }
-            for (&t, &seq) in link.writers().iter() {
-                if seq > flushed {
-                    st.owed.insert(t);
-                }
-            }
+            self.unflushed.lost(link.epoch);
             if !st.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
                 // Another request saw the loss first.
                 return;
@@ -390,7 +445,7 @@ impl Shared {
     }
 
     fn start_reconnecting(self: &Arc<Self>, st: &mut State) {
-        if st.connecting || st.closed || st.changed_to.is_some() {
+        if st.connecting || st.closed || st.changed_to.is_some() || st.rewrite_failed.is_some() {
             return;
         }
         let me = self.clone();
@@ -404,7 +459,9 @@ impl Shared {
     }
 
     /// The reconnecting thread: tries until a connection to the same
-    /// export is made, the export proves changed, or the backend is gone.
+    /// export is made and the unflushed record written again on it, the
+    /// export proves changed, the server refuses the rewrite, or the
+    /// backend is gone.
     fn reconnect(self: Arc<Self>) {
         let mut pause = BACKOFF_FIRST;
         let started = Instant::now();
@@ -443,17 +500,22 @@ impl Shared {
                     return;
                 }
                 Ok(client) => {
-                    record_outage(&self.server, None);
-                    tracing::warn!(
-                        "{}: reconnected to the storage server after {:.1} s",
-                        self.name,
-                        started.elapsed().as_secs_f64()
-                    );
-                    st.link = Some(Link::new(client));
-                    st.down_since = None;
-                    st.connecting = false;
-                    self.changed.notify_all();
-                    return;
+                    drop(st);
+                    match self.rewrite_on(&client) {
+                        Ok(done) => {
+                            self.install(client, done, started);
+                            return;
+                        }
+                        Err(e) if connection_lost(&e) => {
+                            let mut st = lock(&self.state);
+                            st.last_error = e.to_string();
+                            pause = (pause * 2).min(BACKOFF_MAX);
+                        }
+                        Err(e) => {
+                            self.give_up_rewriting(&e);
+                            return;
+                        }
+                    }
                 }
                 Err(e) => {
                     st.last_error = e.to_string();
@@ -462,6 +524,64 @@ impl Shared {
                 }
             }
         }
+    }
+}
+
+impl Shared {
+    /// Writes the unflushed record again on `client`, in order, and
+    /// flushes. A trim the server now refuses is skipped: what a trim
+    /// leaves was never promised.
+    fn rewrite_on(&self, client: &NbdClient) -> Result<Rewritten, ClientError> {
+        self.unflushed.rewrite(
+            |op| match op {
+                UnflushedOp::Write { offset, data } => client.write_at(*offset, data, false),
+                UnflushedOp::Trim { offset, len } => match client.trim(*offset, *len, false) {
+                    Err(e) if !connection_lost(&e) => Ok(()),
+                    r => r,
+                },
+            },
+            || client.flush(),
+        )
+    }
+
+    /// Serves on `client`, whose rewrite is `done`.
+    fn install(&self, client: NbdClient, done: Rewritten, started: Instant) {
+        let mut st = lock(&self.state);
+        if st.closed {
+            drop(st);
+            drop(client);
+            return;
+        }
+        record_outage(&self.server, None);
+        PROCESS_TOTALS.reconnected(done);
+        self.counters.reconnected(done);
+        tracing::warn!(
+            "{}: reconnected to the storage server after {:.1} s, rewrote {} writes ({} bytes) not yet flushed",
+            self.name,
+            started.elapsed().as_secs_f64(),
+            done.writes,
+            done.bytes
+        );
+        st.link = Some(Arc::new(Link {
+            client,
+            epoch: self.unflushed.epoch(),
+        }));
+        st.down_since = None;
+        st.connecting = false;
+        self.changed.notify_all();
+    }
+
+    /// The server refused the rewrite (`why`): every later request fails.
+    fn give_up_rewriting(&self, why: &ClientError) {
+        let (writes, bytes) = self.unflushed.pending();
+        tracing::error!(
+            "{}: reconnected, but writing again the {writes} writes ({bytes} bytes) the storage server had acknowledged and not flushed failed ({why}); the image may be missing them: every request to it fails from now on",
+            self.name
+        );
+        let mut st = lock(&self.state);
+        st.rewrite_failed = Some(why.to_string());
+        st.connecting = false;
+        self.changed.notify_all();
     }
 }
 
@@ -505,8 +625,14 @@ impl Backend for NbdBackend {
         while done < buf.len() {
             let n = (buf.len() - done).min(self.chunk as usize);
             let part = &buf[done..done + n];
-            let ((), link) = self.run(|l| l.client.write_at(offset + done as u64, part, false))?;
-            self.acked(&link);
+            let at = offset + done as u64;
+            self.change(
+                |c| c.write_at(at, part, false),
+                || UnflushedOp::Write {
+                    offset: at,
+                    data: Arc::from(part),
+                },
+            )?;
             done += n;
         }
         Ok(())
@@ -519,24 +645,13 @@ impl Backend for NbdBackend {
     }
 
     fn flush(&self) -> io::Result<()> {
-        // A flush covers the writes acknowledged on its link before it was
-        // sent (a write counted late only makes a later loss be reported
-        // when it need not be, never hidden).
-        let mut covered = 0;
-        let ((), link) = self.run(|l| {
-            covered = l.acked.load(Ordering::SeqCst);
-            l.client.flush()
+        // A flush covers the writes recorded before it was sent (each was
+        // acknowledged before it was recorded).
+        let mark = self.run(|l| {
+            let mark = self.shared.unflushed.mark();
+            l.client.flush().map(|()| mark)
         })?;
-        link.flushed.fetch_max(covered, Ordering::SeqCst);
-        link.writers().retain(|_, seq| *seq > covered);
-        let mut st = lock(&self.shared.state);
-        let mine = st.owed.remove(&std::thread::current().id());
-        if std::mem::take(&mut st.writes_may_be_lost) | mine {
-            return Err(StoreFault::WritesMayBeLost {
-                uri: self.shared.name.clone(),
-            }
-            .into_io());
-        }
+        self.shared.unflushed.flushed(mark);
         Ok(())
     }
 
@@ -545,9 +660,10 @@ impl Backend for NbdBackend {
         if len == 0 {
             return Ok(());
         }
-        let ((), link) = self.run(|l| l.client.trim(offset, len, false))?;
-        self.acked(&link);
-        Ok(())
+        self.change(
+            |c| c.trim(offset, len, false),
+            || UnflushedOp::Trim { offset, len },
+        )
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {

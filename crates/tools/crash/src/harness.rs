@@ -124,6 +124,14 @@ pub enum ViolationKind {
         code: Option<i32>,
         output: String,
     },
+    /// While its storage server restarted, the disk failed a guest
+    /// request or read what the guest had not written.
+    Served(String),
+    /// After a clean close, the images read differently from what the
+    /// guest wrote.
+    Lost {
+        offset: u64,
+    },
 }
 
 impl fmt::Display for ViolationKind {
@@ -148,6 +156,13 @@ impl fmt::Display for ViolationKind {
             ViolationKind::QemuImg { code, output } => {
                 write!(f, "qemu-img check exit {code:?}: {}", output.trim())
             }
+            ViolationKind::Served(e) => {
+                write!(f, "while the storage server restarted: {e}")
+            }
+            ViolationKind::Lost { offset } => write!(
+                f,
+                "after a clean close the images read differently from what the guest wrote, first at guest offset {offset:#x}"
+            ),
         }
     }
 }

@@ -21,6 +21,9 @@
 //! Fault models beside the crash itself: [`damage`] damages each
 //! metadata structure of a cache device in process-crash states and
 //! requires a refusal naming the damage or exact reads.
+//! A second fault model, a storage server that restarts and loses its
+//! volatile cache while the target keeps running, is swept by
+//! [`run_restarts`] (module `restart`).
 //!
 //! Sweeps are deterministic from the workload seed and the state seed; a
 //! [`Violation`] prints what [`reproduce`] needs. Longer sweeps: set
@@ -41,6 +44,7 @@ pub mod error;
 pub mod harness;
 pub mod interrupted;
 pub mod model;
+pub mod restart;
 mod rng;
 pub mod target;
 pub mod workload;
@@ -54,6 +58,7 @@ pub use harness::{
     reproduce, run, seed_count, seed_offsets, state_budget,
 };
 pub use model::{GuestHistory, GuestModel, GuestOp, GuestOpKind};
+pub use restart::{restarts_clean, run_restarts};
 pub use target::{
     Backing, CrashTarget, IoFactory, Qcow2Target, RecordingFiles, WithRecovery, mem_files,
 };

@@ -53,11 +53,14 @@ pub trait CrashTarget: Send + Sync {
     }
 }
 
-/// Recording devices by name, usable as a chain's [`StoreOpener`].
+/// Recording devices by name, usable as a chain's [`StoreOpener`]; a
+/// device can be moved to a store elsewhere ([`Self::serve_from`]), which
+/// opens then reach instead.
 #[derive(Debug)]
 pub struct RecordingFiles {
     log: Arc<Log>,
     map: Mutex<HashMap<String, Arc<RecordingBackend>>>,
+    elsewhere: Mutex<HashMap<String, BackendRef>>,
 }
 
 impl RecordingFiles {
@@ -65,7 +68,23 @@ impl RecordingFiles {
         Arc::new(RecordingFiles {
             log: log.clone(),
             map: Mutex::new(HashMap::new()),
+            elsewhere: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The names of the recording devices.
+    pub fn names(&self) -> Vec<String> {
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.keys().cloned().collect()
+    }
+
+    /// Opens of `name` reach `store` from now on (a storage server's copy
+    /// of the device), not the recording device.
+    pub fn serve_from(&self, name: &str, store: BackendRef) {
+        self.elsewhere
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.to_string(), store);
     }
 
     pub fn log(&self) -> &Arc<Log> {
@@ -112,6 +131,15 @@ impl StoreOpener for RecordingFiles {
         _writable: bool,
         _lock: Option<LockMode>,
     ) -> vdcache_image::Result<BackendRef> {
+        let moved = self
+            .elsewhere
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned();
+        if let Some(store) = moved {
+            return Ok(store);
+        }
         match self.get(name) {
             Some(b) => Ok(b),
             None => Err(ImageError::Io {

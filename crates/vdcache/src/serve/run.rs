@@ -164,8 +164,15 @@ fn stats_json(
             })
         })
         .collect();
+    let rewrites = vdcache_backend::rewrite_totals();
     serde_json::json!({
         "cache": daemon.cache.as_ref().map(|c| serde_json::to_value(c.report()).unwrap_or_default()),
+        "storage": {
+            "reconnects": rewrites.reconnects,
+            "rewritten_writes": rewrites.writes,
+            "rewritten_bytes": rewrites.bytes,
+            "early_flushes": rewrites.early_flushes,
+        },
         "disks": disks,
         "exports": exports,
         "connections_accepted": nbd.accepted,
