@@ -16,6 +16,7 @@ use crate::target::{CrashTarget, RecordingFiles};
 use crate::workload::{WorkloadConfig, run_workload};
 use std::collections::HashSet;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vdcache_backend::recording::{History, Log, StateKind};
 
@@ -280,7 +281,10 @@ pub(crate) struct Prepared {
     pub(crate) live: Vec<String>,
 }
 
-pub(crate) fn prepare(target: &dyn CrashTarget, cfg: &RunConfig) -> Result<Prepared, HarnessError> {
+/// A new log and `target`'s devices created on it.
+pub(crate) fn create_devices(
+    target: &dyn CrashTarget,
+) -> Result<(Arc<Log>, Arc<RecordingFiles>), HarnessError> {
     let log = Log::new();
     let files = RecordingFiles::new(&log);
     target
@@ -289,12 +293,29 @@ pub(crate) fn prepare(target: &dyn CrashTarget, cfg: &RunConfig) -> Result<Prepa
             target: target.label(),
             source,
         })?;
+    Ok((log, files))
+}
+
+pub(crate) fn prepare(target: &dyn CrashTarget, cfg: &RunConfig) -> Result<Prepared, HarnessError> {
+    let (log, files) = create_devices(target)?;
     let ran = run_workload(target, &files, &cfg.workload)?;
     Ok(Prepared {
         guest: ran.history,
         history: log.snapshot(),
         live: ran.live,
     })
+}
+
+/// `0..points` in the order the state seed and workload seed of `cfg`
+/// shuffle them: the order in which points are sampled.
+pub(crate) fn seeded_order(points: u64, cfg: &RunConfig) -> Vec<u64> {
+    let mut order: Vec<u64> = (0..points).collect();
+    let mut rng = Rng::seed_from_u64(cfg.state_seed ^ mix(cfg.workload.seed));
+    for i in (1..order.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        order.swap(i, j);
+    }
+    order
 }
 
 /// Chooses (point, kind) pairs: points in a seeded random order until the
@@ -304,12 +325,7 @@ fn plan(history: &History, cfg: &RunConfig) -> Vec<(u64, StateKind)> {
     let random = cfg
         .random_per_point
         .max((cfg.budget as u64 / points).saturating_sub(2) as usize);
-    let mut order: Vec<u64> = (0..points).collect();
-    let mut rng = Rng::seed_from_u64(cfg.state_seed ^ mix(cfg.workload.seed));
-    for i in (1..order.len()).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
-        order.swap(i, j);
-    }
+    let order = seeded_order(points, cfg);
     let seed = mix(cfg.state_seed ^ cfg.workload.seed.rotate_left(32));
     let mut jobs = Vec::new();
     for p in order {

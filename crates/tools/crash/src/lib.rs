@@ -21,7 +21,7 @@
 //! Fault models beside the crash itself: [`damage`] damages each
 //! metadata structure of a cache device in process-crash states and
 //! requires a refusal naming the damage or exact reads.
-//! A second fault model, a storage server that restarts and loses its
+//! Another, a storage server that restarts and loses its
 //! volatile cache while the target keeps running, is swept by
 //! [`run_restarts`] (module `restart`).
 //!

@@ -21,10 +21,9 @@
 use crate::CACHE_DEVICE;
 use crate::check::{first_difference, qemu_img_check};
 use crate::error::HarnessError;
-use crate::harness::{Report, RunConfig, Violation, ViolationKind};
+use crate::harness::{Report, RunConfig, Violation, ViolationKind, create_devices, seeded_order};
 use crate::model::GuestHistory;
-use crate::rng::{Draw, Rng, SeedableRng, mix};
-use crate::target::{CrashTarget, RecordingFiles, mem_files};
+use crate::target::{CrashTarget, mem_files};
 use crate::workload::run_workload;
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,14 +48,7 @@ fn run_once(
     cfg: &RunConfig,
     restarts_at: Option<u64>,
 ) -> Result<Ran, HarnessError> {
-    let log = Log::new();
-    let files = RecordingFiles::new(&log);
-    target
-        .create(&files)
-        .map_err(|source| HarnessError::Create {
-            target: target.label(),
-            source,
-        })?;
+    let (log, files) = create_devices(target)?;
     let server = VolatileServer::new(restarts_at);
     let mut images: Vec<String> = files
         .names()
@@ -90,12 +82,7 @@ fn run_once(
 /// The restart points to check: every point when the budget allows,
 /// else a seeded sample, ascending.
 fn plan(requests: u64, cfg: &RunConfig) -> Vec<u64> {
-    let mut points: Vec<u64> = (0..requests).collect();
-    let mut rng = Rng::seed_from_u64(cfg.state_seed ^ mix(cfg.workload.seed));
-    for i in (1..points.len()).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
-        points.swap(i, j);
-    }
+    let mut points = seeded_order(requests, cfg);
     points.truncate(cfg.budget);
     points.sort_unstable();
     points
