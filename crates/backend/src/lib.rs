@@ -24,7 +24,7 @@ pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
 pub use nbd::{DEFAULT_RECONNECT_DELAY, NbdBackend, NbdOptions};
 pub use sparse::{HoleFill, SparseStore};
-pub use store_name::{StoreName, is_nbd_uri, resolve_backing_name};
+pub use store_name::{StoreName, is_nbd_uri, resolve_backing_name, same_server};
 
 use std::fmt::Debug;
 use std::io;
