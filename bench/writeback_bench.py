@@ -154,8 +154,9 @@ class Bench:
         image = fresh_delta(self.images, self.base_srv, "delta.qcow2", self.a.size_bytes, backing=base,
                             extended_l2=spec.xl2)
         if spec.vdcache:
+            # The base lives on a storage server of its own: allowed by name.
             args = ["--cache", "{cache}", "--cache-size", cache_size, "--cache-mode", "writeback",
-                    *self.a.vdcache_args, *extra]
+                    "--allow-backing", self.base_srv.uri(""), *self.a.vdcache_args, *extra]
             c = Contender(spec.label, self.work, self.a.vdcache, args)
         else:
             c = Contender("qemu-nbd", self.work, self.a.vdcache)

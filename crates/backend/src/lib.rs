@@ -31,7 +31,7 @@ pub use lock::{LockError, LockMode};
 pub use mem::MemBackend;
 pub use nbd::{DEFAULT_RECONNECT_DELAY, NbdBackend, NbdOptions, RewriteTotals, rewrite_totals};
 pub use sparse::{HoleFill, SparseStore};
-pub use store_name::{StoreName, is_nbd_uri, resolve_backing_name};
+pub use store_name::{StoreName, is_nbd_uri, resolve_backing_name, same_server};
 pub use unflushed::DEFAULT_UNFLUSHED_LIMIT;
 
 use std::fmt::Debug;

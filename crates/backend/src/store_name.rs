@@ -3,8 +3,9 @@
 //! a local path; this module alone tells them apart, so the COW layer
 //! resolves and opens backing names without knowing any URI syntax.
 //!
-//! Owns: the URI-or-path decision and the resolution of a backing name
-//! relative to the name of the image that holds it.
+//! Owns: the URI-or-path decision, the resolution of a backing name
+//! relative to the name of the image that holds it, and whether two URIs
+//! name exports of one storage server.
 //! Must not: open, connect or touch the file system.
 
 use std::path::Path;
@@ -55,6 +56,16 @@ pub fn resolve_backing_name(parent: &str, backing: &str) -> String {
         .map(Path::to_path_buf)
         .unwrap_or_default();
     dir.join(b).display().to_string()
+}
+
+/// Whether two NBD URIs name exports of the same storage server (the same
+/// Unix socket, or the same host and port); false when either is not a
+/// valid NBD URI.
+pub fn same_server(a: &str, b: &str) -> bool {
+    match (NbdUri::parse(a), NbdUri::parse(b)) {
+        (Ok(a), Ok(b)) => a.transport == b.transport,
+        _ => false,
+    }
 }
 
 /// A backing name relative to an image on an NBD export names another
@@ -122,5 +133,18 @@ mod tests {
         );
         // An unparsable parent URI leaves the name as it stands.
         assert_eq!(resolve_backing_name("nbd://", "base"), "base");
+    }
+
+    #[test]
+    fn tells_whether_two_uris_name_one_server() {
+        let s = "nbd+unix:///top?socket=/run/s";
+        assert!(same_server(s, "nbd+unix:///base?socket=/run/s"));
+        assert!(same_server(s, "nbds+unix:///base?socket=/run/s"));
+        assert!(!same_server(s, "nbd+unix:///base?socket=/run/other"));
+        assert!(same_server("nbd://h/a", "nbd://h:10809/b"));
+        assert!(!same_server("nbd://h/a", "nbd://h:10810/a"));
+        assert!(!same_server("nbd://h/a", "nbd://g/a"));
+        assert!(!same_server("nbd://h/a", "/h/a"));
+        assert!(!same_server("nbd://", "nbd://"));
     }
 }

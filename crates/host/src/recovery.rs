@@ -33,6 +33,9 @@ pub struct FullRecovery {
     pub host: Option<String>,
     /// Opens the images by the names the cache recorded.
     pub opener: Arc<dyn StoreOpener>,
+    /// Where the images' backing files may lie besides their own
+    /// directory trees and storage servers (`OpenOptions::allow_backing`).
+    pub allow_backing: Vec<String>,
 }
 
 impl Default for FullRecovery {
@@ -41,6 +44,7 @@ impl Default for FullRecovery {
             salvage: false,
             host: None,
             opener: Arc::new(LocalFiles),
+            allow_backing: Vec::new(),
         }
     }
 }
@@ -86,7 +90,7 @@ pub fn recover_full(
         if deliberately_skipped() {
             continue;
         }
-        match make_standalone(&cache, &name, &how.opener) {
+        match make_standalone(&cache, &name, how) {
             Ok(()) => {
                 if salvaged.as_ref().is_some_and(|a| a.names.contains(&name)) {
                     tracing::warn!(
@@ -111,7 +115,7 @@ pub fn recover_full(
     cache.shutdown(false)?;
     drop(cache);
     for name in &done {
-        repair_leaks(name, &how.opener)?;
+        repair_leaks(name, how)?;
     }
     if !failed.is_empty() {
         return Err(HostError::ImagesLeft {
@@ -180,13 +184,14 @@ pub(crate) fn marked_by(opener: &dyn StoreOpener, name: &str, cache_id: &[u8; 16
 fn make_standalone(
     cache: &Arc<FlashCache>,
     name: &str,
-    opener: &Arc<dyn StoreOpener>,
+    how: &FullRecovery,
 ) -> std::result::Result<(), ImageRecoveryError> {
     let disk = open_chain(
         name,
         &OpenOptions {
             io: Some(cache.clone()),
-            opener: opener.clone(),
+            opener: how.opener.clone(),
+            allow_backing: how.allow_backing.clone(),
             ..OpenOptions::default()
         },
     )
@@ -202,12 +207,13 @@ fn make_standalone(
 
 /// Rebuilds the refcounts of a qcow2 image if it leaks clusters after a
 /// crash; a corrupt one is an error.
-fn repair_leaks(name: &str, opener: &Arc<dyn StoreOpener>) -> Result<()> {
+fn repair_leaks(name: &str, how: &FullRecovery) -> Result<()> {
     let disk = open_chain(
         name,
         &OpenOptions {
             no_backing: true,
-            opener: opener.clone(),
+            opener: how.opener.clone(),
+            allow_backing: how.allow_backing.clone(),
             ..OpenOptions::default()
         },
     )?;

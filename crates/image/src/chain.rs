@@ -1,8 +1,10 @@
 //! Opening a chain: resolving backing names relative to the image that
-//! names them, taking each backing file's format from its parent's header
-//! extension (a raw file is never probed as qcow2), locking the files as
-//! QEMU does, and refusing loops and missing files with clear errors.
+//! names them, keeping them where the operator allows (see `confine`),
+//! taking each backing file's format from its parent's header extension (a
+//! raw file is never probed as qcow2), locking the files as QEMU does, and
+//! refusing loops and missing files with clear errors.
 
+use crate::confine::Confinement;
 use crate::disk::{Layer, RawImage, VirtualDisk};
 use crate::error::{ImageError, Result};
 use crate::hostio::{DirectIo, DiskId, HostIo, ImageHandle};
@@ -197,6 +199,10 @@ pub struct OpenOptions {
     /// With the journal on and no cache below: zeros written ahead of
     /// allocation (see `qimage::prealloc`).
     pub preallocate: bool,
+    /// Directories and NBD storage servers (URIs) that backing files and
+    /// external data files may lie in besides the top image's own
+    /// directory tree and storage server (see `confine`).
+    pub allow_backing: Vec<String>,
 }
 
 /// Whether a writable qcow2 top image logs its table updates in a
@@ -228,6 +234,7 @@ impl Default for OpenOptions {
             opener: Arc::new(LocalFiles),
             metadata_journal: JournalMode::Off,
             preallocate: false,
+            allow_backing: Vec::new(),
         }
     }
 }
@@ -254,12 +261,18 @@ pub fn open_chain(name: &str, opts: &OpenOptions) -> Result<VirtualDisk> {
     let mut current = name.to_string();
     let mut format = opts.format;
     let mut parent: Option<(String, String)> = None;
+    let scope = Confinement::new(
+        name,
+        &opts.opener.canonical(name)?,
+        &opts.allow_backing,
+        &*opts.opener,
+    );
     loop {
         let depth = layers.len();
         if depth >= MAX_CHAIN_DEPTH {
             return Err(ImageError::ChainTooLong(MAX_CHAIN_DEPTH));
         }
-        let opened = open_layer(&current, format, depth, &io, opts, &mut seen);
+        let opened = open_layer(&current, format, depth, &io, opts, &scope, &mut seen);
         let (layer, next) = match (opened, &parent) {
             (Ok(v), _) => v,
             (Err(e @ ImageError::ChainLoop(_)), _) => return Err(e),
@@ -285,7 +298,22 @@ pub fn open_chain(name: &str, opts: &OpenOptions) -> Result<VirtualDisk> {
                 ),
             });
         }
-        let resolved = opts.opener.resolve(&layer_name, &backing);
+        let resolved = scope
+            .admit(
+                &layer_name,
+                "backing file",
+                &backing,
+                &opts.opener.resolve(&layer_name, &backing),
+                &*opts.opener,
+            )
+            .map_err(|e| match e {
+                e @ ImageError::NotAllowed(_) => e,
+                e => ImageError::BackingMissing {
+                    image: layer_name.clone(),
+                    backing: backing.clone(),
+                    cause: Box::new(e),
+                },
+            })?;
         format = match backing_format.as_deref() {
             Some(f) => {
                 Some(
@@ -346,6 +374,7 @@ fn open_layer(
     depth: usize,
     io: &Arc<dyn HostIo>,
     opts: &OpenOptions,
+    scope: &Confinement,
     seen: &mut Vec<String>,
 ) -> Result<(Layer, NextBacking)> {
     let canonical = opts.opener.canonical(name)?;
@@ -381,7 +410,8 @@ fn open_layer(
         return Ok((Layer::Raw(RawImage { handle, size }), None));
     }
     let (header, _) = qimage::read_header(&handle, &**io, opts.disk)?;
-    let data = external_data(&header, &canonical, depth, writable, lock, io, opts)?;
+    let data_file = data_file_name(&header, &canonical, opts, scope)?;
+    let data = external_data(data_file, depth, writable, lock, io, opts)?;
     let (header, replayed) = if opts.inspect {
         (header, 0)
     } else {
@@ -423,42 +453,53 @@ fn journal_slices(opts: &OpenOptions, writable: bool) -> MetaCacheConfig {
 /// Metadata cache slice of a journaled image (see [`journal_slices`]).
 const JOURNAL_SLICE: u64 = 4096;
 
-/// The external data file a header names, opened like its image.
-fn external_data(
+/// The canonical name of the external data file a header names, kept
+/// where its backing files may lie; `None` without one.
+fn data_file_name(
     header: &vdcache_qcow2::Header,
     canonical: &str,
+    opts: &OpenOptions,
+    scope: &Confinement,
+) -> Result<Option<String>> {
+    match (
+        &header.extensions.external_data_file,
+        header.has_external_data_file(),
+    ) {
+        (Some(file), true) => scope
+            .admit(
+                canonical,
+                "external data file",
+                file,
+                &opts.opener.resolve(canonical, file),
+                &*opts.opener,
+            )
+            .map(Some),
+        (None, true) => Err(ImageError::Unsupported {
+            image: canonical.to_string(),
+            reason: "external data file feature is set but the header names no data file".into(),
+        }),
+        _ => Ok(None),
+    }
+}
+
+/// The external data file `path` of an image, opened like its image.
+fn external_data(
+    path: Option<String>,
     depth: usize,
     writable: bool,
     lock: Option<LockMode>,
     io: &Arc<dyn HostIo>,
     opts: &OpenOptions,
 ) -> Result<Option<ImageHandle>> {
-    Ok(
-        match (
-            &header.extensions.external_data_file,
-            header.has_external_data_file(),
-        ) {
-            (Some(file), true) => {
-                let path = opts.opener.resolve(canonical, file);
-                let backend = opts.opener.open(&path, writable, lock)?;
-                let data = ImageHandle {
-                    name: Arc::from(opts.opener.canonical(&path)?.as_str()),
-                    depth: depth as u32,
-                    backend,
-                };
-                attach(io, &data, opts.disk, writable)?;
-                Some(data)
-            }
-            (None, true) => {
-                return Err(ImageError::Unsupported {
-                    image: canonical.to_string(),
-                    reason: "external data file feature is set but the header names no data file"
-                        .into(),
-                });
-            }
-            _ => None,
-        },
-    )
+    let Some(path) = path else { return Ok(None) };
+    let backend = opts.opener.open(&path, writable, lock)?;
+    let data = ImageHandle {
+        name: Arc::from(path.as_str()),
+        depth: depth as u32,
+        backend,
+    };
+    attach(io, &data, opts.disk, writable)?;
+    Ok(Some(data))
 }
 
 /// Once the whole chain opened (nothing is written to an image whose chain

@@ -26,6 +26,10 @@ pub enum ImageError {
         backing: String,
         cause: Box<ImageError>,
     },
+    /// A name in an image's header that leads outside the places its
+    /// chain may reach (see `confine`).
+    #[error(transparent)]
+    NotAllowed(Box<NotAllowed>),
     #[error("backing chain loops: {0} appears twice")]
     ChainLoop(String),
     #[error("backing chain is longer than {0} images")]
@@ -62,6 +66,26 @@ pub enum ImageError {
         "a write acknowledged before its copy-on-write completed was lost ({cause}); every flush of this disk fails until it is closed (its other writes are flushed regardless)"
     )]
     DeferredWriteLost { cause: String },
+}
+
+/// A backing file or external data file outside the places its chain may
+/// reach.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{image}: {what} '{named}' resolves to {canonical}, outside what its chain may reach ({places}): a chain reaches only its top image's directory tree and storage server unless the operator allows more. If this file is meant, allow its place with --allow-backing {allow} (allow_backing in the [storage] section of a config file); nothing was changed",
+    allow = crate::confine::widening(.canonical)
+)]
+pub struct NotAllowed {
+    /// The image whose header names it.
+    pub image: String,
+    /// `backing file` or `external data file`.
+    pub what: &'static str,
+    /// The name as the header gives it.
+    pub named: String,
+    /// What it resolves to (symlinks followed).
+    pub canonical: String,
+    /// The places the chain may reach, listed.
+    pub places: String,
 }
 
 impl ImageError {

@@ -10,6 +10,7 @@
 
 pub mod chain;
 pub mod check;
+mod confine;
 mod cow;
 pub mod create;
 mod deferred;

@@ -11,7 +11,6 @@
 
 use lru::LruCache;
 use std::collections::HashMap;
-use std::num::NonZeroUsize;
 
 /// Size settings of one metadata cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +92,9 @@ pub struct SliceCache {
     slice: u64,
     /// Bytes of one table (a cluster).
     table: u64,
+    /// Most slices held. The LRU itself is unbounded: it grows with the
+    /// slices loaded, so a large setting costs nothing until used.
+    slots: usize,
     lru: LruCache<u64, Slot>,
     /// Per table start: one bit per slice known to be zero and not resident.
     zeros: HashMap<u64, Vec<u64>>,
@@ -103,11 +105,14 @@ impl SliceCache {
     /// `capacity` bytes of `slice`-byte slices (at least two slices, so a
     /// caller can hold one while loading another) of `table`-byte tables.
     pub fn new(capacity: u64, slice: u64, table: u64) -> SliceCache {
-        let slots = (capacity / slice).max(2) as usize;
+        let slots = usize::try_from(capacity / slice)
+            .unwrap_or(usize::MAX)
+            .max(2);
         SliceCache {
             slice,
             table: table.max(slice),
-            lru: LruCache::new(NonZeroUsize::new(slots).unwrap_or(NonZeroUsize::MIN)),
+            slots,
+            lru: LruCache::unbounded(),
             zeros: HashMap::new(),
             stats: CacheStats::default(),
         }
@@ -219,7 +224,7 @@ impl SliceCache {
 
     /// The slice that the next insertion would evict, when the cache is full.
     pub fn next_victim(&self) -> Option<(u64, bool)> {
-        if self.lru.len() < self.lru.cap().get() {
+        if self.lru.len() < self.slots {
             return None;
         }
         self.lru.peek_lru().map(|(k, s)| (*k, s.dirty))
@@ -228,13 +233,15 @@ impl SliceCache {
     /// Inserts a slice; the caller has made room (see [`Self::next_victim`]),
     /// so nothing dirty is ever dropped here.
     pub fn insert(&mut self, start: u64, slot: Slot) {
-        if let Some((old_start, old)) = self.lru.push(start, slot)
-            && old_start != start
+        if !self.lru.contains(&start)
+            && self.lru.len() >= self.slots
+            && let Some((old_start, old)) = self.lru.pop_lru()
         {
             self.stats.evictions += 1;
             debug_assert!(!old.dirty, "a dirty slice was evicted without write-back");
             self.remember_if_zero(old_start, &old);
         }
+        self.lru.put(start, slot);
     }
 
     /// Removes a slice (after its write-back).

@@ -11,6 +11,8 @@ pub struct Args {
     /// Read without taking image locks (like qemu-img -U).
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
+    #[command(flatten)]
+    backing: crate::backing_args::BackingArgs,
     file: String,
 }
 
@@ -44,6 +46,7 @@ fn check(a: &Args) -> Result<u8> {
                 read_only: true,
                 force_share: a.force_share,
                 for_check: true,
+                allow_backing: a.backing.allow_backing.clone(),
                 ..OpenOptions::default()
             },
         )
@@ -57,6 +60,7 @@ fn check(a: &Args) -> Result<u8> {
                 force_share: a.force_share && !writable,
                 no_backing: true,
                 for_check: true,
+                allow_backing: a.backing.allow_backing.clone(),
                 ..OpenOptions::default()
             },
         )

@@ -29,6 +29,8 @@ pub struct Args {
     /// Show progress on stderr.
     #[arg(short = 'p')]
     progress: bool,
+    #[command(flatten)]
+    allowed: crate::backing_args::BackingArgs,
     source: String,
     destination: String,
 }
@@ -57,14 +59,18 @@ fn probe(path: &str) -> Result<ImageFormat> {
 }
 
 pub fn run(a: Args) -> Result<u8> {
+    let allow_backing = &a.allowed.allow_backing;
     let src = open_chain(
         &a.source,
         &OpenOptions {
             read_only: true,
             format: parse_format(a.source_format.as_deref())?,
+            allow_backing: allow_backing.clone(),
             ..OpenOptions::default()
         },
     )?;
+    // The output's backing file is the one -B names: its place is allowed.
+    let mut dst_allowed = allow_backing.clone();
     let dst_path = Path::new(&a.destination);
     let size = src.size();
     let mut backing_disk: Option<VirtualDisk> = None;
@@ -96,9 +102,17 @@ pub fn run(a: Args) -> Result<u8> {
                     &OpenOptions {
                         read_only: true,
                         format: Some(fmt),
+                        allow_backing: allow_backing.clone(),
                         ..OpenOptions::default()
                     },
                 )?);
+                dst_allowed.push(if vdcache_backend::is_nbd_uri(&resolved) {
+                    resolved.clone()
+                } else {
+                    Path::new(&resolved)
+                        .parent()
+                        .map_or_else(String::new, |d| d.display().to_string())
+                });
             }
             create_qcow2(dst_path, &opts)?;
         }
@@ -112,6 +126,7 @@ pub fn run(a: Args) -> Result<u8> {
             } else {
                 ImageFormat::Qcow2
             }),
+            allow_backing: dst_allowed,
             ..OpenOptions::default()
         },
     )?;

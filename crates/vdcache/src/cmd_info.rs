@@ -18,6 +18,8 @@ pub struct Args {
     /// Read without taking image locks (like qemu-img -U).
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
+    #[command(flatten)]
+    backing: crate::backing_args::BackingArgs,
     file: String,
 }
 
@@ -252,6 +254,7 @@ pub fn run(a: Args) -> Result<u8> {
             format,
             force_share: a.force_share,
             inspect: true,
+            allow_backing: a.backing.allow_backing.clone(),
             ..OpenOptions::default()
         },
     )

@@ -22,6 +22,8 @@ pub struct Args {
     force_share: bool,
     #[command(flatten)]
     cache: crate::meta_args::MetaCacheArgs,
+    #[command(flatten)]
+    backing: crate::backing_args::BackingArgs,
     file: String,
 }
 
@@ -243,6 +245,7 @@ pub fn run(a: Args) -> Result<u8> {
             format,
             force_share: a.force_share,
             cache: a.cache.config()?,
+            allow_backing: a.backing.allow_backing.clone(),
             ..OpenOptions::default()
         },
     )?;

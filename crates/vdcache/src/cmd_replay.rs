@@ -203,9 +203,8 @@ fn options(a: &Args) -> Result<(Option<Format>, ReplayOptions)> {
         l2_cache_bytes: a
             .l2_cache_size
             .as_deref()
-            .map(parse_size)
-            .transpose()
-            .context("--l2-cache-size")?,
+            .map(|s| vdcache::config::parse_meta_cache_size("--l2-cache-size", s))
+            .transpose()?,
         flash: a
             .flash_profile
             .parse::<DeviceProfile>()

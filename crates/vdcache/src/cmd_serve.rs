@@ -18,9 +18,15 @@ pub struct ServeArgs {
     /// Unix socket to listen on (mode 0600).
     #[arg(long, conflicts_with = "config")]
     socket: Option<PathBuf>,
-    /// Also listen on TCP (e.g. 127.0.0.1:10809); only when asked.
+    /// Also listen on TCP (e.g. 127.0.0.1:10809); needs TLS (--tls-cert
+    /// and --tls-key, or --tls-psk), or --insecure-tcp.
     #[arg(long, conflicts_with = "config")]
     tcp: Option<String>,
+    /// Listen on --tcp without TLS: anyone who can reach the address
+    /// (every local user, for a loopback address) can read and write the
+    /// disk. Refused unless given; logged as a warning.
+    #[arg(long, requires = "tcp", conflicts_with_all = ["tls_cert", "tls_psk", "config"])]
+    insecure_tcp: bool,
     /// Also show the disk as a file in this directory (FUSE, as root), for
     /// a loop device, mkfs and mount on the host.
     #[arg(long, value_name = "DIR", conflicts_with = "config")]
@@ -144,6 +150,9 @@ pub struct ServeArgs {
     preallocate: bool,
     #[command(flatten)]
     meta: crate::meta_args::MetaCacheArgs,
+    /// (With --config, these add to the file's `[storage] allow_backing`.)
+    #[command(flatten)]
+    backing: crate::backing_args::BackingArgs,
     /// The disk to serve: the top image of a qcow2 chain (or a raw image),
     /// a file or an NBD URI of a storage server (nbd://HOST/EXPORT,
     /// nbd+unix:///EXPORT?socket=PATH).
@@ -165,8 +174,9 @@ impl ServeArgs {
             let mut cfg = ServerConfig::load(path)?;
             if self.metrics.is_some() {
                 cfg.server.metrics = self.metrics;
-                cfg.validate()?;
             }
+            cfg.storage.allow_backing.extend(self.backing.allow_backing);
+            cfg.validate()?;
             return Ok(cfg);
         }
         let Some(image) = self.image else {
@@ -202,6 +212,7 @@ impl ServeArgs {
             server: Listen {
                 socket: self.socket,
                 tcp: self.tcp,
+                insecure_tcp: self.insecure_tcp,
                 control: self.control,
                 fuse: self.fuse,
                 tls: (self.tls_cert.is_some() || self.tls_psk.is_some()).then_some(TlsConfig {
@@ -219,6 +230,7 @@ impl ServeArgs {
             cache,
             storage: StorageSection {
                 reconnect_delay: self.reconnect_delay,
+                allow_backing: self.backing.allow_backing,
                 ..StorageSection::default()
             },
             exports: vec![ExportConfig {
@@ -606,6 +618,8 @@ pub struct RecoverArgs {
     /// open it (a writable open by vdcache does the same by itself).
     #[arg(value_name = "IMAGE", conflicts_with_all = ["full", "cache", "without_cache"])]
     image: Option<PathBuf>,
+    #[command(flatten)]
+    backing: crate::backing_args::BackingArgs,
 }
 
 pub fn recover(a: RecoverArgs) -> Result<u8> {
@@ -613,7 +627,7 @@ pub fn recover(a: RecoverArgs) -> Result<u8> {
         return abandon(image);
     }
     if let Some(image) = &a.image {
-        return apply_metadata_journal(image);
+        return apply_metadata_journal(image, a.backing.allow_backing);
     }
     let Some(cache) = a.cache.as_ref().filter(|_| a.full) else {
         bail!(
@@ -624,6 +638,7 @@ pub fn recover(a: RecoverArgs) -> Result<u8> {
         cache,
         &vdcache_host::FullRecovery {
             salvage: a.salvage,
+            allow_backing: a.backing.allow_backing,
             ..vdcache_host::FullRecovery::default()
         },
     )?;
@@ -665,10 +680,16 @@ fn remove_journal_markers(cache: &std::path::Path) {
     }
 }
 
-fn apply_metadata_journal(image: &std::path::Path) -> Result<u8> {
+fn apply_metadata_journal(image: &std::path::Path, allow_backing: Vec<String>) -> Result<u8> {
     let name = image.to_string_lossy();
-    let disk = vdcache_image::open_chain(&name, &vdcache_image::OpenOptions::default())
-        .with_context(|| format!("cannot recover {name}"))?;
+    let disk = vdcache_image::open_chain(
+        &name,
+        &vdcache_image::OpenOptions {
+            allow_backing,
+            ..vdcache_image::OpenOptions::default()
+        },
+    )
+    .with_context(|| format!("cannot recover {name}"))?;
     let applied = disk.journal_records_applied();
     disk.close()
         .with_context(|| format!("cannot close {name} after recovery"))?;

@@ -28,8 +28,14 @@ pub struct ServerConfig {
 pub struct Listen {
     /// Unix socket path (created with mode 0600).
     pub socket: Option<PathBuf>,
-    /// TCP address, only when asked for (e.g. "127.0.0.1:10809").
+    /// TCP address, only when asked for (e.g. "127.0.0.1:10809"); needs
+    /// TLS, or `insecure_tcp`.
     pub tcp: Option<String>,
+    /// Listen on `tcp` without TLS, letting anyone who can reach it (every
+    /// local user, for a loopback address) read and write the disks
+    /// (`--insecure-tcp`). Default false: TCP without TLS is refused.
+    #[serde(default)]
+    pub insecure_tcp: bool,
     /// Control socket for `vdcache stats` and `vdcache flush`.
     pub control: Option<PathBuf>,
     /// Also show every export as a file in this directory (FUSE; root).
@@ -94,6 +100,11 @@ pub struct StorageSection {
     /// that restarted may have lost them); past them it flushes early
     /// (default 256M).
     pub unflushed_limit: Option<String>,
+    /// Directories and NBD storage servers (URIs) that backing files and
+    /// external data files may lie in besides each image's own directory
+    /// tree and storage server (`--allow-backing`).
+    #[serde(default)]
+    pub allow_backing: Vec<String>,
 }
 
 impl StorageSection {
@@ -269,6 +280,28 @@ impl ExportConfig {
     }
 }
 
+/// Largest cache file `[cache] size` (`--cache-size`) creates: 1 PiB.
+pub const MAX_CACHE_FILE_BYTES: u64 = 1 << 50;
+/// Largest journal device (`journal_size`): 1 TiB (its blocks live in
+/// the cache).
+pub const MAX_JOURNAL_BYTES: u64 = 1 << 40;
+
+/// Largest metadata cache (`l2_cache_size`, `refcount_cache_size`):
+/// 64 GiB, every L2 table of a 512 TiB image of 64 KiB clusters (a
+/// journaled image reserves room for the whole cache in its journal).
+pub const MAX_META_CACHE_BYTES: u64 = 64 << 30;
+
+/// A metadata cache size; `what` names its key or option in errors.
+pub fn parse_meta_cache_size(what: &str, v: &str) -> Result<u64> {
+    let bytes = parse_size(v).with_context(|| what.to_string())?;
+    if bytes > MAX_META_CACHE_BYTES {
+        bail!(
+            "{what} {v} is larger than a metadata cache may be, 64 GiB ({MAX_META_CACHE_BYTES} bytes)"
+        );
+    }
+    Ok(bytes)
+}
+
 /// Most vhost-user-blk queues an export may offer.
 pub const MAX_VHOST_USER_QUEUES: usize = 16;
 
@@ -378,6 +411,12 @@ impl ServerConfig {
             for (key, v) in [
                 ("l2_cache_size", &e.l2_cache_size),
                 ("refcount_cache_size", &e.refcount_cache_size),
+            ] {
+                if let Some(v) = v {
+                    parse_meta_cache_size(&format!("export '{}': {key}", e.name), v)?;
+                }
+            }
+            for (key, v) in [
                 ("meta_slice_size", &e.meta_slice_size),
                 ("journal_size", &e.journal_size),
                 ("share_min", &e.share_min),
@@ -390,10 +429,11 @@ impl ServerConfig {
         }
         for e in &self.exports {
             if let Some(v) = &e.journal_size
-                && parse_size(v).is_ok_and(|b| b == 0 || !b.is_multiple_of(4096))
+                && parse_size(v)
+                    .is_ok_and(|b| b == 0 || !b.is_multiple_of(4096) || b > MAX_JOURNAL_BYTES)
             {
                 bail!(
-                    "export '{}': journal_size must be a non-zero multiple of 4096 bytes, not {v}",
+                    "export '{}': journal_size must be a non-zero multiple of 4096 bytes of at most 1 TiB ({MAX_JOURNAL_BYTES} bytes), not {v}",
                     e.name
                 );
             }
@@ -428,6 +468,14 @@ impl ServerConfig {
                     parse_size(v).with_context(|| c.setting(key, flag))?;
                 }
             }
+            if let Some(v) = &c.size
+                && parse_size(v)? > MAX_CACHE_FILE_BYTES
+            {
+                bail!(
+                    "{} {v} is larger than the largest cache file vdcache creates, 1 PiB ({MAX_CACHE_FILE_BYTES} bytes)",
+                    c.setting("size", "--cache-size")
+                );
+            }
         }
         for (what, example, addr) in [
             (
@@ -447,6 +495,7 @@ impl ServerConfig {
                 })?;
             }
         }
+        self.validate_plaintext_tcp()?;
         if self.server.socket.is_none()
             && self.server.tcp.is_none()
             && self.server.fuse.is_none()
@@ -486,6 +535,14 @@ impl ServerConfig {
             && !(t.is_finite() && (0.0..=86400.0).contains(&t))
         {
             bail!("[server] handshake_timeout must be 0 to 86400 seconds, not {t}");
+        }
+        if self
+            .storage
+            .allow_backing
+            .iter()
+            .any(|a| a.trim().is_empty())
+        {
+            bail!("[storage] allow_backing (--allow-backing) names an empty place");
         }
         if let Some(t) = self.storage.reconnect_delay
             && !(t.is_finite() && (0.0..=86400.0).contains(&t))
@@ -530,6 +587,26 @@ fn check_host_port(addr: &str) -> Result<()> {
 }
 
 impl ServerConfig {
+    /// TCP without TLS only when asked for by name: unlike the Unix
+    /// socket (mode 0600), any local user can reach a TCP port.
+    fn validate_plaintext_tcp(&self) -> Result<()> {
+        let l = &self.server;
+        match (&l.tcp, l.tls.is_some(), l.insecure_tcp) {
+            (Some(addr), false, false) => bail!(
+                "[server] tcp (--tcp) {addr} without TLS would let anyone who can reach it (every local user, for a loopback address) read and write the disks: require TLS ([server.tls], --tls-cert and --tls-key, or --tls-psk), or, if that is meant, say so with [server] insecure_tcp = true (--insecure-tcp)"
+            ),
+            (None, _, true) | (_, true, true) => bail!(
+                "[server] insecure_tcp (--insecure-tcp) is for a tcp address without TLS; this server has {}",
+                if l.tcp.is_none() {
+                    "no tcp address"
+                } else {
+                    "TLS"
+                }
+            ),
+            _ => Ok(()),
+        }
+    }
+
     /// Share settings need shares on, and make sense together.
     fn validate_shares(&self) -> Result<()> {
         if let Some(split) = self.cache.as_ref().and_then(|c| c.read_split)

@@ -5,6 +5,7 @@
 
 #[macro_use]
 mod output;
+mod backing_args;
 mod cmd_bench;
 mod cmd_check;
 mod cmd_convert;

@@ -2,6 +2,7 @@
 
 use crate::size::parse_size;
 use anyhow::{Result, bail};
+use vdcache::config::parse_meta_cache_size;
 use vdcache_image::MetaCacheConfig;
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -22,10 +23,10 @@ impl MetaCacheArgs {
     pub fn config(&self) -> Result<MetaCacheConfig> {
         let mut c = MetaCacheConfig::default();
         if let Some(s) = &self.l2_cache_size {
-            c.l2_bytes = parse_size(s)?;
+            c.l2_bytes = parse_meta_cache_size("--l2-cache-size", s)?;
         }
         if let Some(s) = &self.refcount_cache_size {
-            c.refcount_bytes = parse_size(s)?;
+            c.refcount_bytes = parse_meta_cache_size("--refcount-cache-size", s)?;
         }
         if let Some(s) = &self.slice_size {
             let v = parse_size(s)?;

@@ -69,7 +69,10 @@ fn failing_paths_say_each_cause_once_in_words() {
             &["serve", "--socket", &nodir_sock, &img_s],
             "cannot listen on",
         ),
-        case(&["serve", "--tcp", "192.0.2.1:1", &img_s], "192.0.2.1:1"),
+        case(
+            &["serve", "--tcp", "192.0.2.1:1", "--insecure-tcp", &img_s],
+            "192.0.2.1:1",
+        ),
         case(
             &[
                 "serve",

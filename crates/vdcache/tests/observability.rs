@@ -486,6 +486,16 @@ fn example_config_man_pages_and_completions() {
                 .expect("the example shows journal_size");
             edited[size] = &lines[size][2..];
         }
+        // TCP without TLS needs its insecurity said.
+        let insecure;
+        if key == "tcp" {
+            let at = lines
+                .iter()
+                .position(|l| l.starts_with("# insecure_tcp = "))
+                .expect("the example shows insecure_tcp");
+            insecure = lines[at][2..].replace("false", "true");
+            edited[at] = &insecure;
+        }
         // Share settings need shares on.
         let shares_on;
         if key.starts_with("share_") {

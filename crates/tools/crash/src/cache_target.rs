@@ -252,6 +252,7 @@ impl CrashTarget for CacheTarget {
             salvage: false,
             host: self.config.host.clone(),
             opener: files.clone(),
+            ..FullRecovery::default()
         };
         vdcache_host::recover_full(dev.clone(), CACHE_DEVICE, &recovery)
             .map_err(|e| vdcache_host::error::chain(&e))?;

@@ -10,6 +10,7 @@
 //! page-mapped FTL model. It must not re-implement any engine or cache
 //! behaviour: every figure it reports comes from the real code.
 
+mod blocks;
 mod files;
 mod ftl_device;
 pub mod meter;

@@ -5,7 +5,7 @@
 //! reads of blocks the replay never wrote are seeded first (`seed`).
 
 use crate::rig::{DiskLayout, Rig, RigConfig, RigError};
-use crate::scan::{TraceScan, scan_trace};
+use crate::scan::{TraceScan, beyond_bounds, refused, scan_trace};
 use crate::seed::{Seeder, stamp_block};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -203,7 +203,7 @@ pub fn replay_scanned(
     };
     let sizes: BTreeMap<u32, u64> = scan.disks.iter().map(|(&n, d)| (n, d.end)).collect();
     let mut rig = Rig::new(rig_config, &sizes)?;
-    let reader = open_trace(path, format)?;
+    let mut reader = open_trace(path, format)?;
     let format_name = reader.format().to_string();
     let started = Instant::now();
     let mut run = Run {
@@ -215,8 +215,13 @@ pub fn replay_scanned(
         done: 0,
         total: scan.records,
     });
-    for (i, rec) in reader.enumerate() {
+    let mut i = 0usize;
+    while let Some(rec) = reader.next() {
         let rec = rec?;
+        // The scan refused such a record; one here means the file changed.
+        if let Some(why) = beyond_bounds(&rec) {
+            return Err(refused(reader.line(), why).into());
+        }
         if let Some(every) = opts.snapshot_every_ns.filter(|&e| e > 0) {
             let due = *next_snapshot.get_or_insert(rec.time_ns.saturating_add(every));
             if rec.time_ns >= due {
@@ -232,6 +237,7 @@ pub fn replay_scanned(
                 total: scan.records,
             });
         }
+        i += 1;
     }
     progress(Progress {
         done: scan.records,

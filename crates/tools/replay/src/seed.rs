@@ -13,9 +13,11 @@
 //!
 //! Owns: which blocks are seeded and with what. Must not: seed a block the
 //! replay wrote or discarded (the disk's content is then the replay's), or
-//! count a seed as I/O. Memory: one bit per 4 KiB of each disk's address
-//! space, plus the seeded blocks in the stores.
+//! count a seed as I/O. Memory: one bit per 4 KiB block the replay set,
+//! in pages of 16 MiB of a disk (see `blocks`), plus the seeded blocks in
+//! the stores.
 
+use crate::blocks::BlockSet;
 use crate::rig::{Rig, RigError};
 use std::collections::BTreeMap;
 use vdcache_eval::TraceRecord;
@@ -34,7 +36,7 @@ pub(crate) fn stamp_block(block: &mut [u8], stamp: &[u8; 16]) {
 /// seeded).
 #[derive(Debug, Default)]
 pub(crate) struct Seeder {
-    known: BTreeMap<u32, Vec<u64>>,
+    known: BTreeMap<u32, BlockSet>,
     buf: Vec<u8>,
     /// Blocks seeded so far.
     pub seeded_blocks: u64,
@@ -43,15 +45,7 @@ pub(crate) struct Seeder {
 impl Seeder {
     /// Marks `block` of `disk` known; whether it was not before.
     fn learn(&mut self, disk: u32, block: u64) -> bool {
-        let bits = self.known.entry(disk).or_default();
-        let word = (block / 64) as usize;
-        if word >= bits.len() {
-            bits.resize(word + 1, 0);
-        }
-        let bit = 1u64 << (block % 64);
-        let new = bits[word] & bit == 0;
-        bits[word] |= bit;
-        new
+        self.known.entry(disk).or_default().insert(block)
     }
 
     /// The replay writes or discards `[offset, offset + len)` of `disk`.

@@ -28,6 +28,9 @@ pub struct Daemon {
     pub cache_path: Option<PathBuf>,
     pub disks: Vec<Disk>,
     pub keep_dirty: bool,
+    /// Journal device files this start created: removed again (dropped)
+    /// if the start fails, kept once it succeeds.
+    created_journals: Vec<vdcache_ownership::CreatedFile>,
 }
 
 /// Cache settings from a `[cache]` section.
@@ -285,6 +288,7 @@ impl Daemon {
             cache_path: cfg.cache.as_ref().map(|c| c.path.clone()),
             disks: Vec::new(),
             keep_dirty,
+            created_journals: Vec::new(),
         };
         if let Err(e) = daemon
             .open_exports(cfg)
@@ -298,7 +302,12 @@ impl Daemon {
             } else if let (true, Some(c)) = (created, &cfg.cache) {
                 vdcache_host::remove_created_cache(&c.path);
             }
+            // Journal files made for this start go with it.
+            daemon.created_journals.clear();
             return Err(e);
+        }
+        for made in daemon.created_journals.drain(..) {
+            made.keep();
         }
         if let Some(c) = &daemon.cache {
             warn_unserved_dirty(c, &daemon.disks);
@@ -312,15 +321,17 @@ impl Daemon {
             nbd: cfg.storage.nbd_options(),
         });
         // Journal devices come after every disk, so the disks keep their ids.
-        let journals: Vec<ExportConfig> = match &cfg.cache {
-            Some(c) => cfg
-                .exports
-                .iter()
-                .filter_map(|e| Some((e.journal_export(&c.path)?, e.journal_size.as_deref()?)))
-                .map(|(j, size)| create_journal_file(&j, size).map(|()| j))
-                .collect::<Result<_>>()?,
-            None => Vec::new(),
-        };
+        let mut journals: Vec<ExportConfig> = Vec::new();
+        if let Some(c) = &cfg.cache {
+            for e in &cfg.exports {
+                let (Some(j), Some(size)) = (e.journal_export(&c.path), e.journal_size.as_deref())
+                else {
+                    continue;
+                };
+                self.created_journals.extend(create_journal_file(&j, size)?);
+                journals.push(j);
+            }
+        }
         for (i, e) in cfg.exports.iter().chain(&journals).enumerate() {
             let id = DiskId(i as u32 + 1);
             let mut write_mode = None;
@@ -357,6 +368,7 @@ impl Daemon {
                     opener: opener.clone(),
                     metadata_journal: journal_mode(e, write_mode)?,
                     preallocate: preallocation(e, write_mode)?,
+                    allow_backing: cfg.storage.allow_backing.clone(),
                     ..OpenOptions::default()
                 },
             )
@@ -610,15 +622,19 @@ fn log_opened(c: &CacheSection, cache: &FlashCache, created: bool) {
 
 /// Creates the file behind a journal device, zero-filled, unless it
 /// exists already with the configured size (an NBD export must exist:
-/// its size is checked once it is open).
-fn create_journal_file(j: &ExportConfig, size: &str) -> Result<()> {
+/// its size is checked once it is open). Returns the file made now,
+/// removed when dropped unless kept.
+fn create_journal_file(
+    j: &ExportConfig,
+    size: &str,
+) -> Result<Option<vdcache_ownership::CreatedFile>> {
     if vdcache_backend::is_nbd_uri(&j.image) {
-        return Ok(());
+        return Ok(None);
     }
     let bytes = parse_size(size).with_context(|| format!("export '{}': journal_size", j.name))?;
     let path = std::path::Path::new(&j.image);
     match std::fs::metadata(path) {
-        Ok(m) if m.len() == bytes => Ok(()),
+        Ok(m) if m.len() == bytes => Ok(None),
         Ok(m) => anyhow::bail!(
             "export '{}': {} holds {} bytes, not journal_size {size} (remove it to start an empty journal)",
             j.name,
@@ -637,8 +653,7 @@ fn create_journal_file(j: &ExportConfig, size: &str) -> Result<()> {
                     path.display()
                 )
             })?;
-            created.keep();
-            Ok(())
+            Ok(Some(created))
         }
         Err(e) => Err(e).with_context(|| format!("export '{}': {}", j.name, path.display())),
     }

@@ -7,7 +7,8 @@
 //! the only state of this module's own, fed by the exports.
 //!
 //! Must not: change anything it reports, or let an HTTP client hold the
-//! server up (bounded request, timeouts, a few clients at a time).
+//! server or a scrape up (a bounded request, one deadline for a client's
+//! whole exchange, a few clients at a time with the oldest giving way).
 
 use super::daemon::Daemon;
 use anyhow::{Context, Result};
@@ -21,10 +22,10 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use vdcache_nbd_server::Server;
 
 /// Labels of a latency histogram: the export and the NBD command.
@@ -516,10 +517,15 @@ pub fn registry(daemon: Arc<Daemon>, server: Arc<Server>) -> Registry {
     reg
 }
 
-/// Most HTTP clients served at once; more wait in the listen queue.
-const MAX_CLIENTS: usize = 4;
+/// Most HTTP clients served at once; a newcomer beyond them closes the
+/// oldest (see [`Clients`]).
+const MAX_CLIENTS: usize = 16;
 /// Most bytes of an HTTP request read.
-const MAX_REQUEST: u64 = 8 * 1024;
+const MAX_REQUEST: usize = 8 * 1024;
+/// Time a client has for its whole exchange, from its connection to the
+/// last byte of the reply: a client that trickles its request a byte at a
+/// time is closed at this deadline, however often it sends.
+const CLIENT_DEADLINE: Duration = Duration::from_secs(5);
 
 /// A listening metrics endpoint and its thread.
 pub struct MetricsServer {
@@ -558,25 +564,60 @@ impl Drop for MetricsServer {
     }
 }
 
+/// The clients being served, oldest first. A newcomer that finds every
+/// slot taken closes the oldest: a scrape takes milliseconds, so whoever
+/// holds a slot longest is the slowest, and a few slow clients cannot keep
+/// the scrapes out (only a flood of newer connections can close a scrape,
+/// and it closes its own older ones first).
+#[derive(Default)]
+struct Clients {
+    next_id: u64,
+    /// Each client's id and a handle on its socket (to close it).
+    live: Vec<(u64, TcpStream)>,
+}
+
+impl Clients {
+    /// Admits a client, closing the oldest if every slot is taken; its id,
+    /// or `None` when its socket cannot be kept.
+    fn admit(&mut self, stream: &TcpStream) -> Option<u64> {
+        let handle = stream.try_clone().ok()?;
+        if self.live.len() >= MAX_CLIENTS {
+            let (_, oldest) = self.live.remove(0);
+            let _ = oldest.shutdown(std::net::Shutdown::Both);
+        }
+        self.next_id += 1;
+        self.live.push((self.next_id, handle));
+        Some(self.next_id)
+    }
+
+    /// A client is done (or was closed to make room).
+    fn leave(&mut self, id: u64) {
+        self.live.retain(|(i, _)| *i != id);
+    }
+}
+
+/// The client list (one left by a panicking holder is still a list).
+fn locked(c: &Mutex<Clients>) -> std::sync::MutexGuard<'_, Clients> {
+    c.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn accept(listener: TcpListener, registry: Arc<Registry>, stop: Arc<AtomicBool>) {
-    let busy = Arc::new(AtomicUsize::new(0));
+    let clients = Arc::new(Mutex::new(Clients::default()));
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, _)) => {
-                if busy.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
-                    busy.fetch_sub(1, Ordering::SeqCst);
-                    drop(stream);
+                let Some(id) = locked(&clients).admit(&stream) else {
                     continue;
-                }
-                let (reg, b) = (registry.clone(), busy.clone());
+                };
+                let (reg, c) = (registry.clone(), clients.clone());
                 let spawned = std::thread::Builder::new()
                     .name("vdcache-metrics-client".into())
                     .spawn(move || {
-                        answer(stream, &reg);
-                        b.fetch_sub(1, Ordering::SeqCst);
+                        answer(&stream, &reg, Instant::now() + CLIENT_DEADLINE);
+                        locked(&c).leave(id);
                     });
                 if spawned.is_err() {
-                    busy.fetch_sub(1, Ordering::SeqCst);
+                    locked(&clients).leave(id);
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -590,27 +631,55 @@ fn accept(listener: TcpListener, registry: Arc<Registry>, stop: Arc<AtomicBool>)
     }
 }
 
-/// Answers one HTTP/1.x request and closes the connection.
-fn answer(stream: TcpStream, registry: &Registry) {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-    // The request head only: a line at a time, bounded.
-    let mut head = String::new();
-    let mut reader = std::io::BufReader::new((&stream).take(MAX_REQUEST));
-    loop {
-        let mut line = String::new();
-        match std::io::BufRead::read_line(&mut reader, &mut line) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {
-                let end = line.trim().is_empty();
-                head.push_str(&line);
-                if end {
-                    break;
-                }
-            }
+/// The time left before `deadline`; `None` once it passed.
+fn left(deadline: Instant) -> Option<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+}
+
+/// Reads a request head (up to its blank line, the end of the stream or
+/// [`MAX_REQUEST`] bytes) before `deadline`; `None` when the deadline
+/// passes first or the socket fails.
+fn read_head(stream: &TcpStream, deadline: Instant) -> Option<String> {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while head.len() < MAX_REQUEST {
+        stream.set_read_timeout(Some(left(deadline)?)).ok()?;
+        let n = (&*stream).read(&mut buf).ok()?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+        if head.windows(2).any(|w| w == b"\n\n") || head.windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
         }
     }
+    Some(String::from_utf8_lossy(&head).into_owned())
+}
+
+/// Writes all of `bytes` before `deadline` (a reader too slow to take
+/// them is given up on).
+fn write_by(stream: &TcpStream, mut bytes: &[u8], deadline: Instant) {
+    while !bytes.is_empty() {
+        let Some(t) = left(deadline) else { return };
+        if stream.set_write_timeout(Some(t)).is_err() {
+            return;
+        }
+        match (&*stream).write(bytes) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => bytes = &bytes[n..],
+        }
+    }
+}
+
+/// Answers one HTTP/1.x request and closes the connection, all before
+/// `deadline`.
+fn answer(stream: &TcpStream, registry: &Registry, deadline: Instant) {
+    let _ = stream.set_nonblocking(false);
+    let Some(head) = read_head(stream, deadline) else {
+        return;
+    };
     let mut first = head.lines().next().unwrap_or("").split_whitespace();
     let (method, path) = (first.next().unwrap_or(""), first.next().unwrap_or(""));
     let path = path.split('?').next().unwrap_or("");
@@ -641,5 +710,5 @@ fn answer(stream: TcpStream, registry: &Registry) {
         "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    let _ = (&stream).write_all(reply.as_bytes());
+    write_by(stream, reply.as_bytes(), deadline);
 }

@@ -1,7 +1,8 @@
 //! Every check that can refuse `vdcache serve`, run before anything is
 //! created, bound or written (invariant 11): each socket path is free or a
 //! stale socket, no two paths of the configuration name one file, every
-//! image can be locked the way its export needs, and the cache is none of
+//! image can be locked the way its export needs, every chain reaches only
+//! where the operator allows (`--allow-backing`), and the cache is none of
 //! the files of a served chain.
 //!
 //! Must not: create, remove, lock for longer than a probe, or write
@@ -59,16 +60,16 @@ pub fn check(cfg: &ServerConfig) -> Result<()> {
     for e in cfg.exports.iter().filter(|e| !is_nbd_uri(&e.image)) {
         probe_lock(&e.image, e.read_only).with_context(|| export_label(&e.name))?;
     }
-    if let Some(c) = &cfg.cache
-        && let Some(cache) = identity(&c.path)
-    {
-        let opener: Arc<dyn StoreOpener> = Arc::new(Stores {
-            nbd: cfg.storage.nbd_options(),
-        });
-        for e in cfg.exports.iter().filter(|e| !is_nbd_uri(&e.image)) {
-            refuse_cache_in_chain(&c.path, cache, e, &opener)
-                .with_context(|| export_label(&e.name))?;
-        }
+    let cache = cfg
+        .cache
+        .as_ref()
+        .and_then(|c| Some((c.path.as_path(), identity(&c.path)?)));
+    let opener: Arc<dyn StoreOpener> = Arc::new(Stores {
+        nbd: cfg.storage.nbd_options(),
+    });
+    for e in cfg.exports.iter().filter(|e| !is_nbd_uri(&e.image)) {
+        check_chain(e, cache, &cfg.storage.allow_backing, &opener)
+            .with_context(|| export_label(&e.name))?;
     }
     Ok(())
 }
@@ -116,12 +117,15 @@ fn probe_lock(image: &str, read_only: bool) -> Result<()> {
     Ok(())
 }
 
-/// Refuses a cache that is a file of the chain of `image` (its top or any
-/// backing file): formatting it would destroy the disk.
-fn refuse_cache_in_chain(
-    cache: &Path,
-    cache_id: (u64, u64),
+/// Opens the chain of an export's image (only its headers are read):
+/// refuses a chain that reaches outside where the operator allows, and a
+/// cache (`cache`: its path and identity, if it exists) that is a file of
+/// the chain (its top or any backing file): formatting it would destroy
+/// the disk.
+fn check_chain(
     export: &ExportConfig,
+    cache: Option<(&Path, (u64, u64))>,
+    allow_backing: &[String],
     opener: &Arc<dyn StoreOpener>,
 ) -> Result<()> {
     let disk = open_chain(
@@ -132,9 +136,13 @@ fn refuse_cache_in_chain(
             inspect: true,
             format: export.format.as_deref().and_then(ImageFormat::parse),
             opener: opener.clone(),
+            allow_backing: allow_backing.to_vec(),
             ..OpenOptions::default()
         },
     )?;
+    let Some((cache, cache_id)) = cache else {
+        return Ok(());
+    };
     for layer in disk.layers() {
         if identity(Path::new(layer.name())) == Some(cache_id) {
             bail!(

@@ -583,7 +583,24 @@ fn listen_nbd(cfg: &ServerConfig, server: &Server, access: &SocketAccess) -> Res
         let bound = server.listen_tcp(addr.as_str()).map_err(|e| {
             anyhow::anyhow!("{e} (give an address of this host whose port is free)")
         })?;
-        tracing::info!("listening on tcp {bound}");
+        if cfg.server.tls.is_some() {
+            tracing::info!("listening on tcp {bound} (TLS required)");
+        } else {
+            // Only with insecure_tcp: validation refuses it otherwise.
+            tracing::warn!(
+                "listening on tcp {bound} without TLS, as --insecure-tcp ([server] insecure_tcp) asks: anyone who can reach this address{} can read and write every export{}",
+                if bound.ip().is_loopback() {
+                    ", every local user included,"
+                } else {
+                    ""
+                },
+                if bound.ip().is_loopback() {
+                    ""
+                } else {
+                    ", and the data crosses the network in plaintext"
+                }
+            );
+        }
     }
     Ok(())
 }

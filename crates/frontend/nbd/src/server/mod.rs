@@ -843,6 +843,9 @@ impl Server {
     }
 
     /// Listens on TCP; returns the bound address (useful with port 0).
+    /// Without TLS anyone who can reach the address can read and write the
+    /// exports: whether that is acceptable, and saying so in the log, is
+    /// the caller's (`vdcache serve` refuses it unless told it is meant).
     pub fn listen_tcp(&self, addr: impl ToSocketAddrs) -> Result<SocketAddr, ServerError> {
         if self.inner.stopping.load(Ordering::SeqCst) {
             return Err(ServerError::ShuttingDown);
@@ -856,13 +859,6 @@ impl Server {
         let local = listener.local_addr()?;
         self.start_listener(ListenerSocket::Tcp(listener), None)?;
         info!("nbd: listening on tcp {local}");
-        if self.inner.tls.is_none() && !local.ip().is_loopback() {
-            warn!(
-                "nbd: listening on {local} without TLS: anyone who can reach this address \
-                 can read and write the exports, and the data crosses the network in \
-                 plaintext; configure TLS or listen on a loopback address"
-            );
-        }
         Ok(local)
     }
 

@@ -124,6 +124,19 @@ pub trait LineParser {
     }
 }
 
+/// Records, each from a known line.
+pub trait Records: Iterator<Item = Result<TraceRecord, TraceError>> + Send {
+    /// 1-based number of the line the item last returned came from (a
+    /// line that yields several records gives each its number).
+    fn line(&self) -> u64;
+}
+
+impl<R: BufRead + Send, P: LineParser + Send> Records for LineReader<R, P> {
+    fn line(&self) -> u64 {
+        self.src.line_no()
+    }
+}
+
 /// A streaming trace reader: lines from `R`, meaning from `P`.
 ///
 /// Yields one item per record or per bad line; a bad line is reported as

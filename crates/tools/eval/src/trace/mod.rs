@@ -30,7 +30,7 @@ use std::io::{self, BufRead, BufReader, Cursor, Read, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-pub use line::{LineParser, LineReader, MAX_LINE_BYTES};
+pub use line::{LineParser, LineReader, MAX_LINE_BYTES, Records};
 
 /// Size of one content-addressed block: FIU digests and [`TraceRecord::content`]
 /// are per 4 KiB.
@@ -375,13 +375,18 @@ const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 /// An open trace: an iterator of records in file order.
 pub struct TraceReader {
     format: Format,
-    inner: Box<dyn Iterator<Item = Result<TraceRecord, TraceError>> + Send>,
+    inner: Box<dyn Records>,
 }
 
 impl TraceReader {
     /// The format being read (detected or given).
     pub fn format(&self) -> Format {
         self.format
+    }
+
+    /// 1-based number of the line the record last returned came from.
+    pub fn line(&self) -> u64 {
+        self.inner.line()
     }
 }
 
@@ -486,7 +491,7 @@ pub fn read_trace(
             fmt
         }
     };
-    let inner: Box<dyn Iterator<Item = Result<TraceRecord, TraceError>> + Send> = match format {
+    let inner: Box<dyn Records> = match format {
         Format::Msr => Box::new(msr::MsrReader::new(input)),
         Format::Fiu => Box::new(fiu::FiuReader::new(input)),
         Format::Blkparse(a) => Box::new(blkparse::BlkparseReader::new(input, a)),
