@@ -203,12 +203,9 @@ fn a_flush_trusted_after_a_failed_journal_write_is_caught() {
     assert!(
         full_device_sweeps(&c, 40) > 0,
         "forgetting a failed journal batch's entries must produce violations"
-/// Issue 43: damaged cache metadata. In process-crash states of a
-/// write-back run, each metadata structure of the cache device is damaged
-/// in turn (superblock and copy, seal, checkpoint headers and payloads,
-/// the first, middle and last journal batch, the data blocks they name,
-/// the whole journal): recovery refuses the device naming the damage, or
-/// every flushed sector reads back exactly (never stale).
+    );
+}
+
 /// A write-back cache whose checkpoints land every `interval` bytes of
 /// journal: after a restart, the checkpoint written at the open stays the
 /// newest (two epochs past the one before) until then.
@@ -218,6 +215,12 @@ fn damage_target(label: &str, interval: u64) -> CacheTarget {
     target(label, c)
 }
 
+/// Issue 43: damaged cache metadata. In process-crash states of a
+/// write-back run, each metadata structure of the cache device is damaged
+/// in turn (superblock and copy, seal, checkpoint headers and payloads,
+/// the first, middle and last journal batch, the data blocks they name,
+/// the whole journal): recovery refuses the device naming the damage, or
+/// every flushed sector reads back exactly (never stale).
 #[test]
 fn damaged_metadata_is_refused_or_reads_exactly() {
     let t = damage_target("damage", 256 << 10);
