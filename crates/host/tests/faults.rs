@@ -482,6 +482,7 @@ fn a_salvage_that_lost_an_image_name_fails_saying_what_still_needs_the_cache() {
         salvage: true,
         host: Some("test-host".into()),
         opener: files,
+        allow_backing: Vec::new(),
     };
     let e = vdcache_host::recover_full(dev, "cache", &how).expect_err("a lost name was ignored");
     assert!(
