@@ -15,6 +15,7 @@ use crate::inflight::{InOrder, Job, Pool};
 use crate::request::{self, BlockDevice, Kind, MAX_SEGMENTS, SECTOR};
 use crate::ring::{self, RingFault, Stops};
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -120,6 +121,9 @@ pub struct Device {
     /// The connection is ending: queue loops return to their thread's
     /// event loop (which ends it) even while the guest keeps posting.
     closing: AtomicBool,
+    /// The exit events' consumer ends handed to the library, which never
+    /// closes them (see `exit_event`).
+    exit_consumers: Mutex<Vec<RawFd>>,
     /// The current connection's workers (started by its first request).
     pool: Mutex<Option<Pool>>,
 }
@@ -151,6 +155,7 @@ impl Device {
             failures: FailureLog::default(),
             workers_per_queue: workers_per_queue.max(1),
             closing: AtomicBool::new(false),
+            exit_consumers: Mutex::new(Vec::new()),
             pool: Mutex::new(None),
         }
     }
@@ -167,6 +172,29 @@ impl Device {
     /// another request, so that its thread can be joined.
     pub fn end_connection(&self) {
         self.closing.store(true, Ordering::SeqCst);
+    }
+
+    /// Closes the exit events handed to the library for a daemon that is
+    /// gone: each connection would leak one per queue thread otherwise,
+    /// until vdcache could open no file at all.
+    pub fn close_exit_events(&self) {
+        let fds = std::mem::take(
+            &mut *self
+                .exit_consumers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for fd in fds {
+            // SAFETY: `fd` is the consumer end of an eventfd `exit_event`
+            // made and gave to vhost-user-backend 0.24 (pinned in
+            // Cargo.toml), whose VringEpollHandler::new takes it with
+            // `into_raw_fd()`, adds it to the handler's epoll and never
+            // closes it. The caller has dropped the daemon those handlers
+            // belonged to, after its connection thread ended: the
+            // handlers' threads are joined and their epolls closed, so no
+            // one holds the fd, and this is its one close.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
     }
 
     fn closing(&self) -> bool {
@@ -396,9 +424,18 @@ impl VhostUserBackend for Backend {
         (0..self.0.queues).map(|q| 1u64 << q).collect()
     }
 
+    /// The library keeps the notifier (and closes it) but leaks the
+    /// consumer: its fd is noted here and closed by `close_exit_events`.
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         match new_event_consumer_and_notifier(EventFlag::NONBLOCK) {
-            Ok(pair) => Some(pair),
+            Ok(pair) => {
+                self.0
+                    .exit_consumers
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(pair.0.as_raw_fd());
+                Some(pair)
+            }
             Err(e) => {
                 tracing::error!("vhost-user-blk: cannot make an exit event: {e}");
                 None

@@ -13,8 +13,9 @@
 //!   attaches them and kicks in between; then the server is stopped as a
 //!   SIGTERM stops it.
 //!
-//! Owns: the in-memory disk, both input layouts and [`RingBuilder`], a
-//! driver's view for writing inputs. Must not: parse a request or a
+//! Owns: the in-memory disk, both input layouts, [`RingBuilder`] (a
+//! driver's view for writing inputs) and [`ConnectionInput::negotiated`]
+//! (a front end's). Must not: parse a request or a
 //! message itself (a copy of a parser would be fuzzed instead of the
 //! parser), or panic on any input.
 
@@ -413,6 +414,64 @@ impl ConnectionInput {
             });
         }
         out
+    }
+}
+
+fn le32(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn le64(v: &[u64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Where [`ConnectionInput::negotiated`]'s front end says guest memory is
+/// mapped in its own address space.
+pub const FRONT_END_BASE: u64 = 0x7f00_0000_0000;
+
+impl ConnectionInput {
+    /// A connection that negotiates as QEMU does, starts queue 0 on
+    /// `ring`'s layout (guest memory is `ring`'s) and queue 1 on empty
+    /// rings 32 KiB further, kicks queue 0, and stops it.
+    pub fn negotiated(ring: &RingBuilder) -> ConnectionInput {
+        let send = Message::send;
+        // VERSION_1, PROTOCOL_FEATURES, EVENT_IDX, INDIRECT_DESC,
+        // WRITE_ZEROES, DISCARD, MQ, FLUSH.
+        let features: u64 = [32, 30, 29, 28, 14, 13, 12, 9]
+            .iter()
+            .map(|b| 1u64 << b)
+            .sum();
+        let region = le64(&[0, MEMORY_FILE, FRONT_END_BASE, 0]);
+        let mut m = vec![
+            send(3, &[]),
+            send(1, &[]),
+            send(2, &le64(&[features])),
+            send(15, &[]),
+            // CONFIG and MQ.
+            send(16, &le64(&[(1 << 9) | 1])),
+            send(SET_MEM_TABLE, &[le32(&[1, 0]), region].concat()),
+            send(24, &[le32(&[0, 60, 0]), vec![0; 60]].concat()),
+        ];
+        let input = &ring.input;
+        for q in 0..QUEUES as u32 {
+            let size = 1u32 << input.size_log2;
+            let at = |a: u32| FRONT_END_BASE + u64::from(a + 0x8000 * q);
+            m.push(send(8, &le32(&[q, size])));
+            let addrs = le64(&[at(input.desc), at(input.used), at(input.avail), 0]);
+            m.push(send(9, &[le32(&[q, 0]), addrs].concat()));
+            m.push(send(10, &le32(&[q, 0])));
+            m.push(send(SET_VRING_CALL, &le64(&[u64::from(q)])));
+            m.push(send(SET_VRING_KICK, &le64(&[u64::from(q)])));
+            m.push(send(18, &le32(&[q, 1])));
+        }
+        m.push(Message::Kick(0));
+        // Round trips while the queue thread serves the kick.
+        m.extend([send(1, &[]), send(15, &[]), send(1, &[])]);
+        m.push(send(11, &le32(&[0, 0])));
+        ConnectionInput {
+            memory: input.memory.clone(),
+            messages: m,
+        }
     }
 }
 

@@ -299,53 +299,63 @@ fn serve_connections(
     };
     loop {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-        let mut daemon =
-            match VhostUserDaemon::new(format!("vdcache-vub-{label}"), backend.clone(), mem) {
-                Ok(d) => d,
-                Err(e) => {
-                    tracing::error!("vhost-user-blk {label}: cannot start a device: {e}");
-                    return;
-                }
-            };
-        backend.0.start_connection();
-        if let Err(e) = daemon.start(&mut listener) {
-            if stop.load(Ordering::SeqCst) {
-                return;
+        let daemon = VhostUserDaemon::new(format!("vdcache-vub-{label}"), backend.clone(), mem);
+        let go_on = match daemon {
+            Ok(mut daemon) => {
+                backend.0.start_connection();
+                let go_on = serve_one(&mut daemon, &mut listener, label, stop, connection);
+                // A guest that keeps posting must not keep its queue's
+                // thread from the exit event dropping the daemon sends.
+                backend.0.end_connection();
+                drop(daemon);
+                go_on
             }
-            tracing::error!("vhost-user-blk {label}: accepting a connection: {e}");
-            return;
-        }
-        if stop.load(Ordering::SeqCst) {
-            daemon.request_shutdown();
-            backend.0.end_connection();
-            drop(daemon);
-            backend.0.finish_requests();
-            return;
-        }
-        *connection.lock().unwrap_or_else(PoisonError::into_inner) = daemon.shutdown_handle();
-        // The stop may have come between the check and the handle.
-        if stop.load(Ordering::SeqCst) {
-            daemon.request_shutdown();
-        }
-        tracing::info!("vhost-user-blk {label}: a front end connected");
-        match daemon.wait() {
-            Ok(())
-            | Err(vhost_user_backend::Error::HandleRequest(
-                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
-            )) => tracing::info!("vhost-user-blk {label}: the front end disconnected"),
-            Err(e) => tracing::warn!("vhost-user-blk {label}: connection ended: {e}"),
-        }
-        connection
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        // A guest that keeps posting must not keep its queue's thread
-        // from the exit event dropping the daemon sends.
-        backend.0.end_connection();
-        drop(daemon);
+            Err(e) => {
+                tracing::error!("vhost-user-blk {label}: cannot start a device: {e}");
+                false
+            }
+        };
         backend.0.finish_requests();
-        if stop.load(Ordering::SeqCst) {
+        backend.0.close_exit_events();
+        if !go_on {
             return;
         }
     }
+}
+
+/// Serves one connection on `daemon`, and waits until its connection
+/// thread ended; false when no other connection may follow (a stop, or
+/// the listening socket failed).
+fn serve_one(
+    daemon: &mut VhostUserDaemon<Backend>,
+    listener: &mut Listener,
+    label: &str,
+    stop: &AtomicBool,
+    connection: &Mutex<Option<ShutdownHandle>>,
+) -> bool {
+    if let Err(e) = daemon.start(listener) {
+        if !stop.load(Ordering::SeqCst) {
+            tracing::error!("vhost-user-blk {label}: accepting a connection: {e}");
+        }
+        return false;
+    }
+    *connection.lock().unwrap_or_else(PoisonError::into_inner) = daemon.shutdown_handle();
+    // The stop may have come before the handle was there.
+    if stop.load(Ordering::SeqCst) {
+        daemon.request_shutdown();
+    } else {
+        tracing::info!("vhost-user-blk {label}: a front end connected");
+    }
+    match daemon.wait() {
+        Ok(())
+        | Err(vhost_user_backend::Error::HandleRequest(
+            vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+        )) => tracing::info!("vhost-user-blk {label}: the front end disconnected"),
+        Err(e) => tracing::warn!("vhost-user-blk {label}: connection ended: {e}"),
+    }
+    connection
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    !stop.load(Ordering::SeqCst)
 }

@@ -8,7 +8,7 @@
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 use vdcache_vhost_user_blk::fuzzing::{
-    ConnectionInput, Data, Desc, Message, Op, QUEUES, RingBuilder, exercise,
+    ConnectionInput, Data, Desc, Message, Op, RingBuilder, exercise,
 };
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
@@ -110,71 +110,14 @@ fn queue_seeds() -> Vec<(String, RingBuilder)> {
     out
 }
 
-fn u32s(v: &[u32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn u64s(v: &[u64]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Where the front end of a connection seed says guest memory is mapped.
-const FRONT_END_BASE: u64 = 0x7f00_0000_0000;
-
-/// A connection that negotiates as QEMU does, starts queue 0 on `ring`'s
-/// layout (guest memory is `ring`'s) and queue 1 on empty rings 32 KiB
-/// further, kicks queue 0, and stops it.
-fn connection(ring: &RingBuilder) -> ConnectionInput {
-    let send = Message::send;
-    // VERSION_1, PROTOCOL_FEATURES, EVENT_IDX, INDIRECT_DESC,
-    // WRITE_ZEROES, DISCARD, MQ, FLUSH.
-    let features: u64 = [32, 30, 29, 28, 14, 13, 12, 9]
-        .iter()
-        .map(|b| 1u64 << b)
-        .sum();
-    let mut m = vec![
-        send(3, &[]),
-        send(1, &[]),
-        send(2, &u64s(&[features])),
-        send(15, &[]),
-        // CONFIG and MQ.
-        send(16, &u64s(&[(1 << 9) | 1])),
-        send(
-            5,
-            &[u32s(&[1, 0]), u64s(&[0, 0x1_0000, FRONT_END_BASE, 0])].concat(),
-        ),
-        send(24, &[u32s(&[0, 60, 0]), vec![0; 60]].concat()),
-    ];
-    let input = &ring.input;
-    for q in 0..QUEUES as u32 {
-        let size = 1u32 << input.size_log2;
-        let at = |a: u32| FRONT_END_BASE + u64::from(a + 0x8000 * q);
-        m.push(send(8, &u32s(&[q, size])));
-        let addrs = u64s(&[at(input.desc), at(input.used), at(input.avail), 0]);
-        m.push(send(9, &[u32s(&[q, 0]), addrs].concat()));
-        m.push(send(10, &u32s(&[q, 0])));
-        m.push(send(13, &u64s(&[u64::from(q)])));
-        m.push(send(12, &u64s(&[u64::from(q)])));
-        m.push(send(18, &u32s(&[q, 1])));
-    }
-    m.push(Message::Kick(0));
-    // Round trips while the queue thread serves the kick.
-    m.extend([send(1, &[]), send(15, &[]), send(1, &[])]);
-    m.push(send(11, &u32s(&[0, 0])));
-    ConnectionInput {
-        memory: input.memory.clone(),
-        messages: m,
-    }
-}
-
 fn connection_seeds() -> Vec<(String, ConnectionInput)> {
     let mut b = RingBuilder::new(3, true);
     let f = b.free();
     b.request(f, VIRTIO_BLK_T_OUT, 1, Data::Out(&[0x5a; 512]));
     b.request(f + 0x240, VIRTIO_BLK_T_IN, 1, Data::In(512));
-    let good = connection(&b);
+    let good = ConnectionInput::negotiated(&b);
     b.set_avail_idx(40000);
-    let broken = connection(&b);
+    let broken = ConnectionInput::negotiated(&b);
     let mut garbage = good.clone();
     garbage.messages.insert(
         3,
