@@ -200,7 +200,7 @@ fn check_points(target: &CacheTarget, prep: &Prepared, points: &[u64]) -> Vec<Ch
 /// `points` crash points in a seeded order, sorted for the replayer.
 fn choose_points(log_len: u64, points: usize, cfg: &RunConfig) -> Vec<u64> {
     let mut all: Vec<u64> = (0..=log_len).collect();
-    let mut rng = Rng::seed_from_u64(cfg.state_seed ^ mix(cfg.workload.seed ^ 0xda3a_9e));
+    let mut rng = Rng::seed_from_u64(cfg.state_seed ^ mix(cfg.workload.seed ^ 0x00da_3a9e));
     for i in (1..all.len()).rev() {
         let j = rng.below(i as u64 + 1) as usize;
         all.swap(i, j);
