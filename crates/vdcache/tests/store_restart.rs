@@ -81,7 +81,10 @@ fn restarts_lose_nothing(mode: &str, args: impl Fn(&Scratch) -> Vec<String>) {
     let vsock = s.path("vd.sock");
     let image = uri(&ksock, "");
     let extra = args(&s);
-    let mut serve_args = vec![image.as_str()];
+    // The base lives on a server of its own, which the chain may reach
+    // only when allowed.
+    let base_server = uri(&bsock, "");
+    let mut serve_args = vec![image.as_str(), "--allow-backing", base_server.as_str()];
     serve_args.extend(extra.iter().map(String::as_str));
     let server = serve(&s, &vsock, &serve_args);
 
