@@ -23,19 +23,12 @@ const IMAGE: u64 = 8 << 20;
 const DEVICE: usize = 32 << 20;
 const NAME: &str = "vm/disk.raw";
 
+/// Nothing is written back (flash alone holds what was written), and no
+/// background threads: every device write comes from the test's calls.
 fn config(mode: WriteMode) -> CacheConfig {
     CacheConfig {
-        host: Some("test-host".into()),
         inline_background: true,
-        // Nothing is written back: flash alone holds what was written.
-        high_watermark: 1.0,
-        low_watermark: 1.0,
-        default_policy: vdcache_cache::DiskPolicy {
-            mode,
-            sequential_write_cutoff: 0,
-            ..vdcache_cache::DiskPolicy::default()
-        },
-        ..CacheConfig::default()
+        ..common::drain_only_config(mode)
     }
 }
 
