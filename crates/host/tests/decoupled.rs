@@ -6,8 +6,8 @@
 //! filling copies exactly the bytes the guest never wrote, and the image
 //! left behind is standalone and checks clean.
 
+use crate::common;
 use std::collections::BTreeSet;
-mod common;
 
 use std::path::Path;
 use std::sync::Arc;

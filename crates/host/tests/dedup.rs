@@ -6,7 +6,7 @@
 //! and with a hasher made to collide, verify mode never serves another
 //! block's bytes (while trusting the hash does).
 
-mod common;
+use crate::common;
 
 use common::{cache_on, disk_as, drain_only_config};
 use std::sync::Arc;

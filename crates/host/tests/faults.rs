@@ -7,7 +7,7 @@
 //! its reads and never written back), and nothing flushed is silently
 //! lost or served stale.
 
-mod common;
+use crate::common;
 
 use common::disk_through;
 use std::sync::Arc;

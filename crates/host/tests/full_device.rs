@@ -7,7 +7,7 @@
 //! data flash does not hold come from the image: a cache that cannot
 //! admit a copy must not fail the read.
 
-mod common;
+use crate::common;
 
 use common::disk_through;
 use std::io;

@@ -5,7 +5,7 @@
 //! of memory. A fixed part sized by the device (under 0.01% of it) is held
 //! however little is cached; the 0.25% is of what the rest costs.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use vdcache_backend::MemBackend;

@@ -5,7 +5,7 @@
 //! flash write. Counted exactly: flash bytes, shared blocks, what the
 //! stores hold, through write-back, a crash and reclaim.
 
-mod common;
+use crate::common;
 
 use common::{cache_on, disk_as, drain_only_config};
 use std::sync::Arc;

@@ -9,7 +9,7 @@
 //! in flight, whose tables a whole-table cache evicts from under each
 //! other; the benchmark measures it, a sequential test cannot.)
 
-mod common;
+use crate::common;
 
 use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;

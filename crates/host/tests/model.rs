@@ -3,7 +3,7 @@
 //! recover the cache from its device (fast recovery) or write everything
 //! back first (full recovery).
 
-mod common;
+use crate::common;
 
 use proptest::prelude::*;
 use std::path::Path;

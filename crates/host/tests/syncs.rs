@@ -7,7 +7,7 @@
 //! replay needs. A guest flush syncs outside the cache's lock, and flushes
 //! arriving during its sync share the next one.
 
-mod common;
+use crate::common;
 
 use common::{GatedFiles, Held, disk_through};
 use rand::{RngExt, SeedableRng};

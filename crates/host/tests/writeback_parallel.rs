@@ -2,7 +2,7 @@
 //! (issue 25): draining scattered dirty blocks of a slow store sends them
 //! concurrently, and a run of adjacent blocks goes as one request.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -13,7 +13,7 @@
 //! held that way, or pinned by the thread's batch), a write over a dirty
 //! block waits for room instead of failing with an I/O error.
 
-mod common;
+use crate::common;
 
 use common::{GatedFiles, Held, disk_through};
 use std::sync::Arc;

@@ -18,7 +18,7 @@ mod socket;
 
 pub use dir::OwnedDir;
 pub use output::Output;
-pub use socket::{OwnedSocket, check_socket_path};
+pub use socket::{OwnedSocket, SocketAccess, check_socket_path};
 
 use std::fs::FileType;
 use std::os::unix::fs::FileTypeExt;

@@ -55,6 +55,41 @@ pub fn check_socket_path(path: &Path) -> Result<()> {
     inspect(path).map(|_| ())
 }
 
+/// Who may connect to a socket vdcache binds: its mode, and the user and
+/// group it is given (`None`: this process's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketAccess {
+    pub mode: u32,
+    pub owner: Option<u32>,
+    pub group: Option<u32>,
+}
+
+impl Default for SocketAccess {
+    /// Mode 0600, this process's user and group.
+    fn default() -> Self {
+        SocketAccess {
+            mode: 0o600,
+            owner: None,
+            group: None,
+        }
+    }
+}
+
+impl SocketAccess {
+    /// Gives the socket bound at `tmp` (to appear at `path`) its owner,
+    /// group, then mode.
+    fn apply(&self, tmp: &Path, path: &Path) -> Result<()> {
+        if self.owner.is_some() || self.group.is_some() {
+            std::os::unix::fs::chown(tmp, self.owner, self.group).map_err(OwnershipError::io(
+                "give its owner and group to socket",
+                path,
+            ))?;
+        }
+        std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(self.mode))
+            .map_err(OwnershipError::io("set the mode of socket", path))
+    }
+}
+
 /// A socket this process bound; dropping it removes the socket file if
 /// the path still names it (not if someone replaced it meanwhile).
 #[derive(Debug)]
@@ -65,13 +100,21 @@ pub struct OwnedSocket {
 }
 
 impl OwnedSocket {
-    /// Binds a listening socket at `path`, never reachable with a mode
-    /// wider than 0600: bound inside a fresh 0700 directory next to
-    /// `path`, chmod'ed, then hard-linked into place (a link never
-    /// replaces anything, so a server that bound `path` meanwhile is left
-    /// alone). A stale socket at `path` is removed first; anything else
-    /// there is refused.
+    /// [`OwnedSocket::bind_with`] the default access: mode 0600, this
+    /// process's user and group.
     pub fn bind(path: &Path) -> Result<(UnixListener, OwnedSocket)> {
+        OwnedSocket::bind_with(path, &SocketAccess::default())
+    }
+
+    /// Binds a listening socket at `path` that appears there only with
+    /// its final owner, group and mode: bound inside a fresh 0700
+    /// directory next to `path`, given `access`, then hard-linked into
+    /// place (a link never replaces anything, so a server that bound
+    /// `path` meanwhile is left alone). A client that finds the path can
+    /// connect exactly as `access` says, never with a mode or an owner in
+    /// between. A stale socket at `path` is removed first; anything else
+    /// there is refused.
+    pub fn bind_with(path: &Path, access: &SocketAccess) -> Result<(UnixListener, OwnedSocket)> {
         if path.file_name().is_none() {
             return Err(OwnershipError::NotAFile {
                 path: path.to_path_buf(),
@@ -99,28 +142,30 @@ impl OwnedSocket {
             .map_err(OwnershipError::io("create a directory next to", path))?;
         let tmp = dir.join("s");
         let bound = (|| {
-            let l = UnixListener::bind(&tmp)?;
-            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))?;
-            let meta = std::fs::symlink_metadata(&tmp)?;
-            std::fs::hard_link(&tmp, path)?;
-            Ok::<_, std::io::Error>((l, meta.dev(), meta.ino()))
+            let l = UnixListener::bind(&tmp).map_err(OwnershipError::io("listen on", path))?;
+            access.apply(&tmp, path)?;
+            let meta = std::fs::symlink_metadata(&tmp)
+                .map_err(OwnershipError::io("look at the socket bound for", path))?;
+            std::fs::hard_link(&tmp, path).map_err(|e| match e.kind() {
+                ErrorKind::AlreadyExists => OwnershipError::InUse {
+                    path: path.to_path_buf(),
+                },
+                _ => OwnershipError::io("listen on", path)(e),
+            })?;
+            Ok((l, meta.dev(), meta.ino()))
         })();
         let _ = std::fs::remove_file(&tmp);
         let _ = std::fs::remove_dir(&dir);
-        match bound {
-            Ok((listener, dev, ino)) => Ok((
+        bound.map(|(listener, dev, ino)| {
+            (
                 listener,
                 OwnedSocket {
                     path: path.to_path_buf(),
                     dev,
                     ino,
                 },
-            )),
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => Err(OwnershipError::InUse {
-                path: path.to_path_buf(),
-            }),
-            Err(e) => Err(OwnershipError::io("listen on", path)(e)),
-        }
+            )
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -185,6 +230,25 @@ mod tests {
         drop(l);
         drop(owned);
         assert!(!path.exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_socket_appears_with_its_group_and_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("g.sock");
+        let own = std::fs::metadata(dir.path()).unwrap();
+        // Root gives another group (nogroup); a user only its own.
+        let gid = if own.uid() == 0 { 65534 } else { own.gid() };
+        let access = SocketAccess {
+            mode: 0o660,
+            owner: None,
+            group: Some(gid),
+        };
+        let (l, owned) = OwnedSocket::bind_with(&path, &access).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!((meta.mode() & 0o777, meta.gid()), (0o660, gid));
+        drop((l, owned));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 }

@@ -10,8 +10,8 @@
 //! partially valid clusters are filled by `vdcache flush --fill` and by the
 //! background filler when the disk is idle.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, assert_same_bytes, exec, ok};
 use serving::{

@@ -5,8 +5,8 @@
 //! recognise as its own, checks before it writes, and answers within
 //! seconds when the storage under it is full.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Out, Scratch, assert_no_panic, exec, exec_within, ok};
 use serving::{Proc, qcow2, qemu_io, serve, serve_refused, stats, uri};

@@ -8,8 +8,8 @@
 //! (`common::exec_within` and `serving::try_serve` call
 //! `common::assert_messages_read_well`).
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, exec, message_faults, ok};
 use std::net::TcpListener;

@@ -3,7 +3,7 @@
 //! file; `-o extended_l2=off` and options that rule them out still give a
 //! standard delta; QEMU writes and checks the default delta.
 
-mod common;
+use crate::common;
 
 use common::{Scratch, ok};
 use serde_json::Value;

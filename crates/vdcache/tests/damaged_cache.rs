@@ -13,8 +13,8 @@
 //! still needs the cache, and `--format-cache` keeps a cache whose
 //! superblock its copy repairs.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, exec, ok};
 use serving::{Proc, Streamed, qcow2, qemu_io, serve, serve_refused, uri};

@@ -15,10 +15,9 @@
 // Helpers outside #[test] functions unwrap freely too.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-#[macro_use]
-mod ext4;
-mod serving;
+use crate::common;
+use crate::ext4;
+use crate::serving;
 
 use common::{Scratch, exec, ok};
 use ext4::{Loop, Mounted, file_blocks, fsck_clean, mkfs};

@@ -7,8 +7,8 @@
 //! dirty data of an image the server does not serve; a start refused
 //! halfway; a check of an image being served.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, assert_no_panic, exec, ok};
 use serving::{Proc, qcow2, qemu_io, serve, serve_refused, stats, try_serve, try_start, uri};

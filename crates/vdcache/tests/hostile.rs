@@ -4,8 +4,8 @@
 //! sizes past any sane bound. Each is refused (or survived) with a message
 //! naming what is wrong, and nothing is served or created.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Out, Scratch, exec, exec_within, ok};
 use serving::{serve, serve_config, serve_refused, try_serve};

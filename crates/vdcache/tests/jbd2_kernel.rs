@@ -12,10 +12,9 @@
 //! skips.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-#[macro_use]
-mod ext4;
-mod serving;
+use crate::common;
+use crate::ext4;
+use crate::serving;
 
 use common::Scratch;
 use ext4::{Loop, Mounted, file_blocks, mkfs};

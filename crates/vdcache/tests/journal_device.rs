@@ -9,8 +9,8 @@
 // Test setup unwraps freely: a failure there is the test's own.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, ok};
 use serving::{nbdkit, qcow2, qemu_io, serve_config, stats, try_start, uri};

@@ -6,8 +6,8 @@
 //! committed corpus of `malformed_corpus.rs` covers more classes; the cases
 //! here check finer points (which clusters still read, exact messages).
 
-mod common;
-mod qcow2_patch;
+use crate::common;
+use crate::qcow2_patch;
 
 use common::{Out, Scratch, assert_no_panic, be32, be64, exec, ok, put_be32, put_be64};
 use qcow2_patch::{

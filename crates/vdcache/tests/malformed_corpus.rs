@@ -14,10 +14,10 @@
 //! command) pair at the end, so one run shows everything that is wrong.
 //! `VDCACHE_CORPUS_ONLY=substring` limits the runs to matching images.
 
-mod common;
-mod malformed_gen;
-mod qcow2_patch;
-mod serving;
+use crate::common;
+use crate::malformed_gen;
+use crate::qcow2_patch;
+use crate::serving;
 
 use common::{Out, Scratch, exec_within};
 use qcow2_patch::{INCOMPAT_CORRUPT, INCOMPATIBLE_FEATURES, OUTSIDE, names_problem};
@@ -909,7 +909,7 @@ fn generator_reproduces_corpus() {
     assert!(
         differ.is_empty(),
         "the generator no longer makes the committed corpus (regenerate with \
-         `cargo test --release -p vdcache --test malformed_corpus -- --ignored regenerate_corpus`):\n{}",
+         `cargo test --release -p vdcache --test integration -- --ignored regenerate_corpus`):\n{}",
         differ.join("\n")
     );
     s.finish();

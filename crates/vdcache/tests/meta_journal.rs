@@ -11,8 +11,8 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, exec, ok};
 use serving::{nbdkit_with, qcow2, qemu_io, qemu_io_opts, serve, stats, uri};

@@ -10,8 +10,8 @@
 //! than taken from the nbd crate, so the server is checked by an
 //! independent encoder.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, ok};
 use serving::{pattern, qcow2, qemu_io, serve, stats, uri};

@@ -7,8 +7,8 @@
 //! an image `qemu-img check` passes and `qemu-img compare` finds identical
 //! to a raw file that received the same operations from qemu-io.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, assert_same_bytes, exec, ok};
 use rand::{RngExt, SeedableRng};

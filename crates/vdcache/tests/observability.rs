@@ -4,8 +4,8 @@
 //! JSON naming only metrics the endpoint serves), the log lines at each
 //! verbosity, the example host config, man pages and completions.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, exec, ok};
 use serving::{serve, uri};

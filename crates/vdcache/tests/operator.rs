@@ -10,8 +10,8 @@
 // Helpers outside #[test] functions unwrap freely too.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, exec, ok};
 use serving::{Proc, qcow2, qemu_io, serve, uri};

@@ -12,7 +12,7 @@
 //! `qemu-img info --output=json --backing-chain`, and `vdcache check` and
 //! `qemu-img check` both exit 0.
 
-mod common;
+use crate::common;
 
 use common::{Scratch, assert_no_panic, assert_same_bytes, exec, ok};
 use rand::{RngExt, SeedableRng};

@@ -7,8 +7,8 @@
 // Helpers outside #[test] functions unwrap freely too.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, ok};
 use serving::{qemu_io, serve, stats, uri};

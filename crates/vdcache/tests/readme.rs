@@ -9,7 +9,7 @@
 //! suite (this test is part of it), installing system packages, building
 //! the project again, and starting a VM. Everything else must pass.
 
-mod common;
+use crate::common;
 
 use common::Scratch;
 use std::net::TcpListener;

@@ -9,8 +9,8 @@
 // Helpers outside #[test] functions unwrap freely too.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::Scratch;
 use serving::{qemu_io, serve_config, stats, uri};

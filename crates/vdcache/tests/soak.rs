@@ -7,7 +7,7 @@
 //! behind its back (so a lost flushed write cannot pass unseen), and bad
 //! arguments are refused before anything is created.
 
-mod common;
+use crate::common;
 
 use common::{Scratch, exec};
 

@@ -9,8 +9,8 @@
 //!   as needing the cache; a later start with the server back writes
 //!   everything, and a clean stop leaves the images complete.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, exec, ok};
 use serving::{

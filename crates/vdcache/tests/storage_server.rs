@@ -5,8 +5,8 @@
 //! SIGKILL in the middle of a workload leaves a delta that `qemu-img check
 //! -r all` repairs with every flushed write intact.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, assert_same_bytes, exec, ok};
 use serving::{CrashWorkload, Streamed, nbdkit, qcow2, qemu_io, raw_of, serve, storage_dir, uri};

@@ -11,8 +11,8 @@
 //! a clean stop the image holds exactly what the guest wrote and
 //! `qemu-img check` finds no error.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::{Scratch, assert_same_bytes, ok};
 use serving::{

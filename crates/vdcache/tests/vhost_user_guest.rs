@@ -6,8 +6,8 @@
 //! SIGTERM keep working, and the guest's device reset serves the queue
 //! again. Malformed requests fail one by one with bounded logging.
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::Scratch;
 use serving::{Proc, qcow2, qemu_io, serve, uri};

@@ -21,7 +21,7 @@
 
 use crate::device::{Backend, Counters, Device};
 use crate::request::BlockDevice;
-use crate::{Serving, Totals};
+use crate::{Serving, SocketAccess, Totals};
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::fd::{AsRawFd, RawFd};
@@ -623,7 +623,13 @@ pub fn exercise_connection(input: &ConnectionInput) -> Option<Totals> {
     let dir = tempfile::tempdir().ok()?;
     let socket = dir.path().join("vhost-user.sock");
     let disk = Arc::new(MemDisk::new(false));
-    let mut serving = Serving::start_device("fuzz".into(), disk, &socket, (QUEUES, 1)).ok()?;
+    let mut serving = Serving::start_device(
+        "fuzz".into(),
+        disk,
+        (&socket, &SocketAccess::default()),
+        (QUEUES, 1),
+    )
+    .ok()?;
     let mut memory = tempfile::tempfile_in(dir.path()).ok()?;
     memory.set_len(MEMORY_FILE).ok()?;
     memory

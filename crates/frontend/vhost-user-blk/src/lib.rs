@@ -32,6 +32,7 @@ use std::thread::JoinHandle;
 use vdcache_image::VirtualDisk;
 use vdcache_image::disk::ZeroFlags;
 use vdcache_ownership::OwnedSocket;
+pub use vdcache_ownership::SocketAccess;
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
@@ -43,6 +44,8 @@ pub struct VhostUserBlkExport {
     pub socket: PathBuf,
     /// Virtqueues offered (QEMU's `num-queues` may not exceed it).
     pub queues: usize,
+    /// Who may connect: the socket appears with it.
+    pub access: SocketAccess,
 }
 
 /// Why the front end could not start.
@@ -204,17 +207,18 @@ impl Serving {
             id,
         };
         let queues = (e.queues, WORKERS_PER_QUEUE);
-        Serving::start_device(e.name, Arc::new(device), &e.socket, queues)
+        Serving::start_device(e.name, Arc::new(device), (&e.socket, &e.access), queues)
     }
 
-    /// Serves `device` on `socket` with `(queues, workers per queue)`.
+    /// Serves `device` on `socket`, which appears with `access`, with
+    /// `(queues, workers per queue)`.
     fn start_device(
         name: String,
         device: Arc<dyn BlockDevice + Send + Sync>,
-        socket: &std::path::Path,
+        (socket, access): (&std::path::Path, &SocketAccess),
         (queues, workers): (usize, usize),
     ) -> Result<Serving, VhostUserBlkError> {
-        let (listener, socket) = OwnedSocket::bind(socket)?;
+        let (listener, socket) = OwnedSocket::bind_with(socket, access)?;
         let waker = listener
             .try_clone()
             .map_err(|cause| VhostUserBlkError::Thread {

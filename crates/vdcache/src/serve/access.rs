@@ -5,84 +5,52 @@
 //! root-owned 0600 socket shuts out.
 //!
 //! Owns: parsing and checking those settings (a user or group that does
-//! not exist is an error at start, not a socket nobody can use) and
-//! applying them to a socket once it is bound. Must not: touch the control
-//! socket (stats, flush and stop stay root's) or widen a mode before the
-//! owner and group are set.
+//! not exist is an error at start, not a socket nobody can use). Must not:
+//! touch the control socket (stats, flush and stop stay root's), or give a
+//! socket its access after it is bound (the front ends bind each socket
+//! with it: [`SocketAccess`] in `vdcache_ownership`), so that no client
+//! ever finds a socket with a mode or an owner in between.
 
-use anyhow::{Context, Result, bail};
-use nix::unistd::{Gid, Group, Uid, User, chown};
-use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use anyhow::{Result, bail};
+use nix::unistd::{Group, User};
 use vdcache::config::parse_socket_mode as parse_mode;
+pub use vdcache_ownership::SocketAccess;
 
-/// The mode sockets get when none is given: the owner only.
-const DEFAULT_MODE: u32 = 0o600;
-
-/// Mode, owner and group for the data sockets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SocketAccess {
-    pub mode: u32,
-    pub owner: Option<Uid>,
-    pub group: Option<Gid>,
-}
-
-impl Default for SocketAccess {
-    fn default() -> Self {
-        SocketAccess {
-            mode: DEFAULT_MODE,
-            owner: None,
-            group: None,
-        }
-    }
-}
-
-fn user(name: &str) -> Result<Uid> {
+fn user(name: &str) -> Result<u32> {
     if let Ok(n) = name.parse::<u32>() {
-        return Ok(Uid::from_raw(n));
+        return Ok(n);
     }
     match User::from_name(name) {
-        Ok(Some(u)) => Ok(u.uid),
+        Ok(Some(u)) => Ok(u.uid.as_raw()),
         Ok(None) => bail!("socket owner '{name}' is not a user of this host"),
         Err(e) => bail!("looking up socket owner '{name}': {e}"),
     }
 }
 
-fn group(name: &str) -> Result<Gid> {
+fn group(name: &str) -> Result<u32> {
     if let Ok(n) = name.parse::<u32>() {
-        return Ok(Gid::from_raw(n));
+        return Ok(n);
     }
     match Group::from_name(name) {
-        Ok(Some(g)) => Ok(g.gid),
+        Ok(Some(g)) => Ok(g.gid.as_raw()),
         Ok(None) => bail!("socket group '{name}' is not a group of this host"),
         Err(e) => bail!("looking up socket group '{name}': {e}"),
     }
 }
 
-impl SocketAccess {
-    /// From the settings' text (each may be absent).
-    pub fn parse(
-        mode: Option<&str>,
-        owner: Option<&str>,
-        group_name: Option<&str>,
-    ) -> Result<Self> {
-        Ok(SocketAccess {
-            mode: mode.map(parse_mode).transpose()?.unwrap_or(DEFAULT_MODE),
-            owner: owner.map(user).transpose()?,
-            group: group_name.map(group).transpose()?,
-        })
-    }
-
-    /// Gives the bound socket at `path` its owner, group, then mode.
-    pub fn apply(&self, path: &Path) -> Result<()> {
-        if self.owner.is_some() || self.group.is_some() {
-            chown(path, self.owner, self.group).with_context(|| {
-                format!("cannot give socket {} its owner and group", path.display())
-            })?;
-        }
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(self.mode))
-            .with_context(|| format!("cannot set the mode of socket {}", path.display()))
-    }
+/// The data sockets' access from the settings' text (each may be absent:
+/// mode 0600, this process's user and group).
+pub fn parse_access(
+    mode: Option<&str>,
+    owner: Option<&str>,
+    group_name: Option<&str>,
+) -> Result<SocketAccess> {
+    let default = SocketAccess::default();
+    Ok(SocketAccess {
+        mode: mode.map(parse_mode).transpose()?.unwrap_or(default.mode),
+        owner: owner.map(user).transpose()?,
+        group: group_name.map(group).transpose()?,
+    })
 }
 
 #[cfg(test)]
@@ -91,21 +59,21 @@ mod tests {
 
     #[test]
     fn names_and_ids_resolve_and_unknown_ones_are_errors() {
-        let a = SocketAccess::parse(Some("0660"), Some("root"), Some("0")).ok();
+        let a = parse_access(Some("0660"), Some("root"), Some("0")).ok();
         assert_eq!(
             a,
             Some(SocketAccess {
                 mode: 0o660,
-                owner: Some(Uid::from_raw(0)),
-                group: Some(Gid::from_raw(0)),
+                owner: Some(0),
+                group: Some(0),
             })
         );
-        let e = SocketAccess::parse(None, Some("no-such-user-vdcache"), None)
+        let e = parse_access(None, Some("no-such-user-vdcache"), None)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(e.contains("no-such-user-vdcache"), "{e}");
-        let e = SocketAccess::parse(None, None, Some("no-such-group-vdcache"))
+        let e = parse_access(None, None, Some("no-such-group-vdcache"))
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();

@@ -2,7 +2,7 @@
 //! stop (stop accepting, finish in-flight requests, flush, close the
 //! images clean, write the cache back unless told to keep it dirty).
 
-use super::access::SocketAccess;
+use super::access::{SocketAccess, parse_access};
 use super::config::ServerConfig;
 use super::control::{ControlServer, Handler, Request};
 use super::daemon::Daemon;
@@ -574,9 +574,8 @@ impl FrontEnds {
 fn listen_nbd(cfg: &ServerConfig, server: &Server, access: &SocketAccess) -> Result<()> {
     if let Some(path) = &cfg.server.socket {
         server
-            .listen_unix(path)
+            .listen_unix_with(path, access)
             .with_context(|| format!("cannot listen on {}", path.display()))?;
-        access.apply(path)?;
     }
     if let Some(addr) = &cfg.server.tcp {
         // The server's error already names the address.
@@ -655,7 +654,7 @@ fn log_serving(cfg: &ServerConfig, daemon: &Daemon) {
 /// Mode, owner and group of the data sockets, checked before any is bound.
 fn socket_access(cfg: &ServerConfig) -> Result<SocketAccess> {
     let l = &cfg.server;
-    SocketAccess::parse(
+    parse_access(
         l.socket_mode.as_deref(),
         l.socket_owner.as_deref(),
         l.socket_group.as_deref(),
@@ -676,6 +675,7 @@ fn start_vhost_user(
                 disk: d.disk.clone(),
                 socket: d.config.vhost_user_blk.clone()?,
                 queues: d.config.vhost_user_queues.unwrap_or(2),
+                access: *access,
             })
         })
         .collect();
@@ -684,9 +684,6 @@ fn start_vhost_user(
     }
     let sockets: Vec<PathBuf> = exports.iter().map(|e| e.socket.clone()).collect();
     let server = vdcache_vhost_user_blk::VhostUserBlkServer::start(exports)?;
-    for s in &sockets {
-        access.apply(s)?;
-    }
     let names: Vec<String> = sockets.iter().map(|s| s.display().to_string()).collect();
     tracing::info!("vhost-user-blk on {}", names.join(", "));
     Ok(Some(server))

@@ -4,7 +4,7 @@
 //! vdcache do is in MANIFEST.toml next to the images, not here.
 //!
 //! Regenerate (after a change here) with
-//! `cargo test --release -p vdcache --test malformed_corpus -- --ignored regenerate_corpus`;
+//! `cargo test --release -p vdcache --test integration -- --ignored regenerate_corpus`;
 //! it rewrites the images and SHA256SUMS. This module writes only into the
 //! directory it is given.
 

@@ -38,7 +38,7 @@ use crate::export::Export;
 use vdcache_nbd_proto::proto;
 use vdcache_nbd_proto::tls::TlsServerConfig;
 use vdcache_nbd_proto::transport::{PeerId, Socket};
-use vdcache_ownership::{OwnedSocket, OwnershipError};
+use vdcache_ownership::{OwnedSocket, OwnershipError, SocketAccess};
 
 /// Errors of building or starting a server.
 #[derive(Debug, Error)]
@@ -828,11 +828,20 @@ impl Server {
     /// Listens on a Unix socket created with mode 0600. An existing socket
     /// file is replaced only if nothing accepts connections on it.
     pub fn listen_unix(&self, path: impl AsRef<Path>) -> Result<(), ServerError> {
+        self.listen_unix_with(path, &SocketAccess::default())
+    }
+
+    /// [`Server::listen_unix`] on a socket that appears with `access`.
+    pub fn listen_unix_with(
+        &self,
+        path: impl AsRef<Path>,
+        access: &SocketAccess,
+    ) -> Result<(), ServerError> {
         let path = path.as_ref();
         if self.inner.stopping.load(Ordering::SeqCst) {
             return Err(ServerError::ShuttingDown);
         }
-        let (listener, owned) = OwnedSocket::bind(path).map_err(|e| match e {
+        let (listener, owned) = OwnedSocket::bind_with(path, access).map_err(|e| match e {
             OwnershipError::InUse { path } => ServerError::AddressInUse { path },
             other => ServerError::Socket(other),
         })?;
