@@ -458,3 +458,61 @@ fn a_broken_available_ring_stops_its_queue_alone() {
     assert!(log.contains("counted, not logged"), "{log}");
     s.finish();
 }
+
+/// The server's soft limit on open files (`prlimit`, util-linux).
+fn set_open_files_limit(server: &Proc, soft: &str) {
+    common::ok(
+        std::process::Command::new("prlimit")
+            .arg("--pid")
+            .arg(server.pid().to_string())
+            .arg(format!("--nofile={soft}:")),
+    );
+}
+
+/// A front end that connects while the server has no file descriptor to
+/// spare is dropped, and the next one, once descriptors are free again,
+/// is served: a failed accept is tried again (before, the first one ended
+/// the export's listening for good, its socket still bound).
+#[test]
+fn a_front_end_connecting_while_descriptors_run_out_is_served_later() {
+    let s = Scratch::new();
+    let img = s.path("d.qcow2");
+    qcow2(&s, &img, 16 * M, None);
+    let img = img.to_str().expect("utf-8");
+    qemu_io(&s, "qcow2", img, &["write -P 0x5a 0 64k".into()]);
+    let (sock, vhost) = (s.path("d.sock"), s.path("d.vhost"));
+    let vhost_arg = vhost.to_str().expect("utf-8");
+    let server = serve(&s, &sock, &["--vhost-user-blk", vhost_arg, img]);
+    // A new descriptor takes the lowest free number: none below the limit.
+    let open: std::collections::BTreeSet<u64> =
+        std::fs::read_dir(format!("/proc/{}/fd", server.pid()))
+            .expect("the server's descriptors")
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+    let lowest_free = (0..).find(|fd| !open.contains(fd)).unwrap_or(0);
+    set_open_files_limit(&server, &lowest_free.to_string());
+    let refused = ok(connect_when_listening(&vhost), &server);
+    wait_logged(&server, "accepting a connection", 1);
+    set_open_files_limit(&server, "1024");
+    drop(refused);
+    // Accepted at all? (A front end left in the backlog would wait for
+    // its first answer for good.)
+    let probe = ok(connect_when_listening(&vhost), &server);
+    wait_logged(&server, "a front end connected", 1);
+    wait_logged(&server, "accepted a connection again", 1);
+    drop(probe);
+    let mut g = ok(Guest::connect(&vhost, s.root()), &server);
+    let (status, data) = ok(g.read(0, 0, 4096, &server), &server);
+    assert_eq!(status, VIRTIO_BLK_S_OK as u8);
+    assert!(
+        data.iter().all(|&b| b == 0x5a),
+        "the read returned other data"
+    );
+    drop(g);
+    let log = terminate_within_patience(server);
+    assert!(
+        log.contains("Too many open files"),
+        "the failed accept is named:\n{log}"
+    );
+    s.finish();
+}

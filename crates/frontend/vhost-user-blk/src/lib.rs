@@ -29,6 +29,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 use vdcache_image::VirtualDisk;
 use vdcache_image::disk::ZeroFlags;
 use vdcache_ownership::OwnedSocket;
@@ -327,9 +328,63 @@ fn serve_connections(
     }
 }
 
+/// Longest pause between two tries to accept a connection after a
+/// failure, and how often a failure that lasts is logged again.
+const ACCEPT_RETRY_MAX: Duration = Duration::from_secs(1);
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Accepts the next connection on `daemon`; false once stopped. A failed
+/// accept or start (out of file descriptors or memory; the front end
+/// connects again, as QEMU's reconnect does) is tried again with a growing
+/// pause, logged when it starts, once a minute while it lasts and when a
+/// connection is served again, so the export never stops listening while
+/// its socket stays bound.
+fn accept_until_stopped(
+    daemon: &mut VhostUserDaemon<Backend>,
+    listener: &mut Listener,
+    label: &str,
+    stop: &AtomicBool,
+) -> bool {
+    let mut pause = Duration::from_millis(10);
+    let mut failing_since: Option<(Instant, Instant)> = None;
+    loop {
+        match daemon.start(listener) {
+            Ok(()) => {
+                if let Some((since, _)) = failing_since {
+                    tracing::info!(
+                        "vhost-user-blk {label}: accepted a connection again, {:.1} s after the first failure",
+                        since.elapsed().as_secs_f64()
+                    );
+                }
+                return true;
+            }
+            Err(_) if stop.load(Ordering::SeqCst) => return false,
+            Err(e) => {
+                let now = Instant::now();
+                match &mut failing_since {
+                    None => {
+                        tracing::error!(
+                            "vhost-user-blk {label}: accepting a connection: {e} (trying again)"
+                        );
+                        failing_since = Some((now, now));
+                    }
+                    Some((_, logged)) if now.duration_since(*logged) >= ACCEPT_LOG_EVERY => {
+                        tracing::error!(
+                            "vhost-user-blk {label}: still cannot accept a connection: {e}"
+                        );
+                        *logged = now;
+                    }
+                    Some(_) => {}
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(ACCEPT_RETRY_MAX);
+            }
+        }
+    }
+}
+
 /// Serves one connection on `daemon`, and waits until its connection
-/// thread ended; false when no other connection may follow (a stop, or
-/// the listening socket failed).
+/// thread ended; false when no other connection may follow (a stop).
 fn serve_one(
     daemon: &mut VhostUserDaemon<Backend>,
     listener: &mut Listener,
@@ -337,10 +392,7 @@ fn serve_one(
     stop: &AtomicBool,
     connection: &Mutex<Option<ShutdownHandle>>,
 ) -> bool {
-    if let Err(e) = daemon.start(listener) {
-        if !stop.load(Ordering::SeqCst) {
-            tracing::error!("vhost-user-blk {label}: accepting a connection: {e}");
-        }
+    if !accept_until_stopped(daemon, listener, label, stop) {
         return false;
     }
     *connection.lock().unwrap_or_else(PoisonError::into_inner) = daemon.shutdown_handle();
