@@ -375,18 +375,25 @@ fn ok<T>(r: Res<T>, server: &Proc) -> T {
     r.unwrap_or_else(|e| panic!("{e}\n--- server log ---\n{}", log_head(server)))
 }
 
+/// A 16 MiB qcow2 whose first 64 KiB hold 0x5a, served over NBD and
+/// vhost-user-blk: the server, its NBD socket and its vhost-user socket.
+fn serve_pattern_disk(s: &Scratch) -> (Proc, std::path::PathBuf, std::path::PathBuf) {
+    let img = s.path("d.qcow2");
+    qcow2(s, &img, 16 * M, None);
+    let img = img.to_str().expect("utf-8");
+    qemu_io(s, "qcow2", img, &["write -P 0x5a 0 64k".into()]);
+    let (sock, vhost) = (s.path("d.sock"), s.path("d.vhost"));
+    let vhost_arg = vhost.to_str().expect("utf-8");
+    let server = serve(s, &sock, &["--vhost-user-blk", vhost_arg, img]);
+    (server, sock, vhost)
+}
+
 /// The case: negotiate, post one valid request, set
 /// `avail.idx = 40000` (queue size 256), kick.
 #[test]
 fn a_broken_available_ring_stops_its_queue_alone() {
     let s = Scratch::new();
-    let img = s.path("d.qcow2");
-    qcow2(&s, &img, 16 * M, None);
-    let img = img.to_str().expect("utf-8");
-    qemu_io(&s, "qcow2", img, &["write -P 0x5a 0 64k".into()]);
-    let (sock, vhost) = (s.path("d.sock"), s.path("d.vhost"));
-    let vhost_arg = vhost.to_str().expect("utf-8");
-    let server = serve(&s, &sock, &["--vhost-user-blk", vhost_arg, img]);
+    let (server, sock, vhost) = serve_pattern_disk(&s);
     let mut g = ok(Guest::connect(&vhost, s.root()), &server);
     let (status, data) = ok(g.read(0, 0, 4096, &server), &server);
     assert_eq!(status, VIRTIO_BLK_S_OK as u8);
@@ -476,13 +483,7 @@ fn set_open_files_limit(server: &Proc, soft: &str) {
 #[test]
 fn a_front_end_connecting_while_descriptors_run_out_is_served_later() {
     let s = Scratch::new();
-    let img = s.path("d.qcow2");
-    qcow2(&s, &img, 16 * M, None);
-    let img = img.to_str().expect("utf-8");
-    qemu_io(&s, "qcow2", img, &["write -P 0x5a 0 64k".into()]);
-    let (sock, vhost) = (s.path("d.sock"), s.path("d.vhost"));
-    let vhost_arg = vhost.to_str().expect("utf-8");
-    let server = serve(&s, &sock, &["--vhost-user-blk", vhost_arg, img]);
+    let (server, _, vhost) = serve_pattern_disk(&s);
     // A new descriptor takes the lowest free number: none below the limit.
     let open: std::collections::BTreeSet<u64> =
         std::fs::read_dir(format!("/proc/{}/fd", server.pid()))
