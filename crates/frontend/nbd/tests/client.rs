@@ -303,3 +303,88 @@ fn client_reports_typed_errors() {
     let bad = st.exports.iter().find(|e| e.name == "bad").unwrap();
     assert_eq!(bad.io.errors, 6, "{st:?}");
 }
+
+/// A memory export whose writes take a millisecond (a store's round
+/// trip) and note the name of the server thread that ran each.
+struct SlowWrites {
+    mem: MemExport,
+    ran_on: std::sync::Mutex<Vec<String>>,
+}
+
+impl Export for SlowWrites {
+    fn size(&self) -> u64 {
+        self.mem.size()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn block_sizes(&self) -> BlockSizes {
+        BlockSizes::default()
+    }
+    fn read(&self, o: u64, b: &mut [u8]) -> Result<(), ExportError> {
+        self.mem.read(o, b)
+    }
+    fn write(&self, o: u64, d: &[u8], f: bool) -> Result<(), ExportError> {
+        let name = std::thread::current().name().unwrap_or("").to_string();
+        self.ran_on.lock().unwrap().push(name);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        self.mem.write(o, d, f)
+    }
+    fn flush(&self) -> Result<(), ExportError> {
+        Ok(())
+    }
+    fn trim(&self, o: u64, l: u64, f: bool) -> Result<(), ExportError> {
+        self.mem.trim(o, l, f)
+    }
+    fn write_zeroes(&self, o: u64, l: u64, f: ZeroFlags) -> Result<(), ExportError> {
+        self.mem.write_zeroes(o, l, f)
+    }
+}
+
+/// How many of the export's writes ran on the connection's own thread,
+/// and how many on workers.
+fn placed(export: &SlowWrites) -> (usize, usize) {
+    let names = std::mem::take(&mut *export.ran_on.lock().unwrap());
+    let inline = names.iter().filter(|n| n.starts_with("nbd-conn-")).count();
+    (inline, names.len() - inline)
+}
+
+#[test]
+fn slow_requests_of_a_waiting_client_run_on_the_connection_thread() {
+    let export = Arc::new(SlowWrites {
+        mem: MemExport::new(1 << 20),
+        ran_on: std::sync::Mutex::new(Vec::new()),
+    });
+    let server = TestServer::start(vec![("", export.clone() as Arc<dyn Export>)]);
+    let c = NbdClient::connect(&server.uri("")).unwrap();
+    let data = pattern(4096, 1);
+
+    // One request at a time, as a guest's fsync at queue depth 1: handing
+    // each to a worker would only add two thread switches.
+    for i in 0..20 {
+        c.write_at(i * 4096, &data, false).unwrap();
+        c.flush().unwrap();
+    }
+    assert_eq!(placed(&export), (20, 0), "requests a client waited for");
+
+    // Eight in flight: the slow ones must not wait behind each other on
+    // the reading thread.
+    std::thread::scope(|sc| {
+        for t in 0..8u64 {
+            let (c, data) = (&c, &data);
+            sc.spawn(move || {
+                for i in 0..10 {
+                    c.write_at((t * 10 + i) * 4096, data, false).unwrap();
+                }
+            });
+        }
+    });
+    let (inline, workers) = placed(&export);
+    assert!(
+        workers > inline,
+        "pipelined slow requests: {inline} on the connection thread, {workers} on workers"
+    );
+    let mut back = vec![0u8; 4096];
+    c.read_at(79 * 4096, &mut back).unwrap();
+    assert!(back == data);
+}

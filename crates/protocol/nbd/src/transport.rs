@@ -53,6 +53,19 @@ impl Socket {
         }
     }
 
+    /// True when the peer has sent bytes not yet read (or closed its
+    /// side): one non-blocking peek, no wait.
+    pub fn has_unread(&self) -> bool {
+        let mut byte = [0u8; 1];
+        let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+        let peeked = match self {
+            Socket::Unix(s) => rustix::net::recv(s, &mut byte, flags),
+            Socket::Tcp(s) => rustix::net::recv(s, &mut byte, flags),
+        };
+        // EOF (0 bytes) counts: the next read returns at once too.
+        peeked.is_ok()
+    }
+
     /// A printable peer address for logs and statistics.
     pub fn peer(&self) -> String {
         match self {
@@ -278,6 +291,17 @@ impl ConnReader {
             ConnReader::Plain(b) => !b.buffer().is_empty(),
             ConnReader::Tls(t) => t.pos < t.end,
             ConnReader::Closed => false,
+            ConnReader::Bytes(b) => remaining(b) > 0,
+        }
+    }
+
+    /// True when a read would find bytes (or EOF) without waiting: buffered
+    /// here or already in the socket. One non-blocking system call at most.
+    pub fn would_not_wait(&self) -> bool {
+        match self {
+            ConnReader::Plain(b) => !b.buffer().is_empty() || b.get_ref().has_unread(),
+            ConnReader::Tls(t) => t.pos < t.end || t.sock.has_unread(),
+            ConnReader::Closed => true,
             ConnReader::Bytes(b) => remaining(b) > 0,
         }
     }

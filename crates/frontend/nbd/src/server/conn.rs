@@ -1,9 +1,11 @@
 //! One server connection: handshake, then the transmission phase.
 //!
-//! The connection thread reads requests and validates them; a small pool of
+//! The connection thread reads requests, validates them and runs each
+//! itself while its client waits for replies one at a time; once slow
+//! requests hold up the requests queued behind them, a small pool of
 //! worker threads (started on demand, at most `workers_per_connection`)
-//! executes them against the export and writes replies under one writer
-//! lock, so replies may leave out of order. Each thread encodes its replies
+//! executes them against the export for a while (see [`Placement`]).
+//! Replies go out under one writer lock, so they may leave out of order. Each thread encodes its replies
 //! in its own [`Outbox`], reading data straight into it. A reply to a
 //! request run on the reading thread while the next request is already
 //! received is held there and sent with the next one that is not: one
@@ -263,17 +265,21 @@ impl StreamedWrite {
 
 /// An inline request slower than this counts as slow.
 const INLINE_SLOW: std::time::Duration = std::time::Duration::from_micros(200);
-/// Slow inline requests in a row before requests go to workers: one alone
-/// is as likely the reading thread preempted (client and server share the
-/// cores) as a request that waits for a backend.
+/// Slow inline requests in a row that a later request waited behind before
+/// requests go to workers: one alone is as likely the reading thread
+/// preempted (client and server share the cores) as a request that waits
+/// for a backend.
 const INLINE_SLOW_STREAK: u32 = 2;
 /// Requests handed to workers after a slow streak, before trying again.
 const INLINE_BACKOFF: u32 = 256;
 
 /// Decides where a request runs. Handing a request to a worker costs two
 /// thread switches, which dominate when the export answers from memory or
-/// flash; so requests run on the reading thread while they are fast, and
-/// go to workers (which overlap slow ones) after a streak of slow ones.
+/// flash, and, for a client that waits for each reply (a guest's fsync at
+/// queue depth 1), also when the export waits for its store. So requests
+/// run on the reading thread, and go to workers (which overlap slow ones)
+/// only after a streak of slow ones that the client's next request had to
+/// wait behind.
 #[derive(Default)]
 struct Placement {
     dispatch_left: u32,
@@ -282,31 +288,29 @@ struct Placement {
 
 impl Placement {
     /// `more`: the next request is already received.
-    fn run(&mut self, s: &Session, pool: &Pool, job: Job, more: bool) {
-        let inline_kind = matches!(
-            job.req.kind,
-            proto::CMD_READ
-                | proto::CMD_WRITE
-                | proto::CMD_WRITE_ZEROES
-                | proto::CMD_TRIM
-                | proto::CMD_BLOCK_STATUS
-        );
-        if !inline_kind || self.dispatch_left > 0 {
-            self.dispatch_left = self.dispatch_left.saturating_sub(1);
+    fn run(&mut self, s: &Session, r: &ConnReader, pool: &Pool, job: Job, more: bool) {
+        if self.dispatch_left > 0 {
+            self.dispatch_left -= 1;
             pool.push(job);
             return;
         }
         let start = std::time::Instant::now();
-        HOLD_REPLY.set(more);
+        // Held until the check below: a client that waits for each reply
+        // must not be seen sending its next request because of this one's.
+        HOLD_REPLY.set(true);
         run_job(s, job);
         HOLD_REPLY.set(false);
-        self.ran_inline(start.elapsed() > INLINE_SLOW);
+        let slow = start.elapsed() > INLINE_SLOW;
+        self.ran_inline(slow && (more || r.would_not_wait()));
+        if !more {
+            send_held(s);
+        }
     }
 
-    /// Counts an inline request; a streak of slow ones sends the next
-    /// [`INLINE_BACKOFF`] requests to workers.
-    fn ran_inline(&mut self, slow: bool) {
-        if !slow {
+    /// Counts an inline request; a streak of slow ones that held up the
+    /// next request sends the next [`INLINE_BACKOFF`] requests to workers.
+    fn ran_inline(&mut self, held_up_next: bool) {
+        if !held_up_next {
             self.slow_in_a_row = 0;
             return;
         }
@@ -380,6 +384,7 @@ fn read_loop(s: &Arc<Session>, r: &mut ConnReader, pool: &Pool) -> LoopEnd {
         let more = r.buffered_len() >= proto::REQUEST_LEN;
         placement.run(
             s,
+            r,
             pool,
             Job {
                 req,
@@ -462,6 +467,7 @@ fn stream_write(
         };
         placement.run(
             s,
+            r,
             pool,
             Job {
                 req: piece,
