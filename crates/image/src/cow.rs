@@ -455,21 +455,10 @@ impl VirtualDisk {
         };
         match img.eager_record(&mappings, &pieces)? {
             None => write_data()?,
-            Some(record) => {
-                let (written, recorded) = std::thread::scope(|scope| {
-                    match std::thread::Builder::new().spawn_scoped(scope, || record.write(img)) {
-                        Ok(recording) => {
-                            let written = write_data();
-                            let recorded = recording
-                                .join()
-                                .unwrap_or_else(|p| std::panic::resume_unwind(p));
-                            (written, recorded)
-                        }
-                        // No thread to spare: one after the other.
-                        Err(_) => (write_data(), record.write(img)),
-                    }
-                });
-                img.eager_written(record, recorded);
+            Some(mut record) => {
+                let recording = record.start(img);
+                let written = write_data();
+                img.eager_written(record, recording.join());
                 written?;
             }
         }

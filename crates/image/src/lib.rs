@@ -8,6 +8,7 @@
 //! `vdcache-contract`), tagged with its class and addresses, so a cache can
 //! sit underneath without this crate knowing.
 
+mod beside;
 pub mod chain;
 pub mod check;
 mod confine;

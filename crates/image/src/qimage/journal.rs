@@ -40,6 +40,7 @@
 use super::overlap::MetaKind;
 use super::sums::{Sum, Sums, pieces};
 use super::{Locked, Qcow2Image};
+use crate::beside::{self, Running};
 use crate::error::{ImageError, Result};
 use crate::hostio::{FlushKind, IoClass, IoTag, MetaTable, WriteSegment};
 use std::collections::{BTreeMap, HashMap};
@@ -259,40 +260,103 @@ pub(crate) struct EagerRecord<'a> {
     checkpoint: Vec<(Target, u64, Vec<u8>)>,
 }
 
-/// How an eager record's writes went.
+/// How an eager record's writes went, and the record's bytes back.
 pub(crate) struct EagerWrites {
     recorded: Result<()>,
     checkpointed: Result<()>,
+    bytes: Vec<u8>,
 }
 
 impl EagerRecord<'_> {
-    /// Writes the record and the checkpoint's updates, all at once.
-    pub(crate) fn write(&self, img: &Qcow2Image) -> EagerWrites {
-        if self.checkpoint.is_empty() {
-            return EagerWrites {
-                recorded: img.write_record(self.at, &self.bytes),
-                checkpointed: Ok(()),
-            };
-        }
-        std::thread::scope(|scope| {
-            let updates = self.checkpoint.clone();
-            match std::thread::Builder::new().spawn_scoped(scope, || img.write_updates(updates)) {
-                Ok(checkpointing) => {
-                    let recorded = img.write_record(self.at, &self.bytes);
-                    let checkpointed = checkpointing
-                        .join()
-                        .unwrap_or_else(|p| std::panic::resume_unwind(p));
-                    EagerWrites {
-                        recorded,
-                        checkpointed,
-                    }
-                }
-                Err(_) => EagerWrites {
-                    recorded: img.write_record(self.at, &self.bytes),
-                    checkpointed: img.write_updates(self.checkpoint.clone()),
-                },
+    /// Starts writing the record and the checkpoint's updates beside the
+    /// caller (which writes the data meanwhile); join it before
+    /// [`Qcow2Image::eager_written`].
+    pub(crate) fn start(&mut self, img: &Qcow2Image) -> Running<EagerWrites> {
+        let store = img.journal_store();
+        let at = self.at;
+        let bytes = std::mem::take(&mut self.bytes);
+        let checkpoint = std::mem::take(&mut self.checkpoint);
+        beside::run(move || {
+            let checkpointing = (!checkpoint.is_empty()).then(|| {
+                let store = store.clone();
+                beside::run(move || store.write_updates(checkpoint))
+            });
+            let recorded = store.write_record(at, &bytes);
+            EagerWrites {
+                recorded,
+                checkpointed: checkpointing.map_or(Ok(()), Running::join),
+                bytes,
             }
         })
+    }
+}
+
+/// What writing journal records and checkpoints needs of an image, owned,
+/// so the writes can run beside the thread that asked for them.
+#[derive(Clone)]
+pub(crate) struct JournalStore {
+    io: std::sync::Arc<dyn crate::hostio::HostIo>,
+    handle: crate::hostio::ImageHandle,
+    data: crate::hostio::ImageHandle,
+    disk: crate::hostio::DiskId,
+}
+
+impl JournalStore {
+    /// Writes a checkpoint's updates in place, several at a time: each is
+    /// a round trip to the store. Overlapping updates are first merged in
+    /// log order, so what is written at once never overlaps. Returns once
+    /// every one of them is done, with the first failure.
+    fn write_updates(&self, updates: Vec<(Target, u64, Vec<u8>)>) -> Result<()> {
+        let mut updates = coalesce(updates);
+        let chunk = updates.len().div_ceil(CHECKPOINT_WRITERS).max(1);
+        let mut others = Vec::new();
+        while updates.len() > chunk {
+            let part = updates.split_off(updates.len() - chunk);
+            let store = self.clone();
+            others.push(beside::run(move || {
+                part.iter().try_for_each(|u| store.write_update(u))
+            }));
+        }
+        let mine = updates.iter().try_for_each(|u| self.write_update(u));
+        others
+            .into_iter()
+            .map(Running::join)
+            .fold(mine, Result::and)
+    }
+
+    fn write_update(&self, (target, offset, bytes): &(Target, u64, Vec<u8>)) -> Result<()> {
+        let (handle, tag) = match *target {
+            Target::Table(table) => (&self.handle, IoTag::meta(table, self.disk)),
+            Target::Data(guest) => (
+                &self.data,
+                IoTag {
+                    class: IoClass::GuestData,
+                    disk: self.disk,
+                    guest_cluster: guest,
+                    unit: None,
+                },
+            ),
+        };
+        self.io
+            .write(
+                handle,
+                HostOffset(*offset),
+                &[WriteSegment { data: bytes, tag }],
+            )
+            .map_err(|e| ImageError::io(&self.handle.name, "write a checkpoint", e))
+    }
+
+    fn write_record(&self, at: u64, bytes: &[u8]) -> Result<()> {
+        self.io
+            .write(
+                &self.handle,
+                HostOffset(at),
+                &[WriteSegment {
+                    data: bytes,
+                    tag: IoTag::meta(MetaTable::Journal, self.disk),
+                }],
+            )
+            .map_err(|e| ImageError::io(&self.handle.name, "write the metadata journal", e))
     }
 }
 
@@ -831,7 +895,9 @@ impl Qcow2Image {
         let synced = record
             .as_ref()
             .filter(|r| !r.written)
-            .map_or(Ok(()), |r| self.write_record(r.at, &r.bytes))
+            .map_or(Ok(()), |r| {
+                self.journal_store().write_record(r.at, &r.bytes)
+            })
             .and_then(|()| {
                 self.io
                     .flush(&self.handle, FlushKind::Durable)
@@ -865,7 +931,7 @@ impl Qcow2Image {
             // and the commit lock keeps the next commit (whose sync makes
             // them durable) waiting until they are all written.
             drop(l);
-            let written = self.write_updates(updates);
+            let written = self.journal_store().write_updates(updates);
             l = self.lock();
             if let Err(e) = written {
                 if let Some(j) = l.m.journal.as_mut() {
@@ -952,6 +1018,8 @@ impl Qcow2Image {
     /// slot holds its bytes; a checkpoint that failed is taken again later.
     /// Releases the commit lock.
     pub(crate) fn eager_written(&self, record: EagerRecord<'_>, writes: EagerWrites) {
+        // Its commit lock is held until the journal knows what the slot holds.
+        let _commit = record;
         let mut l = self.lock();
         let Some(j) = l.m.journal.as_mut() else {
             return;
@@ -964,61 +1032,19 @@ impl Qcow2Image {
             j.unplace();
         }
         match writes.recorded {
-            Ok(()) => j.eager_written(record.bytes),
+            Ok(()) => j.eager_written(writes.bytes),
             Err(e) => tracing::debug!(image = self.name(), "eager journal record not written: {e}"),
         }
     }
 
-    /// Writes a checkpoint's updates in place, several at a time: each is
-    /// a round trip to the store. Overlapping updates are first merged in
-    /// log order, so what is written at once never overlaps.
-    fn write_updates(&self, updates: Vec<(Target, u64, Vec<u8>)>) -> Result<()> {
-        let updates = coalesce(updates);
-        let chunk = updates.len().div_ceil(CHECKPOINT_WRITERS);
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = updates
-                .chunks(chunk.max(1))
-                .map(|part| scope.spawn(move || part.iter().try_for_each(|u| self.write_update(u))))
-                .collect();
-            workers
-                .into_iter()
-                .try_for_each(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-        })
-    }
-
-    fn write_update(&self, (target, offset, bytes): &(Target, u64, Vec<u8>)) -> Result<()> {
-        let (handle, tag) = match *target {
-            Target::Table(table) => (&self.handle, IoTag::meta(table, self.disk)),
-            Target::Data(guest) => (
-                &self.data,
-                IoTag {
-                    class: IoClass::GuestData,
-                    disk: self.disk,
-                    guest_cluster: guest,
-                    unit: None,
-                },
-            ),
-        };
-        self.io
-            .write(
-                handle,
-                HostOffset(*offset),
-                &[WriteSegment { data: bytes, tag }],
-            )
-            .map_err(|e| ImageError::io(self.name(), "write a checkpoint", e))
-    }
-
-    fn write_record(&self, at: u64, bytes: &[u8]) -> Result<()> {
-        self.io
-            .write(
-                &self.handle,
-                HostOffset(at),
-                &[WriteSegment {
-                    data: bytes,
-                    tag: IoTag::meta(MetaTable::Journal, self.disk),
-                }],
-            )
-            .map_err(|e| ImageError::io(self.name(), "write the metadata journal", e))
+    /// What the journal's writes need, owned (see [`JournalStore`]).
+    fn journal_store(&self) -> JournalStore {
+        JournalStore {
+            io: self.io.clone(),
+            handle: self.handle.clone(),
+            data: self.data.clone(),
+            disk: self.disk,
+        }
     }
 
     /// Lays held full-mode writes over data just read (cheap when none).
