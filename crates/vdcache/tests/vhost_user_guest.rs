@@ -388,19 +388,25 @@ fn serve_pattern_disk(s: &Scratch) -> (Proc, std::path::PathBuf, std::path::Path
     (server, sock, vhost)
 }
 
+/// A guest on `vhost` that read the pattern disk's first block, as written.
+fn connect_and_read_pattern(s: &Scratch, server: &Proc, vhost: &Path) -> Guest {
+    let mut g = ok(Guest::connect(vhost, s.root()), server);
+    let (status, data) = ok(g.read(0, 0, 4096, server), server);
+    assert_eq!(status, VIRTIO_BLK_S_OK as u8);
+    assert!(
+        data.iter().all(|&b| b == 0x5a),
+        "the read returned other data"
+    );
+    g
+}
+
 /// The case: negotiate, post one valid request, set
 /// `avail.idx = 40000` (queue size 256), kick.
 #[test]
 fn a_broken_available_ring_stops_its_queue_alone() {
     let s = Scratch::new();
     let (server, sock, vhost) = serve_pattern_disk(&s);
-    let mut g = ok(Guest::connect(&vhost, s.root()), &server);
-    let (status, data) = ok(g.read(0, 0, 4096, &server), &server);
-    assert_eq!(status, VIRTIO_BLK_S_OK as u8);
-    assert!(
-        data.iter().all(|&b| b == 0x5a),
-        "the read returned other data"
-    );
+    let mut g = connect_and_read_pattern(&s, &server, &vhost);
 
     g.set_avail_idx(0, 40000);
     g.kick(0);
@@ -502,14 +508,7 @@ fn a_front_end_connecting_while_descriptors_run_out_is_served_later() {
     wait_logged(&server, "a front end connected", 1);
     wait_logged(&server, "accepted a connection again", 1);
     drop(probe);
-    let mut g = ok(Guest::connect(&vhost, s.root()), &server);
-    let (status, data) = ok(g.read(0, 0, 4096, &server), &server);
-    assert_eq!(status, VIRTIO_BLK_S_OK as u8);
-    assert!(
-        data.iter().all(|&b| b == 0x5a),
-        "the read returned other data"
-    );
-    drop(g);
+    drop(connect_and_read_pattern(&s, &server, &vhost));
     let log = terminate_within_patience(server);
     assert!(
         log.contains("Too many open files"),

@@ -304,40 +304,18 @@ fn client_reports_typed_errors() {
     assert_eq!(bad.io.errors, 6, "{st:?}");
 }
 
-/// A memory export whose writes take a millisecond (a store's round
-/// trip) and note the name of the server thread that ran each.
+/// Makes a memory export's writes take a millisecond (a store's round
+/// trip) and notes the name of the server thread that ran each.
+#[derive(Default)]
 struct SlowWrites {
-    mem: MemExport,
     ran_on: std::sync::Mutex<Vec<String>>,
 }
 
-impl Export for SlowWrites {
-    fn size(&self) -> u64 {
-        self.mem.size()
-    }
-    fn read_only(&self) -> bool {
-        false
-    }
-    fn block_sizes(&self) -> BlockSizes {
-        BlockSizes::default()
-    }
-    fn read(&self, o: u64, b: &mut [u8]) -> Result<(), ExportError> {
-        self.mem.read(o, b)
-    }
-    fn write(&self, o: u64, d: &[u8], f: bool) -> Result<(), ExportError> {
+impl Hook for SlowWrites {
+    fn before_write(&self) {
         let name = std::thread::current().name().unwrap_or("").to_string();
         self.ran_on.lock().unwrap().push(name);
         std::thread::sleep(std::time::Duration::from_millis(1));
-        self.mem.write(o, d, f)
-    }
-    fn flush(&self) -> Result<(), ExportError> {
-        Ok(())
-    }
-    fn trim(&self, o: u64, l: u64, f: bool) -> Result<(), ExportError> {
-        self.mem.trim(o, l, f)
-    }
-    fn write_zeroes(&self, o: u64, l: u64, f: ZeroFlags) -> Result<(), ExportError> {
-        self.mem.write_zeroes(o, l, f)
     }
 }
 
@@ -351,9 +329,9 @@ fn placed(export: &SlowWrites) -> (usize, usize) {
 
 #[test]
 fn slow_requests_of_a_waiting_client_run_on_the_connection_thread() {
-    let export = Arc::new(SlowWrites {
+    let export = Arc::new(Hooked {
         mem: MemExport::new(1 << 20),
-        ran_on: std::sync::Mutex::new(Vec::new()),
+        hook: SlowWrites::default(),
     });
     let server = TestServer::start(vec![("", export.clone() as Arc<dyn Export>)]);
     let c = NbdClient::connect(&server.uri("")).unwrap();

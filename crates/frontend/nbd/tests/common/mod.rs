@@ -198,10 +198,60 @@ pub fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// What a [`Hooked`] memory export does before each read and write.
+pub trait Hook: Send + Sync {
+    fn before_read(&self) {}
+    fn before_write(&self) {}
+}
+
+/// A memory export that runs its hook before each read and write; the
+/// hook's own methods are reached through it.
+pub struct Hooked<H> {
+    pub mem: MemExport,
+    pub hook: H,
+}
+
+impl<H> std::ops::Deref for Hooked<H> {
+    type Target = H;
+    fn deref(&self) -> &H {
+        &self.hook
+    }
+}
+
+impl<H: Hook> Export for Hooked<H> {
+    fn size(&self) -> u64 {
+        self.mem.size()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn block_sizes(&self) -> BlockSizes {
+        BlockSizes::default()
+    }
+    fn read(&self, o: u64, b: &mut [u8]) -> Result<(), ExportError> {
+        self.hook.before_read();
+        self.mem.read(o, b)
+    }
+    fn write(&self, o: u64, d: &[u8], f: bool) -> Result<(), ExportError> {
+        self.hook.before_write();
+        self.mem.write(o, d, f)
+    }
+    fn flush(&self) -> Result<(), ExportError> {
+        Ok(())
+    }
+    fn trim(&self, o: u64, l: u64, f: bool) -> Result<(), ExportError> {
+        self.mem.trim(o, l, f)
+    }
+    fn write_zeroes(&self, o: u64, l: u64, f: ZeroFlags) -> Result<(), ExportError> {
+        self.mem.write_zeroes(o, l, f)
+    }
+}
+
 /// A memory export whose writes (and reads, if asked) wait at a gate until
 /// the test opens it; it counts the calls that reached the gate.
-pub struct Gated {
-    pub mem: MemExport,
+pub type Gated = Hooked<Gate>;
+
+pub struct Gate {
     gate_reads: bool,
     /// (calls that reached the gate, gate open)
     state: Mutex<(usize, bool)>,
@@ -210,14 +260,18 @@ pub struct Gated {
 
 impl Gated {
     pub fn new(mem: MemExport, gate_reads: bool) -> Gated {
-        Gated {
+        Hooked {
             mem,
-            gate_reads,
-            state: Mutex::new((0, false)),
-            cv: Condvar::new(),
+            hook: Gate {
+                gate_reads,
+                state: Mutex::new((0, false)),
+                cv: Condvar::new(),
+            },
         }
     }
+}
 
+impl Gate {
     /// Waits (bounded) until `n` calls reached the gate.
     pub fn wait_entered(&self, n: usize) {
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -255,42 +309,22 @@ impl Gated {
     }
 }
 
-pub struct OpenOnDrop<'a>(&'a Gated);
+impl Hook for Gate {
+    fn before_read(&self) {
+        if self.gate_reads {
+            self.pass();
+        }
+    }
+    fn before_write(&self) {
+        self.pass();
+    }
+}
+
+pub struct OpenOnDrop<'a>(&'a Gate);
 
 impl Drop for OpenOnDrop<'_> {
     fn drop(&mut self) {
         self.0.open();
-    }
-}
-
-impl Export for Gated {
-    fn size(&self) -> u64 {
-        self.mem.size()
-    }
-    fn read_only(&self) -> bool {
-        false
-    }
-    fn block_sizes(&self) -> BlockSizes {
-        BlockSizes::default()
-    }
-    fn read(&self, o: u64, b: &mut [u8]) -> Result<(), ExportError> {
-        if self.gate_reads {
-            self.pass();
-        }
-        self.mem.read(o, b)
-    }
-    fn write(&self, o: u64, d: &[u8], f: bool) -> Result<(), ExportError> {
-        self.pass();
-        self.mem.write(o, d, f)
-    }
-    fn flush(&self) -> Result<(), ExportError> {
-        Ok(())
-    }
-    fn trim(&self, o: u64, l: u64, f: bool) -> Result<(), ExportError> {
-        self.mem.trim(o, l, f)
-    }
-    fn write_zeroes(&self, o: u64, l: u64, f: ZeroFlags) -> Result<(), ExportError> {
-        self.mem.write_zeroes(o, l, f)
     }
 }
 
