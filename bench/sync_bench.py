@@ -47,7 +47,8 @@ the ratio to qemu-nbd's IOPS in the same run, guest flushes, storage-server
 syncs per guest flush and server bytes written per guest byte written, both
 counted by the log filter between the start and the end of the workload (the
 contender's own start and stop are not in them; the flushes they cost are in
-the "start+stop syncs" column: the stats filter's total minus the timed part).
+the "start+stop syncs" column: the stats filter's total minus the timed part),
+and the contender's CPU time (user and system, from /proc) per guest flush.
 
 Tables (Markdown and JSON) go to --out (default results/sync/): sync.md,
 sync.json.
@@ -100,6 +101,12 @@ def window(request_log, t0, t1):
         elif kind == "Read":
             out["read"] += count
     return out
+
+
+def cpu_seconds(pid):
+    """User plus system CPU time of process `pid` so far (all threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def fsync_row(uri, depth, size, runtime, cwd):
@@ -208,11 +215,13 @@ def cell(a, storage, c, row, images, work, size):
     c.start(storage.uri(image))
     try:
         t0 = stamp()
+        cpu0 = cpu_seconds(c.proc.pid)
         if row == "varmail":
             r = varmail(c.uri(), size, a.runtime, a.users, a.seed)
         else:
             r = fsync_row(c.uri(), 1 if row == "fsync-qd1" else 8, size, a.runtime, work)
         t1 = stamp()
+        r["server_cpu_s"] = cpu_seconds(c.proc.pid) - cpu0
         stats = c.stats()
     finally:
         c.stop()
@@ -298,19 +307,22 @@ def main():
              "per cell. IOPS: fio's write IOPS (varmail: file lives per second, see the script); p99: write "
              "completion (varmail: a whole life). Server syncs per flush and bytes written per guest byte: what "
              "the storage server received between the start and the end of the workload; start+stop syncs: "
-             "the flushes of the contender's start and stop (stats filter total minus the timed part).", ""]
+             "the flushes of the contender's start and stop (stats filter total minus the timed part). Server CPU: "
+             "the contender's user and system time during the workload (/proc), per guest flush (at fsync rows, per "
+             "guest write and its flush).", ""]
     if a.no_journal_flag:
         lines += ["**--no-journal-flag: `--metadata-journal off` was not passed; the default and j-off "
                   "contenders are the same server.**", ""]
     lines += ["| row | contender | IOPS | p99 ms | vs qemu-nbd | guest flushes | server syncs / flush | "
-              "start+stop syncs | server written / guest byte |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "start+stop syncs | server written / guest byte | server CPU us / guest flush |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         q = next((x for x in results if x["row"] == r["row"] and x["contender"] == "qemu-nbd"), None)
         vs = "-" if r["contender"] == "qemu-nbd" or not q else f"{r['iops'] / max(q['iops'], 1e-9):.2f}"
         lines.append(f"| {r['row']} | {r['contender']} | {r['iops']:.0f} | {r['p99_ms']:.3f} | {vs} | "
                      f"{r['guest_flushes']} | {r['server_flushes'] / max(r['guest_flushes'], 1):.3f} | "
-                     f"{r['startstop_flushes']} | {r['server_written'] / max(r['guest_written'], 1):.3f} |")
+                     f"{r['startstop_flushes']} | {r['server_written'] / max(r['guest_written'], 1):.3f} | "
+                     f"{r['server_cpu_s'] * 1e6 / max(r['guest_flushes'], 1):.0f} |")
     table = "\n".join(lines) + "\n"
     print(table)
     out = Path(a.out)
